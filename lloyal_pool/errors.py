@@ -1,0 +1,187 @@
+"""The error tree. Imported by both sides of the process boundary and by the native module.
+
+    LloyalError
+    ├── RemoteError               an unexpected exception inside a worker (remote traceback attached)
+    ├── ModelLoadError            missing/unreadable/invalid GGUF, cancelled load
+    ├── ContextError              invalid context parameters, context creation failed
+    ├── InvalidTokenError         a token id outside [0, n_vocab)
+    ├── ContextOverflowError      the tokens do not fit in the context window
+    ├── GrammarError              a GBNF grammar or JSON schema that does not parse
+    ├── DecodeError               llama_decode failed (KV full, compute error)
+    ├── StaleHandleError          a model/context handle whose worker died or which was closed
+    ├── ProtocolError             a malformed frame or a protocol version mismatch
+    ├── PoolClosedError           the pool was closed
+    └── WorkerError
+        ├── WorkerStartupError    the worker did not complete its handshake
+        └── WorkerCrashedError    the worker process died (exit code or signal, stderr tail)
+
+Errors raised inside a worker travel as (type name, message, remote traceback) and are raised again in the
+client as the class of the same name; the remote traceback is kept on ``remote_traceback`` and chained
+as ``__cause__``. Built-in ValueError/TypeError/KeyError/FileNotFoundError keep their type too.
+"""
+
+from __future__ import annotations
+
+import builtins
+import signal
+
+
+class LloyalError(Exception):
+    """Base of every error lloyal_pool raises on purpose."""
+
+    remote_traceback: str | None = None
+
+
+class RemoteError(LloyalError):
+    """An exception inside a worker that has no counterpart here; ``remote_type`` names it."""
+
+    def __init__(self, message: str, remote_type: str = "Exception") -> None:
+        super().__init__(f"{remote_type}: {message}")
+        self.remote_type = remote_type
+
+
+class ModelLoadError(LloyalError):
+    pass
+
+
+class ContextError(LloyalError):
+    pass
+
+
+class InvalidTokenError(LloyalError, ValueError):
+    pass
+
+
+class ContextOverflowError(LloyalError):
+    pass
+
+
+class GrammarError(LloyalError, ValueError):
+    pass
+
+
+class DecodeError(LloyalError):
+    pass
+
+
+class StaleHandleError(LloyalError):
+    pass
+
+
+class ProtocolError(LloyalError):
+    pass
+
+
+class PoolClosedError(LloyalError):
+    pass
+
+
+class WorkerError(LloyalError):
+    """A worker process failed as a whole; ``worker_id``, ``pid`` and ``stderr_tail`` say which and why."""
+
+    def __init__(self, message: str, *, worker_id: int | None = None, pid: int | None = None,
+                 stderr_tail: str = "") -> None:
+        self.worker_id = worker_id
+        self.pid = pid
+        self.stderr_tail = stderr_tail
+        text = message
+        if stderr_tail.strip():
+            text += "\n--- worker stderr (tail) ---\n" + stderr_tail.rstrip()
+        super().__init__(text)
+
+
+class WorkerStartupError(WorkerError):
+    pass
+
+
+class WorkerCrashedError(WorkerError):
+    """The worker died. ``returncode`` is the raw status (negative: killed by that signal)."""
+
+    def __init__(self, message: str, *, returncode: int | None = None, worker_id: int | None = None,
+                 pid: int | None = None, stderr_tail: str = "") -> None:
+        self.returncode = returncode
+        super().__init__(message, worker_id=worker_id, pid=pid, stderr_tail=stderr_tail)
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode is None or self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return f"signal {-self.returncode}"
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'killed by SIGKILL (-9)', 'exited with code 70', 'still running'."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = {
+            "SIGKILL": " (killed: by the pool, another process or the OOM killer)",
+            "SIGSEGV": " (segmentation fault in native code)",
+            "SIGABRT": " (abort: a failed assertion or GGML_ABORT)",
+            "SIGBUS": " (bus error: a mapped model file or shared memory changed size)",
+            "SIGILL": " (illegal instruction: a native build for another CPU)",
+        }.get(name, "")
+        return f"killed by {name} ({returncode}){hint}"
+    return f"exited with code {returncode}"
+
+
+_BUILTIN_PASSTHROUGH = ("ValueError", "TypeError", "KeyError", "IndexError", "FileNotFoundError",
+                        "NotImplementedError", "MemoryError", "OverflowError")
+
+
+def error_class(name: str) -> type[BaseException] | None:
+    """The class a remote error of this name is raised as here, or None (then: RemoteError)."""
+    obj = globals().get(name)
+    if isinstance(obj, type) and issubclass(obj, LloyalError) and obj is not RemoteError:
+        return obj
+    if name in _BUILTIN_PASSTHROUGH:
+        cls = getattr(builtins, name)
+        assert isinstance(cls, type)
+        return cls
+    return None
+
+
+def rebuild(type_name: str, message: str, remote_tb: str | None) -> BaseException:
+    """The client-side exception for an error frame, with the remote traceback attached."""
+    cls = error_class(type_name)
+    exc: BaseException
+    if cls is None:
+        exc = RemoteError(message, type_name)
+    elif issubclass(cls, WorkerError):
+        exc = cls(message)
+    else:
+        try:
+            exc = cls(message)
+        except Exception:
+            exc = RemoteError(message, type_name)
+    if remote_tb:
+        if isinstance(exc, LloyalError):
+            exc.remote_traceback = remote_tb
+        exc.__cause__ = _RemoteTraceback(remote_tb)
+    return exc
+
+
+class _RemoteTraceback(Exception):
+    """Carries the worker's formatted traceback so it prints under the client's own."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\n--- remote traceback (worker) ---\n" + self.tb
+
+
+__all__ = [
+    "ContextError", "ContextOverflowError", "DecodeError", "GrammarError", "InvalidTokenError",
+    "LloyalError", "ModelLoadError", "PoolClosedError", "ProtocolError", "RemoteError",
+    "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError", "describe_exit",
+    "error_class", "rebuild",
+]
