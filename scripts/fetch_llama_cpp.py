@@ -21,8 +21,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "vendor" / "llama.cpp.lock"

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Single-stream throughput: through the pool, through the same native code in-process, and through
+llama.cpp's own llama-bench built from the same vendored tree with the same flags and threads.
+
+    .venv/bin/python bench/bench_generate.py [-m MODEL] [-t THREADS] [-r REPS] [--json-out FILE]
+
+Prints JSON, then a short table with the ratios. Prompt processing is pp512 (512 random tokens into an
+empty context), generation tg128 (128 tokens, one decode each), as llama-bench measures them; the pool
+and in-process figures use the library's own eval/generate (greedy sampling included in generation).
+Targets from the foundation issue: pool >= 0.97x llama-bench for generation, >= 0.95x for prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+N_PROMPT, N_GEN = 512, 128
+
+
+def build_dir() -> Path:
+    dirs = sorted(glob.glob(str(ROOT / "build" / "*" / "CMakeCache.txt")), key=os.path.getmtime)
+    if not dirs:
+        sys.exit("no build directory: run scripts/test (or scripts/setup.sh) first")
+    return Path(dirs[-1]).parent
+
+
+def tool(name: str) -> Path:
+    exe = build_dir() / "bin" / name
+    if not exe.exists():
+        subprocess.run(["cmake", "--build", str(build_dir()), "--target", name, "-j", str(os.cpu_count())],
+                       check=True, stdout=subprocess.DEVNULL)
+    return exe
+
+
+def llama_bench(model: Path, threads: int, reps: int) -> dict[str, float]:
+    out = subprocess.run([str(tool("llama-bench")), "-m", str(model), "-t", str(threads), "-p", str(N_PROMPT),
+                          "-n", str(N_GEN), "-r", str(reps), "-o", "json"],
+                         capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == N_PROMPT and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == N_GEN and r["n_prompt"] == 0)
+    return {"pp_tps": float(pp["avg_ts"]), "tg_tps": float(tg["avg_ts"])}
+
+
+def _prompt_tokens(n_vocab: int, bos: int) -> list[int]:
+    rng = random.Random(0)
+    return [bos] + [rng.randrange(n_vocab) for _ in range(N_PROMPT - 1)]
+
+
+def bench_pool(model_path: Path, threads: int, reps: int) -> dict[str, float]:
+    from lloyal_pool import Pool
+
+    with Pool(1) as pool:
+        model = pool[0].load_model(model_path)
+        prompt = _prompt_tokens(model.n_vocab, model.info.bos)
+        pp_ctx = model.new_context(n_ctx=N_PROMPT, n_batch=2048, n_ubatch=512, n_threads=threads)
+        tg_ctx = model.new_context(n_ctx=N_GEN + 1, n_threads=threads)
+        pp, tg = [], []
+        for i in range(reps + 1):  # the first round warms caches, as llama-bench's warm-up run does
+            pp_ctx.reset()
+            t0 = time.perf_counter()
+            pp_ctx.eval(prompt)
+            pp_s = time.perf_counter() - t0
+            tg_ctx.reset()
+            t0 = time.perf_counter()
+            r = tg_ctx.generate([model.info.bos], n_predict=N_GEN, ignore_eos=True)
+            tg_s = time.perf_counter() - t0 - r.prompt_ms / 1000.0
+            if i:
+                pp.append(N_PROMPT / pp_s)
+                tg.append(r.n_decoded / tg_s)
+    return {"pp_tps": statistics.median(pp), "tg_tps": statistics.median(tg)}
+
+
+def bench_inprocess(model_path: Path, threads: int, reps: int) -> dict[str, float]:
+    import lloyal_pool.worker._native_cpu as native
+
+    model = native.Model(str(model_path))
+    info = model.info()
+    prompt = _prompt_tokens(int(info["n_vocab"]), int(info["bos"]))
+    pp_ctx = native.Context(model, {"n_ctx": N_PROMPT, "n_batch": 2048, "n_ubatch": 512, "n_threads": threads})
+    tg_ctx = native.Context(model, {"n_ctx": N_GEN + 1, "n_threads": threads})
+    pp, tg = [], []
+    for i in range(reps + 1):
+        pp_ctx.reset()
+        t0 = time.perf_counter()
+        pp_ctx.eval(prompt)
+        pp_s = time.perf_counter() - t0
+        tg_ctx.reset()
+        t0 = time.perf_counter()
+        r = tg_ctx.generate([int(info["bos"])], {"n_predict": N_GEN, "ignore_eos": True})
+        tg_s = time.perf_counter() - t0 - float(r["prompt_ms"]) / 1000.0
+        if i:
+            pp.append(N_PROMPT / pp_s)
+            tg.append(int(r["n_decoded"]) / tg_s)
+    return {"pp_tps": statistics.median(pp), "tg_tps": statistics.median(tg)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", help="GGUF (default: Gemma 3 270M Q4_K_M)")
+    ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("-r", "--reps", type=int, default=5)
+    ap.add_argument("--json-out", help="also write the JSON here")
+    args = ap.parse_args()
+    if args.model:
+        model = Path(args.model)
+    else:
+        from lloyal_pool import default_model_path
+
+        model = default_model_path()
+
+    # Interleave nothing: each runner gets the machine to itself, llama-bench first.
+    ref = llama_bench(model, args.threads, args.reps)
+    inproc = bench_inprocess(model, args.threads, args.reps)
+    pool = bench_pool(model, args.threads, args.reps)
+    report: dict[str, Any] = {
+        "model": model.name, "threads": args.threads, "reps": args.reps, "n_prompt": N_PROMPT, "n_gen": N_GEN,
+        "llama_bench": ref, "in_process": inproc, "pool": pool,
+        "ratios": {
+            "pool_vs_llama_bench_tg": pool["tg_tps"] / ref["tg_tps"],
+            "pool_vs_llama_bench_pp": pool["pp_tps"] / ref["pp_tps"],
+            "in_process_vs_llama_bench_tg": inproc["tg_tps"] / ref["tg_tps"],
+            "in_process_vs_llama_bench_pp": inproc["pp_tps"] / ref["pp_tps"],
+            "pool_vs_in_process_tg": pool["tg_tps"] / inproc["tg_tps"],
+        },
+        "targets": {"pool_vs_llama_bench_tg": 0.97, "pool_vs_llama_bench_pp": 0.95},
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    print(f"\n{'runner':<12} {'pp512 tok/s':>12} {'tg128 tok/s':>12}")
+    for name, row in (("llama-bench", ref), ("in-process", inproc), ("pool", pool)):
+        print(f"{name:<12} {row['pp_tps']:>12.1f} {row['tg_tps']:>12.1f}")
+    r = report["ratios"]
+    print(f"{'pool/bench':<12} {r['pool_vs_llama_bench_pp']:>11.3f}x {r['pool_vs_llama_bench_tg']:>11.3f}x"
+          "   (targets 0.95x / 0.97x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,415 @@
+"""One worker process as the client sees it: spawn, handshake, calls as futures, death, shutdown.
+
+    caller threads ──call()──▶ [write lock] ──requests pipe──▶ worker
+                     ◀─Future─ reader thread ◀──replies pipe── worker   (RESPONSE/ERROR resolve, EVENT calls back)
+                               stderr thread ◀──stderr pipe─── worker   (ring buffer + Python logging)
+
+Death is learned from the OS, not from heartbeats: when the worker exits for any reason its end of the
+replies pipe closes, the reader thread sees EOF at once, reaps the process for its exit status, and fails
+every waiting call with WorkerCrashedError (exit code or signal, stderr tail). Other workers have their
+own pipes and threads and never notice.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from . import variants
+from .errors import (
+    PoolClosedError,
+    ProtocolError,
+    StaleHandleError,
+    WorkerCrashedError,
+    WorkerStartupError,
+    describe_exit,
+    rebuild,
+)
+from .protocol import PROTOCOL_VERSION, Kind, Op, PeerClosed, pack, read_frame, write_frame
+from .shm import DEFAULT_SIZE, Region
+
+log = logging.getLogger("lloyal_pool")
+STDERR_TAIL_BYTES = 64 << 10
+# What a worker may see of our environment: locale, paths, and the knobs of the libraries it runs.
+_ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TMPDIR", "HOME", "USER", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
+              "SYSTEMROOT")
+_ENV_ALLOW_PREFIX = ("LC_", "CUDA_", "GGML_", "LLAMA_", "LLOYAL_", "VK_", "HIP_", "ROCR_")
+_LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    variant: str | None = None
+    strict_variant: bool | None = None
+    shm_bytes: int = DEFAULT_SIZE
+    shm_backend: str = "auto"
+    memory_limit: int | None = None
+    start_timeout: float = 60.0
+    env: dict[str, str] = field(default_factory=dict)
+    native_log_level: str = "warning"
+
+
+@dataclass
+class _Pending:
+    future: Future[Any]
+    on_event: Callable[[dict[str, Any]], None] | None
+
+
+class _Spawner:
+    """Starts workers from one long-lived thread. A worker's parent-death signal fires when the *thread*
+    that spawned it exits, so spawning from a caller's short-lived thread would kill its workers."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="lloyal-spawner", daemon=True)
+                self._thread.start()
+        fut: Future[Any] = Future()
+        self._q.put((fn, fut))
+        return fut.result()
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._q.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+
+_spawner = _Spawner()
+
+
+def _worker_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in _ENV_ALLOW or k.startswith(_ENV_ALLOW_PREFIX)}
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """Owns one worker's process, pipes, shared region, threads and in-flight calls."""
+
+    def __init__(self, worker_id: int, options: WorkerOptions) -> None:
+        self.worker_id = worker_id
+        self.options = options
+        self.hello: dict[str, Any] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._dead: WorkerCrashedError | PoolClosedError | None = None
+        self._closing = False
+        self._dead_event = threading.Event()
+        self._stderr_tail: collections.deque[str] = collections.deque()
+        self._stderr_bytes = 0
+        self._stderr_lock = threading.Lock()
+        self._stderr_log = logging.getLogger(f"lloyal_pool.worker.{worker_id}")
+        self._psutil: psutil.Process | None = None
+
+        self.region = Region.create(options.shm_bytes, backend=options.shm_backend)
+        self._cwd = tempfile.mkdtemp(prefix=f"lloyal-worker{worker_id}-")
+        req_r, self._req_w = os.pipe()
+        self._rep_r, rep_w = os.pipe()
+        variant = variants.requested(options.variant)
+        cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker",
+               "--fds", f"{req_r},{rep_w}", "--shm", self.region.spec.to_arg(),
+               "--parent-pid", str(os.getpid()), "--worker-id", str(worker_id), "--variant", variant,
+               "--log-level", str(_LOG_LEVELS.get(options.native_log_level, 2))]
+        if variants.strict_requested(options.strict_variant):
+            cmd.append("--strict-variant")
+        if options.memory_limit:
+            cmd += ["--memory-limit", str(int(options.memory_limit))]
+        pass_fds = [req_r, rep_w] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
+        try:
+            self.proc: subprocess.Popen[bytes] = _spawner.run(lambda: subprocess.Popen(
+                cmd, pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, cwd=self._cwd, env=_worker_env(options.env),
+                start_new_session=True))  # a terminal's Ctrl-C reaches only the parent
+        except BaseException:
+            for fd in (req_r, rep_w, self._req_w, self._rep_r):
+                os.close(fd)
+            self.region.close()
+            shutil.rmtree(self._cwd, ignore_errors=True)
+            raise
+        finally:
+            self.region.close_fd()
+        os.close(req_r)
+        os.close(rep_w)
+        self.pid = self.proc.pid
+        self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True,
+                                               name=f"lloyal-worker{worker_id}-stderr")
+        self._stderr_thread.start()
+        self._reader = threading.Thread(target=self._read_replies, daemon=True,
+                                        name=f"lloyal-worker{worker_id}-reader")
+
+    # -- start-up -------------------------------------------------------------------------------------
+    def wait_ready(self) -> dict[str, Any]:
+        """Waits for HELLO; a worker that dies or errors first is reported with its cause at once."""
+        deadline = time.monotonic() + self.options.start_timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._startup_error(
+                        f"no handshake within start_timeout={self.options.start_timeout:g}s "
+                        "(raise Pool(start_timeout=...) on a slow machine)", kill=True)
+                ready, _, _ = select.select([self._rep_r], [], [], min(left, 0.5))
+                if not ready:
+                    continue
+                try:
+                    kind, _, payload = read_frame(self._rep_r)
+                except (PeerClosed, ProtocolError) as exc:
+                    raise self._startup_error(f"died during start-up ({exc or 'pipe closed'})") from None
+                if kind == Kind.ERROR:
+                    raise self._startup_error(f"{payload.get('type')}: {payload.get('message')}", kill=True)
+                if kind != Kind.HELLO:
+                    raise self._startup_error(f"sent {kind.name} before HELLO", kill=True)
+                if payload.get("protocol") != PROTOCOL_VERSION:
+                    raise self._startup_error(
+                        f"speaks protocol {payload.get('protocol')}, this client {PROTOCOL_VERSION}", kill=True)
+                self.hello = dict(payload)
+                break
+        except BaseException:
+            self.close(timeout=1.0)
+            raise
+        if payload.get("fallback_reason"):
+            log.warning("[startup] worker %d: requested native variant %r unavailable, running %r (%s)",
+                        self.worker_id, payload.get("requested_variant"), payload.get("variant"),
+                        payload.get("fallback_reason"))
+        self._reader.start()
+        return self.hello
+
+    def _startup_error(self, why: str, kill: bool = False) -> WorkerStartupError:
+        if kill:
+            self._kill_tree()
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._stderr_thread.join(timeout=1.0)
+        return WorkerStartupError(
+            f"worker {self.worker_id} (pid {self.pid}) failed to start: {why}; {describe_exit(code)}",
+            worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
+
+    # -- calls ----------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def call(self, op: Op, args: dict[str, Any],
+             on_event: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, Future[Any]]:
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._dead is not None:
+                raise self._stale_error()
+            req_id = next(self._ids)
+            self._pending[req_id] = _Pending(fut, on_event)
+        frame = pack(Kind.REQUEST, req_id, [op.value, args])
+        try:
+            with self._write_lock:
+                write_frame(self._req_w, frame)
+        except OSError:
+            pass  # the worker is gone; the reader thread fails this call with the cause
+        return req_id, fut
+
+    def _stale_error(self) -> BaseException:
+        dead = self._dead
+        if isinstance(dead, PoolClosedError):
+            return PoolClosedError(f"worker {self.worker_id} was closed")
+        err = StaleHandleError(
+            f"worker {self.worker_id} is dead ({dead}); its models and contexts are gone. "
+            "Start a replacement with Pool.replace().")
+        err.__cause__ = dead
+        return err
+
+    def interrupt(self, slot: int, request_id: int) -> None:
+        if self._dead is None:
+            self.region.set_interrupt(slot, request_id)
+
+    # -- the reader thread ----------------------------------------------------------------------------
+    def _read_replies(self) -> None:
+        why = "its replies pipe closed"
+        while True:
+            try:
+                kind, req_id, payload = read_frame(self._rep_r)
+            except PeerClosed:
+                break
+            except (ProtocolError, OSError) as exc:
+                why = f"protocol violation: {exc}"
+                self._kill_tree()
+                break
+            if kind == Kind.EVENT:
+                pending = self._pending.get(req_id)
+                if pending is not None and pending.on_event is not None:
+                    try:
+                        pending.on_event(payload)
+                    except Exception:  # a user callback must not take the reader down
+                        log.exception("event callback for request %d raised", req_id)
+                continue
+            if kind not in (Kind.RESPONSE, Kind.ERROR):
+                why = f"protocol violation: unexpected {kind.name} frame"
+                self._kill_tree()
+                break
+            with self._lock:
+                pending = self._pending.pop(req_id, None)
+            if pending is None:
+                continue
+            if kind == Kind.RESPONSE:
+                pending.future.set_result(payload)
+            else:
+                pending.future.set_exception(
+                    rebuild(payload.get("type", "Exception"), payload.get("message", ""), payload.get("traceback")))
+        self._on_death(why)
+
+    def _on_death(self, why: str) -> None:
+        try:
+            code = self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            # The pipe closed but the process lingers (or spoke garbage): it is of no use any more.
+            self._kill_tree()
+            code = self.proc.wait()
+        self._stderr_thread.join(timeout=1.0)
+        error: WorkerCrashedError | PoolClosedError
+        if self._closing:
+            error = PoolClosedError(f"worker {self.worker_id} was closed while the call was in flight")
+        else:
+            error = WorkerCrashedError(
+                f"worker {self.worker_id} (pid {self.pid}) {describe_exit(code)}; {why}",
+                returncode=code, worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
+            log.error("[crash] %s", str(error).splitlines()[0])
+        with self._lock:
+            self._dead = error
+            pending, self._pending = self._pending, {}
+        self._dead_event.set()
+        for p in pending.values():
+            p.future.set_exception(_copy_error(error))
+
+    # -- stderr ---------------------------------------------------------------------------------------
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with self._stderr_lock:
+                self._stderr_tail.append(line)
+                self._stderr_bytes += len(line) + 1
+                while self._stderr_bytes > STDERR_TAIL_BYTES and len(self._stderr_tail) > 1:
+                    self._stderr_bytes -= len(self._stderr_tail.popleft()) + 1
+            self._stderr_log.log(_line_level(line), "%s", line)
+        self.proc.stderr.close()
+
+    def stderr_tail(self, max_lines: int = 40) -> str:
+        with self._stderr_lock:
+            lines = list(self._stderr_tail)[-max_lines:]
+        return "\n".join(lines)
+
+    # -- figures --------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"worker_id": self.worker_id, "pid": self.pid,
+                               "state": "alive" if self._dead is None else "dead",
+                               "variant": self.hello.get("variant"), "in_flight": len(self._pending)}
+        if self._dead is not None:
+            out["returncode"] = self.proc.returncode
+            return out
+        try:
+            if self._psutil is None:
+                self._psutil = psutil.Process(self.pid)
+                self._psutil.cpu_percent(None)  # first call primes the counter
+            p = self._psutil
+            with p.oneshot():
+                mem = p.memory_info()
+                out.update(rss=mem.rss, vms=mem.vms, cpu_percent=p.cpu_percent(None),
+                           cpu_times=p.cpu_times()._asdict(), num_threads=p.num_threads(), status=p.status())
+        except psutil.Error as exc:
+            out["error"] = str(exc)
+        return out
+
+    # -- shutdown -------------------------------------------------------------------------------------
+    def _kill_tree(self) -> None:
+        try:
+            parent = psutil.Process(self.pid)
+            procs = [*parent.children(recursive=True), parent]
+        except psutil.Error:
+            procs = []
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL the worker (and its children) now; waiting calls fail with WorkerCrashedError."""
+        self._kill_tree()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """SHUTDOWN, then EOF, then kill what is left; reaps everything and frees the region. Idempotent."""
+        with self._lock:
+            if self._closing and self._req_w < 0:
+                return
+            self._closing = self._closing or self._dead is None
+        deadline = time.monotonic() + timeout
+        if self._req_w >= 0:
+            try:
+                with self._write_lock:
+                    write_frame(self._req_w, pack(Kind.SHUTDOWN, 0, None))
+            except OSError:
+                pass
+            try:
+                os.close(self._req_w)
+            except OSError:
+                pass
+            self._req_w = -1
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("[shutdown] worker %d did not exit within %.1fs; killing it", self.worker_id, timeout)
+        self._kill_tree()  # also any grandchildren the worker left behind
+        self.proc.wait()
+        if self._reader.is_alive():
+            self._reader.join(timeout=5.0)
+        elif self._dead is None:
+            self._on_death("closed before start-up completed")
+        self._stderr_thread.join(timeout=2.0)
+        if self._rep_r >= 0:
+            os.close(self._rep_r)
+            self._rep_r = -1
+        self.region.close()
+        shutil.rmtree(self._cwd, ignore_errors=True)
+
+
+def _copy_error(err: BaseException) -> BaseException:
+    """A fresh exception per waiting call, so tracebacks do not pile onto one shared instance."""
+    if isinstance(err, WorkerCrashedError):
+        new: BaseException = WorkerCrashedError(str(err).split("\n--- worker stderr")[0],
+                                                returncode=err.returncode, worker_id=err.worker_id,
+                                                pid=err.pid, stderr_tail=err.stderr_tail)
+    else:
+        new = type(err)(*err.args)
+    return new
+
+
+def _line_level(line: str) -> int:
+    if line.startswith("[llama.cpp "):
+        return {"E": logging.ERROR, "W": logging.WARNING, "I": logging.DEBUG, "D": logging.DEBUG}.get(
+            line[11:12], logging.DEBUG)
+    return logging.INFO

@@ -1,0 +1,123 @@
+"""Command line: ``lloyal-pool generate PROMPT`` and ``lloyal-pool info`` (also ``python -m lloyal_pool``).
+
+generate prints only the generated text on stdout, streamed as it is decoded; the load progress bar and
+diagnostics go to stderr, so the output can be piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .client import Pool
+from .errors import LloyalError
+from .models import default_model_path
+from .params import ContextParams, GenerateParams
+
+
+class _ProgressBar:
+    def __init__(self, label: str, width: int = 30) -> None:
+        self.label = label
+        self.width = width
+        self.tty = sys.stderr.isatty()
+        self.done = False
+
+    def __call__(self, fraction: float) -> None:
+        if self.done:
+            return
+        if self.tty:
+            filled = int(self.width * fraction)
+            bar = "#" * filled + "-" * (self.width - filled)
+            sys.stderr.write(f"\r{self.label} [{bar}] {fraction * 100:5.1f}%")
+            sys.stderr.flush()
+        if fraction >= 1.0:
+            self.done = True
+            sys.stderr.write("\r\033[K" if self.tty else f"{self.label}: done\n")
+            sys.stderr.flush()
+
+
+def _model_path(arg: str | None) -> Path:
+    return Path(arg) if arg else default_model_path()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    path = _model_path(args.model)
+    params = GenerateParams(n_predict=args.n_predict, temperature=args.temperature, seed=args.seed,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                            stop=tuple(args.stop or ()))
+    with Pool(1, variant=args.variant) as pool:
+        model = pool[0].load_model(path, progress=_ProgressBar(f"loading {path.name}") if not args.quiet else None)
+        ctx = model.new_context(ContextParams(n_ctx=args.n_ctx, n_threads=args.threads))
+        stream = ctx.stream(args.prompt, params)
+        try:
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            stream.interrupt()
+            stream.future.result()
+        result = stream.result
+        sys.stdout.write("\n")
+        if args.verbose:
+            print(f"[{result.n_prompt} prompt tokens in {result.prompt_ms:.0f} ms, {result.n_decoded} tokens in "
+                  f"{result.decode_ms:.0f} ms ({result.decode_tokens_per_second:.1f} tok/s), "
+                  f"stop: {result.stop_reason.value}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    path = _model_path(args.model)
+    with Pool(1, variant=args.variant) as pool:
+        inst = pool[0]
+        model = inst.load_model(path, vocab_only=args.vocab_only)
+        info = model.info.to_dict()
+        if not args.meta:
+            info.pop("meta", None)
+        out = {"path": str(path), **info, "worker": {"variant": inst.variant, "build": inst.build_info}}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lloyal-pool", description="crash-isolated llama.cpp inference")
+    ap.add_argument("--variant", default=None, help="native variant: cpu, cuda, vulkan or auto")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text; only the text goes to stdout")
+    g.add_argument("prompt")
+    g.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")
+    g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (<= 0: until full)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=0.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repeat-penalty", type=float, default=0.0)
+    g.add_argument("--repeat-last-n", type=int, default=0)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("-c", "--n-ctx", type=int, default=4096)
+    g.add_argument("-t", "--threads", type=int, default=None)
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.add_argument("-v", "--verbose", action="store_true", help="timings on stderr")
+    g.set_defaults(fn=_cmd_generate)
+
+    i = sub.add_parser("info", help="model info as JSON")
+    i.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")
+    i.add_argument("--vocab-only", action="store_true")
+    i.add_argument("--meta", action="store_true", help="include every GGUF metadata key")
+    i.set_defaults(fn=_cmd_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except LloyalError as exc:
+        print(f"lloyal-pool: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,235 @@
+"""The shared-memory region of one worker. Both sides import this module.
+
+The parent creates the region (so the parent can always clean it up, even after the worker is
+SIGKILLed) and hands it to the worker; the worker writes bulk data (logits) into it and the client
+reads it back as numpy arrays, with no serialization.
+
+    offset 0      header      magic, layout version, size
+    offset 4096   interrupt   INTERRUPT_SLOTS u64 words, one per context: the client stores the id of the
+                              request to stop; the native loop compares it with the request it runs
+    offset 8192   bulk        page-aligned blocks the worker hands out (one logits row per context)
+
+On Linux the region is a memfd, fully allocated up front (posix_fallocate: a full tmpfs becomes an
+ENOSPC here instead of a SIGBUS later) and sealed against shrinking and growing, so a misbehaving worker
+cannot truncate it under the parent. It has no name in /dev/shm, so nothing can leak there. Elsewhere a
+POSIX SharedMemory segment is used, created and unlinked by the parent only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import LloyalError
+
+MAGIC = 0x4C4C4F59414C5348  # "LLOYALSH"
+LAYOUT_VERSION = 1
+PAGE = mmap.PAGESIZE
+INTERRUPT_OFFSET = 4096
+INTERRUPT_SLOTS = 512
+BULK_OFFSET = 8192
+DEFAULT_SIZE = 64 << 20
+_HEADER = struct.Struct("<QII")
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """How the worker finds the region: an inherited fd (memfd) or a POSIX shm name."""
+
+    size: int
+    fd: int = -1
+    name: str = ""
+
+    def to_arg(self) -> str:
+        return f"{self.size}:{self.fd}:{self.name}"
+
+    @classmethod
+    def from_arg(cls, text: str) -> RegionSpec:
+        size, fd, name = text.split(":", 2)
+        return cls(int(size), int(fd), name)
+
+
+class Region:
+    """A mapped region plus the views both sides need."""
+
+    def __init__(self, buf: mmap.mmap | bytearray, spec: RegionSpec, owner: object = None) -> None:
+        self._buf = buf
+        self._owner = owner  # SharedMemory (POSIX fallback) or None
+        self.spec = spec
+        self.size = spec.size
+        self.view = memoryview(buf)
+        # Only the interrupt words are touched through numpy; keeping one array avoids re-wrapping per call.
+        self.interrupt = np.frombuffer(self.view, dtype=np.uint64, count=INTERRUPT_SLOTS,
+                                       offset=INTERRUPT_OFFSET)
+
+    # -- creation -----------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, size: int = DEFAULT_SIZE, *, backend: str = "auto") -> Region:
+        """Parent side. backend: "memfd" (Linux), "posix" (SharedMemory) or "auto"."""
+        size = max(_round_up(size, PAGE), BULK_OFFSET + PAGE)
+        if backend == "auto":
+            backend = "memfd" if hasattr(os, "memfd_create") else "posix"
+        if backend == "memfd":
+            region = cls._create_memfd(size)
+        elif backend == "posix":
+            region = cls._create_posix(size)
+        else:
+            raise ValueError(f"unknown shared-memory backend {backend!r}")
+        _HEADER.pack_into(region.view, 0, MAGIC, LAYOUT_VERSION, size)
+        return region
+
+    @classmethod
+    def _create_memfd(cls, size: int) -> Region:
+        import fcntl
+
+        fd = os.memfd_create("lloyal_pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise LloyalError(f"cannot allocate {size} bytes of shared memory: {exc}") from exc
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            buf = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        _prefault(buf, size)
+        # The mmap keeps its own descriptor; this fd only exists to be inherited by the worker.
+        return cls(buf, RegionSpec(size=size, fd=fd))
+
+    @classmethod
+    def _create_posix(cls, size: int) -> Region:
+        from multiprocessing import shared_memory
+
+        shm = shared_memory.SharedMemory(create=True, size=size)
+        assert shm.buf is not None
+        _prefault(shm.buf, size)
+        return cls(shm.buf, RegionSpec(size=size, name=shm.name), owner=shm)  # type: ignore[arg-type]
+
+    @classmethod
+    def attach(cls, spec: RegionSpec) -> Region:
+        """Worker side."""
+        if spec.fd >= 0:
+            buf = mmap.mmap(spec.fd, spec.size)
+            os.close(spec.fd)
+            region = cls(buf, spec)
+        else:
+            from multiprocessing import resource_tracker, shared_memory
+
+            shm = shared_memory.SharedMemory(name=spec.name)
+            # Attaching registers the segment with this process's resource tracker, which would unlink it
+            # when the worker exits; only the parent owns its lifetime.
+            if sys.version_info < (3, 13):
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            region = cls(shm.buf, spec, owner=shm)  # type: ignore[arg-type]
+        magic, version, size = _HEADER.unpack_from(region.view, 0)
+        if magic != MAGIC or version != LAYOUT_VERSION or size != spec.size:
+            raise LloyalError("shared-memory region header does not match this lloyal_pool version")
+        _prefault(region.view, spec.size)
+        return region
+
+    @classmethod
+    def anonymous(cls, size: int = DEFAULT_SIZE) -> Region:
+        """A private region for the in-process engine (tests, debugging)."""
+        size = max(_round_up(size, PAGE), BULK_OFFSET + PAGE)
+        region = cls(bytearray(size), RegionSpec(size=size))
+        _HEADER.pack_into(region.view, 0, MAGIC, LAYOUT_VERSION, size)
+        return region
+
+    # -- use ----------------------------------------------------------------------------------------
+    def floats(self, offset: int, count: int) -> np.ndarray:
+        """A read-only float32 view of count floats at offset (no copy)."""
+        arr = np.frombuffer(self.view, dtype=np.float32, count=count, offset=offset)
+        arr.flags.writeable = False
+        return arr
+
+    def writable(self, offset: int, nbytes: int) -> memoryview:
+        return self.view[offset:offset + nbytes]
+
+    def set_interrupt(self, slot: int, request_id: int) -> None:
+        # One aligned 8-byte store; the native side loads it atomically. No lock, no round trip.
+        self.interrupt[slot] = request_id
+
+    def close_fd(self) -> None:
+        """Parent side, after the worker inherited the fd."""
+        if self.spec.fd >= 0:
+            try:
+                os.close(self.spec.fd)
+            except OSError:
+                pass
+            self.spec = RegionSpec(self.spec.size, -1, self.spec.name)
+
+    def close(self) -> None:
+        """Unmaps (and for POSIX shm, unlinks). Idempotent. A numpy view still alive keeps the pages
+        mapped until it is collected; the segment itself is gone either way."""
+        self.close_fd()
+        self.interrupt = np.zeros(0, dtype=np.uint64)
+        try:
+            self.view.release()
+        except BufferError:
+            pass
+        if self._owner is not None:
+            shm = self._owner
+            self._owner = None
+            try:
+                shm.close()  # type: ignore[attr-defined]
+            except BufferError:
+                pass
+            try:
+                shm.unlink()  # type: ignore[attr-defined]
+            except FileNotFoundError:
+                pass
+        elif isinstance(self._buf, mmap.mmap):
+            try:
+                self._buf.close()
+            except BufferError:
+                pass
+
+
+class BlockAllocator:
+    """Hands out page-aligned blocks of the bulk area (worker side; one owner, no locking)."""
+
+    def __init__(self, size: int) -> None:
+        self._free: list[tuple[int, int]] = [(BULK_OFFSET, size - BULK_OFFSET)]
+
+    def alloc(self, nbytes: int) -> int:
+        nbytes = _round_up(nbytes, PAGE)
+        for i, (off, length) in enumerate(self._free):
+            if length >= nbytes:
+                if length == nbytes:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + nbytes, length - nbytes)
+                return off
+        raise LloyalError(
+            f"the worker's shared-memory region has no room for {nbytes} more bytes; "
+            "create the Pool with a larger shm_bytes")
+
+    def free(self, offset: int, nbytes: int) -> None:
+        nbytes = _round_up(nbytes, PAGE)
+        self._free.append((offset, nbytes))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for off, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((off, length))
+        self._free = merged
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _prefault(buf: mmap.mmap | memoryview | bytearray, size: int) -> None:
+    # Touch one byte per page now, so the first logits copy does not pay ~3 us per page in faults.
+    arr = np.frombuffer(buf, dtype=np.uint8, count=size)
+    arr[::PAGE].sum()

@@ -1,0 +1,207 @@
+"""The engine of one worker: models and contexts over the native module, addressed by integer handles.
+
+It knows nothing of pipes or frames (worker/loop.py does), so it runs the same in-process, which is how
+the tests exercise the request logic without a subprocess. Every method takes and returns plain
+msgpack-able values; bulk results are written into the shared-memory region and returned as
+(offset, count) descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ..errors import ContextError, InvalidTokenError, LloyalError, ModelLoadError, StaleHandleError
+from ..shm import INTERRUPT_OFFSET, INTERRUPT_SLOTS, BlockAllocator, Region
+
+EventSink = Callable[[dict[str, Any]], None]
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class _ModelEntry:
+    native: Any
+    path: str
+    n_vocab: int
+    contexts: set[int]
+
+
+@dataclass
+class _ContextEntry:
+    native: Any
+    model_id: int
+    slot: int  # interrupt word index
+    logits_offset: int
+    logits_bytes: int
+
+
+class Engine:
+    def __init__(self, native: ModuleType, region: Region) -> None:
+        self.native = native
+        self.region = region
+        self._alloc = BlockAllocator(region.size)
+        self._models: dict[int, _ModelEntry] = {}
+        self._contexts: dict[int, _ContextEntry] = {}
+        self._free_slots = list(range(INTERRUPT_SLOTS - 1, -1, -1))
+        self._next_id = 1
+
+    def _new_id(self) -> int:
+        handle = self._next_id
+        self._next_id += 1
+        return handle
+
+    def _model(self, model_id: int) -> _ModelEntry:
+        try:
+            return self._models[model_id]
+        except KeyError:
+            raise StaleHandleError(f"model handle {model_id} is not loaded in this worker") from None
+
+    def _context(self, context_id: int) -> _ContextEntry:
+        try:
+            return self._contexts[context_id]
+        except KeyError:
+            raise StaleHandleError(f"context handle {context_id} does not exist in this worker") from None
+
+    # -- models ---------------------------------------------------------------------------------------
+    def load_model(self, path: str, n_gpu_layers: int = 0, use_mmap: bool = True, vocab_only: bool = False,
+                   emit: EventSink | None = None) -> dict[str, Any]:
+        _check_gguf_file(path)
+        last = [-1.0]
+
+        def progress(fraction: float) -> bool:
+            # llama.cpp reports hundreds of steps; a percent is enough for a progress bar.
+            if emit is not None and (fraction - last[0] >= 0.01 or fraction >= 1.0):
+                last[0] = fraction
+                emit({"progress": fraction})
+            return True
+
+        native = self.native.Model(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
+                                   vocab_only=vocab_only, progress=progress)
+        model_id = self._new_id()
+        self._models[model_id] = _ModelEntry(native, path, int(native.n_vocab), set())
+        return {"model": model_id, "info": native.info()}
+
+    def free_model(self, model: int) -> None:
+        entry = self._model(model)
+        for ctx in list(entry.contexts):
+            self.free_context(ctx)
+        del self._models[model]
+
+    def tokenize(self, model: int, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return list(self._model(model).native.tokenize(text, add_special, parse_special))
+
+    def detokenize(self, model: int, tokens: Sequence[int], remove_special: bool = False,
+                   unparse_special: bool = False) -> str:
+        entry = self._model(model)
+        _check_tokens(tokens, entry.n_vocab)
+        return str(entry.native.detokenize(tokens, remove_special, unparse_special))
+
+    def token_to_piece(self, model: int, token: int, special: bool = True) -> bytes:
+        entry = self._model(model)
+        _check_tokens([token], entry.n_vocab)
+        return bytes(entry.native.token_to_piece(token, special))
+
+    def apply_chat_template(self, model: int, messages: Sequence[Sequence[str]], template: str | None = None,
+                            add_assistant: bool = True) -> str:
+        pairs = [(str(m[0]), str(m[1])) for m in messages]
+        return str(self._model(model).native.apply_chat_template(pairs, template, add_assistant))
+
+    def json_schema_to_grammar(self, schema: str) -> str:
+        return str(self.native.json_schema_to_grammar(schema))
+
+    # -- contexts -------------------------------------------------------------------------------------
+    def new_context(self, model: int, params: dict[str, Any]) -> dict[str, Any]:
+        entry = self._model(model)
+        if not self._free_slots:
+            raise ContextError(f"a worker holds at most {INTERRUPT_SLOTS} contexts")
+        logits_bytes = entry.n_vocab * 4
+        offset = self._alloc.alloc(logits_bytes)
+        try:
+            native = self.native.Context(entry.native, params)
+        except BaseException:
+            self._alloc.free(offset, logits_bytes)
+            raise
+        slot = self._free_slots.pop()
+        self.region.set_interrupt(slot, 0)
+        # The native side indexes u64 words from the start of the region.
+        native.set_interrupt_word(self.region.view, INTERRUPT_OFFSET // 8 + slot)
+        context_id = self._new_id()
+        self._contexts[context_id] = _ContextEntry(native, model, slot, offset, logits_bytes)
+        entry.contexts.add(context_id)
+        return {
+            "context": context_id, "interrupt_slot": slot, "logits_offset": offset, "n_vocab": entry.n_vocab,
+            "n_ctx": native.n_ctx, "n_batch": native.n_batch, "n_ubatch": native.n_ubatch,
+            "n_seq_max": native.n_seq_max, "n_threads": native.n_threads,
+        }
+
+    def free_context(self, context: int) -> None:
+        entry = self._context(context)
+        del self._contexts[context]
+        self._models[entry.model_id].contexts.discard(context)
+        self._alloc.free(entry.logits_offset, entry.logits_bytes)
+        self._free_slots.append(entry.slot)
+
+    def eval(self, context: int, tokens: Sequence[int] | None = None, text: str | None = None,
+             add_special: bool | None = None, parse_special: bool = True, request_id: int = 0) -> dict[str, Any]:
+        entry = self._context(context)
+        if text is not None:
+            if add_special is None:
+                add_special = entry.native.n_past() == 0
+            tokens = self.tokenize(entry.model_id, text, add_special, parse_special)
+        toks = list(tokens or [])
+        _check_tokens(toks, self._models[entry.model_id].n_vocab)
+        return dict(entry.native.eval(toks, request_id))
+
+    def generate(self, context: int, prompt: str | Sequence[int], params: dict[str, Any], request_id: int = 0,
+                 stream: bool = False, emit: EventSink | None = None) -> dict[str, Any]:
+        entry = self._context(context)
+        if not isinstance(prompt, str):
+            prompt = list(prompt)
+            _check_tokens(prompt, self._models[entry.model_id].n_vocab)
+        on_piece = None
+        if stream and emit is not None:
+            def on_piece(piece: str) -> None:
+                emit({"piece": piece})
+        return dict(entry.native.generate(prompt, params, request_id, on_piece))
+
+    def logits(self, context: int) -> dict[str, int]:
+        entry = self._context(context)
+        entry.native.logits_into(self.region.writable(entry.logits_offset, entry.logits_bytes))
+        return {"offset": entry.logits_offset, "count": entry.logits_bytes // 4}
+
+    def reset(self, context: int) -> None:
+        self._context(context).native.reset()
+
+    def tokens(self, context: int) -> list[int]:
+        return list(self._context(context).native.tokens())
+
+    def close(self) -> None:
+        for model in list(self._models):
+            self.free_model(model)
+
+
+def _check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
+    for t in tokens:
+        if not isinstance(t, int) or not 0 <= t < n_vocab:
+            raise InvalidTokenError(f"token id {t!r} is outside the vocabulary [0, {n_vocab})")
+
+
+def _check_gguf_file(path: str) -> None:
+    """The cheap checks llama.cpp would otherwise report only as a log line and a null model."""
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model file not found: {path}")
+    if os.path.isdir(path):
+        raise ModelLoadError(f"model path is a directory: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read model file {path}: {exc}") from exc
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
+
+
+__all__ = ["Engine", "EventSink", "LloyalError"]

@@ -1,0 +1,71 @@
+#include "common.hpp"
+#include "errors.hpp"
+
+namespace lloyal {
+
+namespace {
+
+// The classes of lloyal_pool.errors. Strong references that are never released on purpose: the
+// module cannot be unloaded, and dropping them during interpreter teardown would race the
+// destruction of lloyal_pool.errors itself.
+struct error_classes {
+    PyObject * base = nullptr;
+    PyObject * model_load = nullptr;
+    PyObject * context = nullptr;
+    PyObject * invalid_token = nullptr;
+    PyObject * context_overflow = nullptr;
+    PyObject * grammar = nullptr;
+    PyObject * decode = nullptr;
+};
+
+error_classes g_classes;
+
+PyObject * load_class(const py::module_ & errors, const char * name) {
+    py::object cls = errors.attr(name);
+    if (!PyType_Check(cls.ptr()) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(cls.ptr()),
+                                                       reinterpret_cast<PyTypeObject *>(PyExc_Exception))) {
+        throw std::runtime_error(std::string("lloyal_pool.errors.") + name + " is not an exception class");
+    }
+    return cls.release().ptr();
+}
+
+}  // namespace
+
+void register_errors(py::module_ &) {
+    py::module_ errors = py::module_::import("lloyal_pool.errors");
+    g_classes.base = load_class(errors, "LloyalError");
+    g_classes.model_load = load_class(errors, "ModelLoadError");
+    g_classes.context = load_class(errors, "ContextError");
+    g_classes.invalid_token = load_class(errors, "InvalidTokenError");
+    g_classes.context_overflow = load_class(errors, "ContextOverflowError");
+    g_classes.grammar = load_class(errors, "GrammarError");
+    g_classes.decode = load_class(errors, "DecodeError");
+
+    // Most derived first: a catch clause for lloyal_error would also take every subclass.
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) {
+                std::rethrow_exception(p);
+            }
+        } catch (const model_load_error & e) {
+            PyErr_SetString(g_classes.model_load, e.what());
+        } catch (const context_error & e) {
+            PyErr_SetString(g_classes.context, e.what());
+        } catch (const invalid_token_error & e) {
+            PyErr_SetString(g_classes.invalid_token, e.what());
+        } catch (const context_overflow_error & e) {
+            PyErr_SetString(g_classes.context_overflow, e.what());
+        } catch (const grammar_error & e) {
+            PyErr_SetString(g_classes.grammar, e.what());
+        } catch (const decode_error & e) {
+            PyErr_SetString(g_classes.decode, e.what());
+        } catch (const lloyal_error & e) {
+            PyErr_SetString(g_classes.base, e.what());
+        } catch (const std::invalid_argument & e) {
+            PyErr_SetString(PyExc_ValueError, e.what());
+        }
+        // Anything else falls through to pybind11's own translators (error_already_set, bad_alloc, ...).
+    });
+}
+
+}  // namespace lloyal

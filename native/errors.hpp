@@ -1,0 +1,39 @@
+// C++ exceptions that reach Python as the classes of lloyal_pool.errors (translator in errors.cpp).
+// They can be thrown with the GIL released: translation happens at the binding boundary, after the
+// gil_scoped_release guards have re-acquired it.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace lloyal {
+
+struct lloyal_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+struct model_load_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+struct context_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+struct invalid_token_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+struct context_overflow_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+struct grammar_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+struct decode_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+}  // namespace lloyal

@@ -1,0 +1,114 @@
+#include "common.hpp"
+#include "errors.hpp"
+#include "sampling.hpp"
+
+#include "json-schema-to-grammar.h"
+
+#include <cstdio>
+#include <functional>
+
+#include <unistd.h>
+
+namespace lloyal {
+
+namespace {
+
+// llama.cpp's GBNF parser reports *why* a grammar does not parse with fprintf(stderr), not through
+// the log callback, which only gets "failed to parse grammar". To put the reason into GrammarError,
+// fd 2 is pointed at a temporary file for the duration of the (short, GIL-holding) parse; whatever
+// landed there is then written on to the real fd 2, so nothing is lost, at worst reordered.
+std::string run_capturing_stderr(const std::function<void()> & fn) {
+    std::fflush(stderr);
+    FILE * tmp = std::tmpfile();
+    const int saved = tmp != nullptr ? ::dup(2) : -1;
+    if (tmp == nullptr || saved < 0 || ::dup2(fileno(tmp), 2) < 0) {
+        if (saved >= 0) {
+            ::close(saved);
+        }
+        if (tmp != nullptr) {
+            std::fclose(tmp);
+        }
+        fn();  // no capture possible: still run, just without the detailed reason
+        return {};
+    }
+    struct restore {
+        int saved;
+        FILE * tmp;
+        ~restore() {
+            std::fflush(stderr);
+            ::dup2(saved, 2);
+            ::close(saved);
+        }
+    };
+    std::string captured;
+    {
+        restore r{saved, tmp};
+        fn();
+    }
+    std::rewind(tmp);
+    char buf[4096];
+    size_t n = 0;
+    while ((n = std::fread(buf, 1, sizeof(buf), tmp)) > 0) {
+        captured.append(buf, n);
+    }
+    std::fclose(tmp);
+    size_t off = 0;
+    while (off < captured.size()) {
+        const ssize_t w = ::write(2, captured.data() + off, captured.size() - off);
+        if (w <= 0) {
+            break;
+        }
+        off += static_cast<size_t>(w);
+    }
+    return captured;
+}
+
+std::string parse_error_reason(const std::string & captured) {
+    static const std::string marker = "error parsing grammar: ";
+    const size_t at = captured.find(marker);
+    if (at == std::string::npos) {
+        return {};
+    }
+    const size_t start = at + marker.size();
+    const size_t end = captured.find('\n', start);
+    return captured.substr(start, end == std::string::npos ? std::string::npos : end - start);
+}
+
+}  // namespace
+
+llama_sampler * make_grammar_sampler(const Model & model, const std::string & gbnf) {
+    const uint64_t mark = log_mark();
+    llama_sampler * smpl = nullptr;
+    std::string captured;
+    try {
+        captured = run_capturing_stderr([&] { smpl = llama_sampler_init_grammar(model.vocab(), gbnf.c_str(), "root"); });
+    } catch (const std::exception & e) {
+        throw grammar_error(std::string("invalid grammar: ") + e.what());
+    }
+    if (smpl == nullptr) {
+        std::string why = parse_error_reason(captured);
+        if (why.empty()) {
+            why = log_errors_since(mark, 1);
+        }
+        throw grammar_error("invalid grammar" + (why.empty() ? std::string() : ": " + why));
+    }
+    return smpl;
+}
+
+void register_grammar(py::module_ & m) {
+    m.def(
+        "json_schema_to_grammar",
+        [](const std::string & schema_json) {
+            // The converter reports bad schemas with several exception types (parse errors of the
+            // JSON itself, invalid_argument for unsupported constructs); all of them mean the same here.
+            try {
+                return json_schema_to_grammar(common_json::parse(schema_json));
+            } catch (const std::exception & e) {
+                throw grammar_error(std::string("invalid JSON schema: ") + e.what());
+            }
+        },
+        py::arg("schema_json"),
+        "llama.cpp's own JSON-schema -> GBNF converter. Raises GrammarError on an invalid schema.");
+}
+
+}  // namespace lloyal

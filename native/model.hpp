@@ -1,0 +1,53 @@
+#pragma once
+
+#include "common.hpp"
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace lloyal {
+
+class Model {
+  public:
+    Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, const py::object & progress);
+    ~Model();
+    Model(const Model &) = delete;
+    Model & operator=(const Model &) = delete;
+
+    llama_model * get() const { return model_; }
+    const llama_vocab * vocab() const { return vocab_; }
+    int32_t n_vocab() const { return n_vocab_; }
+    bool vocab_only() const { return vocab_only_; }
+    const std::string & path() const { return path_; }
+    // Every token llama_vocab_is_eog() is true for; ignore_eos bans them all, not only llama_vocab_eos().
+    const std::vector<llama_token> & eog_tokens() const { return eog_tokens_; }
+
+    // Throws invalid_token_error unless 0 <= token < n_vocab.
+    void check_token(int64_t token) const;
+
+    // Thread-safe (llama.cpp's tokenizer is), so callable with the GIL released.
+    std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
+    std::string detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
+    std::string token_to_piece(llama_token token, bool special) const;
+
+    py::dict info() const;
+    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                    const std::optional<std::string> & tmpl, bool add_assistant) const;
+
+  private:
+    std::string path_;
+    llama_model * model_ = nullptr;
+    const llama_vocab * vocab_ = nullptr;
+    int32_t n_vocab_ = 0;
+    bool vocab_only_ = false;
+    std::vector<llama_token> eog_tokens_;
+};
+
+// Token ids from any Python sequence of ints, each checked against [0, n_vocab).
+// Raises TypeError for a non-integer item and InvalidTokenError for an id out of range.
+std::vector<llama_token> tokens_from_py(py::handle seq, const Model & model);
+llama_token token_from_py(py::handle obj, const Model & model);
+
+}  // namespace lloyal

@@ -1,0 +1,64 @@
+"""The command line: generate prints only the generated text; info prints JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from lloyal_pool import Model
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lloyal_pool", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_prints_only_the_text(gemma: Model, gemma_path: Path) -> None:
+    out = _run("generate", "-n", "16", "The capital of France is")
+    assert out.returncode == 0, out.stderr
+    ctx = gemma.new_context(n_ctx=4096)
+    try:
+        expected = ctx.generate("The capital of France is", n_predict=16).text
+    finally:
+        ctx.close()
+    assert out.stdout == expected + "\n"
+
+
+def test_generate_with_a_model_path_and_sampling(tiny_model: Path) -> None:
+    a = _run("generate", "-m", str(tiny_model), "-n", "8", "--temperature", "0.8", "--seed", "3", "-q", "Hi")
+    b = _run("generate", "-m", str(tiny_model), "-n", "8", "--temperature", "0.8", "--seed", "3", "-q", "Hi")
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_info_prints_json(gemma_path: Path) -> None:
+    out = _run("info")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["n_vocab"] == 262144 and info["path"] == str(gemma_path)
+    assert info["worker"]["variant"] == "cpu" and info["worker"]["build"]["llama_cpp"]
+
+
+def test_bad_model_is_a_clean_error(tmp_path: Path) -> None:
+    out = _run("info", "-m", str(tmp_path / "missing.gguf"))
+    assert out.returncode == 1
+    assert "ModelLoadError" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_client_never_loads_llama_cpp(tiny_model: Path) -> None:
+    code = (
+        "import sys\n"
+        "from lloyal_pool import Pool\n"
+        "with Pool(1) as pool:\n"
+        f"    ctx = pool[0].load_model({str(tiny_model)!r}).new_context(n_ctx=64)\n"
+        "    ctx.generate('Hi', n_predict=2)\n"
+        "    ctx.logits()\n"
+        "bad = [m for m in sys.modules if '_native' in m]\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "assert not bad, bad\n"
+        "assert 'libllama' not in maps and '_native_' not in maps\n"
+        "print('clean')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr

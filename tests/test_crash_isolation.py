@@ -1,0 +1,145 @@
+"""A worker that dies takes nothing else down: typed errors naming the cause, the other worker keeps
+serving, a replacement starts, and close() leaves no process and no shared memory behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lloyal_pool import Pool, StaleHandleError, WorkerCrashedError, WorkerStartupError
+
+
+def _memfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:lloyal_pool" in os.readlink(f"/proc/self/fd/{fd}"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _mapped_regions() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:lloyal_pool" in line for line in f)
+
+
+def test_sigkill_mid_generation(tiny_model: Path) -> None:
+    before_children = {p.pid for p in psutil.Process().children(recursive=True)}
+    before_shm = set(os.listdir("/dev/shm"))
+    pool = Pool(2)
+    try:
+        victim, other = pool[0], pool[1]
+        ctx = victim.load_model(tiny_model).new_context(n_ctx=512)
+        other_ctx = other.load_model(tiny_model).new_context(n_ctx=512)
+        fut = ctx.generate_async("Hello", n_predict=0, ignore_eos=True)
+        time.sleep(0.3)
+        assert not fut.done()
+        t0 = time.perf_counter()
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError) as info:
+            fut.result(timeout=5)
+        assert time.perf_counter() - t0 < 1.0
+        assert info.value.signal_name == "SIGKILL" and "SIGKILL" in str(info.value)
+        assert not victim.alive
+        # Its handles are stale now; the other worker answers as if nothing happened.
+        with pytest.raises(StaleHandleError):
+            ctx.generate("Hello", n_predict=2)
+        assert other_ctx.generate("Hello", n_predict=4).n_decoded == 4
+        # A replacement takes the dead worker's place.
+        fresh = pool.replace(victim)
+        assert fresh.alive and fresh.pid != victim.pid and pool[0] is fresh
+        assert fresh.load_model(tiny_model).new_context(n_ctx=128).generate("Hi", n_predict=2).n_decoded == 2
+    finally:
+        pool.close()
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before_children
+    assert not left, f"processes left after close(): {left}"
+    assert set(os.listdir("/dev/shm")) == before_shm
+    assert _memfds() == 0 and _mapped_regions() == 0
+
+
+@pytest.mark.parametrize(("kind", "signame"), [("segv", "SIGSEGV"), ("abort", "SIGABRT")])
+def test_native_style_crashes_are_reported_with_the_signal(fresh_pool: Pool, kind: str, signame: str) -> None:
+    with pytest.raises(WorkerCrashedError) as info:
+        fresh_pool[0].fault(kind).result(timeout=10)
+    assert info.value.signal_name == signame
+    if kind == "segv":
+        assert "Fatal Python error" in info.value.stderr_tail  # faulthandler's report reached the tail
+    assert fresh_pool[1].ping(timeout=5) < 1.0
+
+
+def test_exit_code_is_reported(fresh_pool: Pool) -> None:
+    with pytest.raises(WorkerCrashedError, match="exited with code 42") as info:
+        fresh_pool[0].fault("exit", code=42).result(timeout=10)
+    assert info.value.returncode == 42
+
+
+def test_unexpected_worker_exception_keeps_the_worker(fresh_pool: Pool) -> None:
+    from lloyal_pool import RemoteError
+
+    with pytest.raises(RemoteError, match="RuntimeError") as info:
+        fresh_pool[0].fault("raise").result(timeout=10)
+    assert "an unexpected error inside the worker" in (info.value.remote_traceback or "")
+    assert fresh_pool[0].alive and fresh_pool[0].ping(timeout=5) < 1.0
+
+
+def test_stdout_noise_never_reaches_the_protocol(fresh_pool: Pool) -> None:
+    assert fresh_pool[0].fault("stdout").result(timeout=10) == "ok"
+    assert fresh_pool[0].ping(timeout=5) < 1.0
+
+
+def test_calls_waiting_behind_a_hang_fail_when_it_is_killed(fresh_pool: Pool) -> None:
+    hang = fresh_pool[0].fault("hang", seconds=60)
+    queued = fresh_pool[0].fault("raise")
+    time.sleep(0.2)
+    fresh_pool[0].kill()
+    for fut in (hang, queued):
+        with pytest.raises(WorkerCrashedError):
+            fut.result(timeout=5)
+
+
+def test_unknown_variant_falls_back_to_cpu_unless_strict(caplog: pytest.LogCaptureFixture) -> None:
+    with Pool(1, variant="vulkan") as pool:
+        assert pool[0].variant == "cpu"
+        assert pool[0].ping(timeout=5) < 1.0
+    assert any("unavailable" in r.getMessage() for r in caplog.records)
+    with pytest.raises(WorkerStartupError, match="vulkan"):
+        Pool(1, variant="vulkan", strict_variant=True)
+
+
+def test_parent_death_takes_its_workers_along(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from lloyal_pool import Pool\n"
+        "pool = Pool(2)\n"
+        "print(' '.join(str(i.pid) for i in pool), flush=True)\n"
+        "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

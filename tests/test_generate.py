@@ -1,0 +1,143 @@
+"""Generation on Gemma 3 270M through a worker: identical to llama.cpp's own llama-simple, deterministic,
+streaming, stop strings, n_predict and stop reasons."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lloyal_pool import GenerateParams, Model, StopReason
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "Water boils at",
+]
+
+
+def _llama_simple(exe: Path, model: Path, prompt: str, n: int) -> str:
+    out = subprocess.run([str(exe), "-m", str(model), "-n", str(n), prompt], capture_output=True, text=True,
+                         timeout=300, check=True)
+    # llama-simple prints the prompt's pieces, then each generated piece, then a newline.
+    text = out.stdout
+    assert text.startswith(prompt), text[:200]
+    return text[len(prompt):].removesuffix("\n")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_matches_llama_simple(gemma: Model, gemma_path: Path, llama_simple: Path, prompt: str) -> None:
+    expected = _llama_simple(llama_simple, gemma_path, prompt, 32)
+    ctx = gemma.new_context(n_ctx=512)
+    try:
+        result = ctx.generate(prompt, n_predict=32)
+    finally:
+        ctx.close()
+    assert result.n_decoded == 32 or result.stop_reason is StopReason.EOS
+    assert result.text == expected
+
+
+def test_greedy_is_identical_across_n_batch_and_runs(gemma: Model) -> None:
+    prompt = "A long time ago, in a galaxy far, far away, there was a small planet where"
+    runs = []
+    for n_batch in (512, 7, 1):
+        ctx = gemma.new_context(n_ctx=256, n_batch=n_batch, n_ubatch=min(n_batch, 512))
+        try:
+            runs.append(ctx.generate(prompt, n_predict=32).tokens)
+            runs.append(ctx.generate(prompt, n_predict=32, cache_prompt=True).tokens)
+        finally:
+            ctx.close()
+    assert all(r == runs[0] for r in runs), runs
+
+
+def test_sampling_is_reproducible_and_seeded(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=256)
+    try:
+        p = GenerateParams(n_predict=24, temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=0,
+                           cache_prompt=True)
+        a = ctx.generate("My favourite colour is", p).tokens
+        b = ctx.generate("My favourite colour is", p).tokens
+        c = ctx.generate("My favourite colour is", p, seed=12345).tokens
+    finally:
+        ctx.close()
+    assert a == b
+    assert a != c
+
+
+def test_stream_pieces_join_to_the_result(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=256)
+    try:
+        stream = ctx.stream("Here is a list of fruits:", n_predict=40)
+        pieces = list(stream)
+        result = stream.result
+        got: list[str] = []
+        result2 = ctx.generate("Here is a list of fruits:", n_predict=40, cache_prompt=True, on_piece=got.append)
+    finally:
+        ctx.close()
+    assert len(pieces) > 5
+    assert "".join(pieces) == result.text
+    assert "".join(got) == result2.text == result.text
+
+
+def test_stop_string_cuts_mid_token(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=256)
+    try:
+        full = ctx.generate("The capital of France is", n_predict=32, cache_prompt=True)
+        # A stop string that starts inside a token: the second character of the first word onwards.
+        word = full.text.strip().split()[0]
+        assert len(word) >= 3, full.text
+        stop = word[1:3]
+        pieces: list[str] = []
+        cut = ctx.generate("The capital of France is", n_predict=32, stop=[stop], cache_prompt=True,
+                           on_piece=pieces.append)
+    finally:
+        ctx.close()
+    assert cut.stop_reason is StopReason.STOP
+    assert cut.text == full.text[:full.text.index(stop)]
+    assert "".join(pieces) == cut.text
+
+
+def test_n_predict_and_stop_reasons(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=64)
+    try:
+        r = ctx.generate("One, two, three,", n_predict=5)
+        assert (r.n_decoded, len(r.tokens), r.stop_reason) == (5, 5, StopReason.LENGTH)
+        ctx.reset()
+        # n_predict <= 0 runs until the context is full.
+        r = ctx.generate("One, two, three,", n_predict=0, ignore_eos=True)
+        assert r.stop_reason is StopReason.LENGTH
+        assert r.n_prompt + r.n_decoded == ctx.n_ctx
+        ctx.reset()
+        # Forcing the end-of-turn token makes the model stop with eos.
+        eos = gemma.info.eos
+        r = ctx.generate("Hello", n_predict=10, logit_bias={eos: 100.0})
+        assert r.stop_reason is StopReason.EOS and r.text == ""
+    finally:
+        ctx.close()
+
+
+def test_logits_arrive_over_shared_memory(gemma: Model) -> None:
+    import numpy as np
+
+    ctx = gemma.new_context(n_ctx=128)
+    try:
+        ctx.eval("The capital of France is")
+        logits = ctx.logits()
+        assert logits.dtype == np.float32 and logits.shape == (gemma.n_vocab,)
+        assert not logits.flags.writeable and np.isfinite(logits).all()
+        greedy = ctx.generate("", n_predict=1)
+        assert greedy.tokens[0] == int(np.argmax(logits))
+    finally:
+        ctx.close()
+
+
+def test_model_info_and_tokenizer(gemma: Model) -> None:
+    info = gemma.info
+    assert info.n_vocab == 262144 and info.n_layer > 0 and info.n_swa > 0
+    assert "gemma" in info.desc.lower()
+    toks = gemma.tokenize("Hello world")
+    assert toks[0] == info.bos and info.add_bos
+    assert gemma.detokenize(toks[1:]) == "Hello world"
+    assert b"".join(gemma.token_to_piece(t) for t in toks[1:]) == b"Hello world"

@@ -1,0 +1,110 @@
+"""The wire format and the shared region, without workers or native code."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from lloyal_pool import errors
+from lloyal_pool.protocol import MAX_FRAME, Kind, PeerClosed, pack, read_frame, unpack, write_frame
+from lloyal_pool.shm import BULK_OFFSET, PAGE, BlockAllocator, Region
+
+
+def test_frame_round_trip_over_a_pipe() -> None:
+    r, w = os.pipe()
+    try:
+        payload = ["generate", {"prompt": "héllo", "bias": {5: -1.5}, "blob": b"\x00\xff" * 1000}]
+        write_frame(w, pack(Kind.REQUEST, 42, payload))
+        kind, req_id, got = read_frame(r)
+        assert (kind, req_id, got) == (Kind.REQUEST, 42, payload)
+        os.close(w)
+        w = -1
+        with pytest.raises(PeerClosed):
+            read_frame(r)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_oversized_and_malformed_frames_are_protocol_errors() -> None:
+    r, w = os.pipe()
+    try:
+        os.write(w, struct.pack("<I", MAX_FRAME + 1))
+        with pytest.raises(errors.ProtocolError, match="exceeds"):
+            read_frame(r)
+    finally:
+        os.close(r)
+        os.close(w)
+    with pytest.raises(errors.ProtocolError):
+        unpack(b"\xc1not msgpack")
+    with pytest.raises(errors.ProtocolError):
+        unpack(pack(Kind.EVENT, 1, None)[4:][:-1] + b"\x93")  # wrong shape
+    with pytest.raises(errors.ProtocolError):
+        unpack(b"\x93\x63\x01\xc0")  # kind 99 does not exist
+
+
+def test_remote_errors_keep_their_type_and_traceback() -> None:
+    exc = errors.rebuild("GrammarError", "bad rule", "Traceback: in the worker")
+    assert isinstance(exc, errors.GrammarError) and isinstance(exc, ValueError)
+    assert exc.remote_traceback == "Traceback: in the worker"
+    assert "in the worker" in str(exc.__cause__)
+    assert isinstance(errors.rebuild("KeyError", "k", None), KeyError)
+    unknown = errors.rebuild("ZeroDivisionError", "boom", "tb")
+    assert isinstance(unknown, errors.RemoteError) and unknown.remote_type == "ZeroDivisionError"
+
+
+def test_exit_descriptions_name_the_signal() -> None:
+    assert "SIGKILL" in errors.describe_exit(-9)
+    assert "SIGSEGV" in errors.describe_exit(-11)
+    assert errors.describe_exit(3) == "exited with code 3"
+    crashed = errors.WorkerCrashedError("x", returncode=-9, stderr_tail="last words")
+    assert crashed.signal_name == "SIGKILL" and "last words" in str(crashed)
+
+
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
+def test_region_is_shared_between_mappings(backend: str) -> None:
+    region = Region.create(1 << 20, backend=backend)
+    try:
+        if backend == "memfd":
+            # Sealed: nobody can shrink the region under the parent (that would be a SIGBUS on read).
+            with pytest.raises(PermissionError):
+                os.ftruncate(region.spec.fd, PAGE)
+            fd = os.dup(region.spec.fd)
+            from lloyal_pool.shm import RegionSpec
+
+            other = Region.attach(RegionSpec(region.size, fd))
+        else:
+            other = Region.attach(region.spec)
+        other.view[BULK_OFFSET:BULK_OFFSET + 8] = np.arange(2, dtype=np.float32).tobytes()
+        assert list(region.floats(BULK_OFFSET, 2)) == [0.0, 1.0]
+        region.set_interrupt(3, 77)
+        assert int(other.interrupt[3]) == 77
+        other.close()
+    finally:
+        region.close()
+        region.close()  # idempotent
+
+
+def test_posix_region_leaves_nothing_in_dev_shm() -> None:
+    region = Region.create(1 << 20, backend="posix")
+    name = region.spec.name
+    assert os.path.exists(f"/dev/shm/{name}")
+    region.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_block_allocator_reuses_and_reports_exhaustion() -> None:
+    size = BULK_OFFSET + 4 * PAGE
+    alloc = BlockAllocator(size)
+    a = alloc.alloc(PAGE + 1)  # two pages
+    b = alloc.alloc(PAGE)
+    with pytest.raises(errors.LloyalError, match="shm_bytes"):
+        alloc.alloc(2 * PAGE)
+    alloc.free(a, PAGE + 1)
+    assert alloc.alloc(2 * PAGE) == a
+    alloc.free(b, PAGE)
+    assert alloc.alloc(PAGE) == b
