@@ -29,6 +29,9 @@ void register_backend(py::module_ & m) {
         [] {
             py::dict d;
             d["variant"] = LLOYAL_VARIANT_NAME;
+            // One line for humans: version, then build number and commit (b0-unknown when the vendored
+            // tree carried no git metadata).
+            d["llama_cpp"] = std::string(llama_version()) + " (" + llama_build_info() + ")";
             d["llama_version"] = llama_version();
             d["build_number"] = llama_build_number();
             d["commit"] = llama_commit();

@@ -41,6 +41,9 @@ struct log_state {
 };
 
 std::atomic<int> g_min_level{k_level_warn};
+// > 0 while a decode we asked to abort is unwinding: llama.cpp logs that as three error lines
+// ("failed to compute graph", ...) and a warning; for an interrupt those are expected, not errors.
+std::atomic<int> g_aborting{0};
 
 log_state & state() {
     // Leaked on purpose: ggml threads may still log while static destructors run at exit.
@@ -72,6 +75,12 @@ void write_all(int fd, const char * data, size_t size) {
     }
 }
 
+// Warnings about a choice this module makes on purpose (swa_full defaults to true here), which would
+// otherwise greet every context creation.
+bool is_expected_warning(std::string_view line) {
+    return line.find("using full-size SWA cache") != std::string_view::npos;
+}
+
 // Called with state().mu held.
 void emit_line(log_state & st, int level, std::string_view line) {
     while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) {
@@ -79,6 +88,9 @@ void emit_line(log_state & st, int level, std::string_view line) {
     }
     if (line.empty()) {
         return;
+    }
+    if (level == k_level_warn && is_expected_warning(line)) {
+        level = k_level_info;
     }
     if (level >= k_level_warn) {
         st.kept.push_back({++st.seq, level, std::string(line)});
@@ -105,6 +117,9 @@ void log_callback(ggml_log_level level, const char * text, void *) {
     }
     log_state & st = state();
     std::lock_guard<std::mutex> lock(st.mu);
+    if ((level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_WARN) && g_aborting.load(std::memory_order_relaxed) > 0) {
+        level = GGML_LOG_LEVEL_DEBUG;
+    }
     if (level != GGML_LOG_LEVEL_CONT) {
         // A new message while the previous one has no newline yet: that one is complete.
         if (!st.partial.empty()) {
@@ -123,6 +138,9 @@ void log_callback(ggml_log_level level, const char * text, void *) {
 }
 
 }  // namespace
+
+void log_abort_begin() { g_aborting.fetch_add(1, std::memory_order_relaxed); }
+void log_abort_end() { g_aborting.fetch_sub(1, std::memory_order_relaxed); }
 
 uint64_t log_mark() {
     log_state & st = state();

@@ -53,13 +53,6 @@ std::string meta_string(int32_t (*fn)(const llama_model *, int32_t, char *, size
     return std::string(buf.data(), static_cast<size_t>(n));
 }
 
-py::object token_or_none(llama_token t) {
-    if (t == LLAMA_TOKEN_NULL) {
-        return py::none();
-    }
-    return py::int_(t);
-}
-
 }  // namespace
 
 Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, const py::object & progress)
@@ -206,9 +199,11 @@ py::dict Model::info() const {
     d["ftype"] = llama_ftype_name(llama_model_ftype(model_));
     d["n_ctx_train"] = llama_model_n_ctx_train(model_);
     d["n_embd"] = llama_model_n_embd(model_);
-    d["n_layer"] = llama_model_n_layer(model_);
-    d["n_head"] = llama_model_n_head(model_);
-    d["n_head_kv"] = llama_model_n_head_kv(model_);
+    // Per-layer values GGML_ABORT for a layer that does not exist, and a vocab_only model has none.
+    const int32_t n_layer = llama_model_n_layer(model_);
+    d["n_layer"] = n_layer;
+    d["n_head"] = n_layer > 0 ? llama_model_n_head(model_) : 0;
+    d["n_head_kv"] = n_layer > 0 ? llama_model_n_head_kv(model_) : 0;
     d["n_swa"] = llama_model_n_swa(model_);
     d["n_vocab"] = n_vocab_;
     d["vocab_type"] = static_cast<int>(llama_vocab_type(vocab_));
@@ -216,9 +211,9 @@ py::dict Model::info() const {
     d["has_decoder"] = llama_model_has_decoder(model_);
     d["is_recurrent"] = llama_model_is_recurrent(model_);
     d["is_hybrid"] = llama_model_is_hybrid(model_);
-    d["bos"] = token_or_none(llama_vocab_bos(vocab_));
-    d["eos"] = token_or_none(llama_vocab_eos(vocab_));
-    d["eot"] = token_or_none(llama_vocab_eot(vocab_));
+    d["bos"] = llama_vocab_bos(vocab_);  // -1: none
+    d["eos"] = llama_vocab_eos(vocab_);
+    d["eot"] = llama_vocab_eot(vocab_);
     d["add_bos"] = llama_vocab_get_add_bos(vocab_);
     d["add_eos"] = llama_vocab_get_add_eos(vocab_);
     py::list eog;

@@ -1,2 +1,13 @@
-#include <pybind11/pybind11.h>
-PYBIND11_MODULE(LLOYAL_MODULE_NAME, m) { m.attr("variant") = LLOYAL_VARIANT_NAME; }
+// The module only wires the concerns together; each lives in its own file.
+#include "common.hpp"
+
+PYBIND11_MODULE(LLOYAL_MODULE_NAME, m) {
+    m.doc() = "lloyal_pool's native llama.cpp binding (worker processes only)";
+    // Errors first: everything after may already need to raise them.
+    lloyal::register_errors(m);
+    lloyal::register_logging(m);
+    lloyal::register_backend(m);
+    lloyal::register_model(m);
+    lloyal::register_context(m);
+    lloyal::register_grammar(m);
+}

@@ -257,7 +257,11 @@ sampler_chain::sampler_chain(const gen_params & p, const Model & model, uint32_t
     }
 
     if (grammar != nullptr) {
-        llama_sampler_chain_add(chain_, grammar);
+        if (p.temperature <= 0.0f) {
+            grammar_ = grammar;  // checked after the argmax instead: see sample()
+        } else {
+            llama_sampler_chain_add(chain_, grammar);
+        }
     }
 
     if (p.temperature <= 0.0f) {
@@ -297,6 +301,9 @@ sampler_chain::~sampler_chain() {
     if (chain_ != nullptr) {
         llama_sampler_free(chain_);
     }
+    if (grammar_ != nullptr) {
+        llama_sampler_free(grammar_);
+    }
 }
 
 void sampler_chain::prime_penalties(const std::vector<llama_token> & history, size_t n_history_used,
@@ -318,13 +325,31 @@ llama_token sampler_chain::sample(llama_context * ctx) {
     if (logits == nullptr) {
         throw lloyal_error("no logits to sample from");
     }
-    cur_.resize(static_cast<size_t>(n_vocab_));
-    for (llama_token t = 0; t < n_vocab_; ++t) {
-        cur_[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
-    }
-    llama_token_data_array cur_p = {cur_.data(), cur_.size(), -1, false};
+    auto fill = [&] {
+        cur_.resize(static_cast<size_t>(n_vocab_));
+        for (llama_token t = 0; t < n_vocab_; ++t) {
+            cur_[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
+        }
+        return llama_token_data_array{cur_.data(), cur_.size(), -1, false};
+    };
+    auto is_banned = [](const llama_token_data & d) { return std::isinf(d.logit) && d.logit < 0.0f; };
+    llama_token_data_array cur_p = fill();
     try {
         llama_sampler_apply(chain_, &cur_p);
+        if (grammar_ != nullptr && cur_p.selected >= 0 && static_cast<size_t>(cur_p.selected) < cur_p.size) {
+            // Greedy with a grammar: masking the whole vocabulary costs a grammar walk per token, tens
+            // of ms for a 262k vocabulary, while the argmax is usually allowed. Checking that one token
+            // first gives the same answer (the argmax of the allowed tokens is the overall argmax when
+            // that one is allowed; bias, penalties and the mask commute), so only mask on a miss.
+            llama_token_data one = cur_p.data[cur_p.selected];
+            llama_token_data_array one_p = {&one, 1, -1, false};
+            llama_sampler_apply(grammar_, &one_p);
+            if (is_banned(one) && !is_banned(cur_p.data[cur_p.selected])) {
+                cur_p = fill();
+                llama_sampler_apply(grammar_, &cur_p);
+                llama_sampler_apply(chain_, &cur_p);
+            }
+        }
     } catch (const std::exception & e) {
         throw lloyal_error(std::string("sampling failed: ") + e.what());
     }
@@ -332,16 +357,20 @@ llama_token sampler_chain::sample(llama_context * ctx) {
         return LLAMA_TOKEN_NULL;
     }
     const llama_token_data & chosen = cur_p.data[cur_p.selected];
-    if (std::isinf(chosen.logit) && chosen.logit < 0.0f) {
+    if (is_banned(chosen)) {
         return LLAMA_TOKEN_NULL;
     }
+    const llama_token id = chosen.id;
     try {
-        llama_sampler_accept(chain_, chosen.id);
+        llama_sampler_accept(chain_, id);
+        if (grammar_ != nullptr) {
+            llama_sampler_accept(grammar_, id);
+        }
     } catch (const std::exception & e) {
         // The grammar refuses a token it did not mask out: a grammar llama.cpp cannot follow.
         throw grammar_error(std::string("grammar rejected the sampled token: ") + e.what());
     }
-    return chosen.id;
+    return id;
 }
 
 }  // namespace lloyal

@@ -62,6 +62,7 @@ class sampler_chain {
   private:
     llama_sampler * chain_ = nullptr;
     llama_sampler * penalties_ = nullptr;  // owned by chain_
+    llama_sampler * grammar_ = nullptr;    // greedy only: outside chain_, owned here
     int32_t penalty_last_n_ = 0;
     bool has_grammar_ = false;
     int32_t n_vocab_ = 0;

@@ -46,10 +46,20 @@ def test_load_generate_logits_in_process(engine, tiny_model: Path) -> None:  # t
 
 def test_interrupt_word_in_process(engine, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
     model = engine.load_model(str(tiny_model))["model"]
-    desc = engine.new_context(model, {"n_ctx": 4096})
-    timer = threading.Timer(0.2, engine.region.set_interrupt, (desc["interrupt_slot"], 9))
-    timer.start()
-    r = engine.generate(desc["context"], "Hello", {"n_predict": 0, "ignore_eos": True}, request_id=9)
-    timer.join()
-    assert r["stop_reason"] == "interrupted" and 0 < r["n_decoded"] < 4000
+    desc = engine.new_context(model, {"n_ctx": 512})
+    seen: list[object] = []
+
+    def on_event(ev: dict[str, object]) -> None:
+        seen.append(ev)
+        if len(seen) == 5:  # from another thread, as a client would
+            t = threading.Thread(target=engine.region.set_interrupt, args=(desc["interrupt_slot"], 9))
+            t.start()
+            t.join()
+
+    r = engine.generate(desc["context"], "Hello", {"n_predict": 0, "ignore_eos": True}, request_id=9,
+                        stream=True, emit=on_event)
+    assert r["stop_reason"] == "interrupted" and 5 <= r["n_decoded"] < 50
+    # The same word does not stop a different request.
+    r = engine.generate(desc["context"], "", {"n_predict": 3}, request_id=10)
+    assert r["stop_reason"] == "length" and r["n_decoded"] == 3
     engine.free_model(model)

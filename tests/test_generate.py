@@ -21,8 +21,9 @@ PROMPTS = [
 def _llama_simple(exe: Path, model: Path, prompt: str, n: int) -> str:
     out = subprocess.run([str(exe), "-m", str(model), "-n", str(n), prompt], capture_output=True, text=True,
                          timeout=300, check=True)
-    # llama-simple prints the prompt's pieces, then each generated piece, then a newline.
-    text = out.stdout
+    # llama-simple prints the prompt's pieces (BOS rendered as "<bos>"), then each generated piece, then a
+    # newline.
+    text = out.stdout.removeprefix("<bos>")
     assert text.startswith(prompt), text[:200]
     return text[len(prompt):].removesuffix("\n")
 
@@ -40,10 +41,13 @@ def test_greedy_matches_llama_simple(gemma: Model, gemma_path: Path, llama_simpl
 
 
 def test_greedy_is_identical_across_n_batch_and_runs(gemma: Model) -> None:
-    prompt = "A long time ago, in a galaxy far, far away, there was a small planet where"
+    # llama.cpp's CPU kernels are not batch-invariant: the same row computed inside ubatches of different
+    # shapes can differ (measured here: up to 0.9 in a logit on this Q4_K_M model), so n_ubatch is a
+    # numerical choice. n_batch only decides how the prompt is cut into decode calls, and must not matter.
+    prompt = "A long time ago, in a galaxy far, far away, there was a small planet where " * 3
     runs = []
-    for n_batch in (512, 7, 1):
-        ctx = gemma.new_context(n_ctx=256, n_batch=n_batch, n_ubatch=min(n_batch, 512))
+    for n_batch in (512, 64, 32, 16):
+        ctx = gemma.new_context(n_ctx=256, n_batch=n_batch, n_ubatch=16)
         try:
             runs.append(ctx.generate(prompt, n_predict=32).tokens)
             runs.append(ctx.generate(prompt, n_predict=32, cache_prompt=True).tokens)

@@ -2,7 +2,9 @@
 
 Only worker processes import it. Every call that decodes releases the GIL. C++ errors arrive as the
 exception classes of lloyal_pool.errors (the module imports them at load time), so the engine raises the
-same types in-process as the client raises after a round trip.
+same types in-process as the client raises after a round trip. Bad argument values that are not one of
+those (an unknown generate param, seed 0xFFFFFFFF, a too-small buffer) raise ValueError; wrong types
+TypeError.
 """
 
 from collections.abc import Callable, Sequence
@@ -11,16 +13,24 @@ from typing import Any
 variant: str  # "cpu", "cuda", "vulkan"
 
 def build_info() -> dict[str, Any]:
-    """llama.cpp version/commit/compiler, ggml system info, default thread count, variant."""
+    """llama.cpp version/commit/compiler, ggml system info, default thread count, variant.
+
+    Keys: variant, llama_cpp (one summary line), llama_version, build_number, commit, build_info, compiler,
+    build_target, ggml_version, ggml_commit, system_info, default_threads, hardware_concurrency,
+    supports_mmap, supports_mlock,
+    supports_gpu_offload, max_devices, max_parallel_sequences."""
 
 def set_log_level(level: int) -> None:
-    """Minimum llama.cpp log level written to fd 2 (0 debug, 1 info, 2 warn, 3 error, 4 none)."""
+    """Minimum llama.cpp log level written to fd 2 (0 debug, 1 info, 2 warn, 3 error, 4 none); default 2.
+    Lines look like "[llama.cpp W] ...". Warnings and errors are remembered whatever the level, for the
+    messages of ModelLoadError/ContextError/GrammarError. ValueError outside [0, 4]."""
 
 def json_schema_to_grammar(schema_json: str) -> str:
     """llama.cpp's own JSON-schema -> GBNF converter. Raises GrammarError on an invalid schema."""
 
 class Model:
     n_vocab: int
+    path: str
     def __init__(
         self,
         path: str,
@@ -30,36 +40,56 @@ class Model:
         vocab_only: bool = False,
         progress: Callable[[float], bool] | None = None,
     ) -> None:
-        """Loads a GGUF (GIL released). progress(fraction) returning False cancels the load.
-        Raises ModelLoadError (with llama.cpp's last error line) on failure."""
+        """Loads a GGUF (GIL released). progress(fraction) returning False cancels the load (None or a
+        truthy value continues; an exception from it cancels the load and propagates).
+        Raises ModelLoadError (with llama.cpp's last error line(s)) on failure. n_gpu_layers < 0: all."""
     def info(self) -> dict[str, Any]:
         """desc, n_params, size, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, n_swa, n_vocab,
-        has_encoder, has_decoder, bos, eos, add_bos, chat_template (str or None), meta (dict[str, str])."""
+        has_encoder, has_decoder, bos, eos, add_bos, chat_template (str or None), meta (dict[str, str]).
+        Also: path, vocab_only, ftype, vocab_type, is_recurrent, is_hybrid, eot, add_eos, eog_tokens.
+        Token ids (bos, eos, eot) are -1 when the vocabulary has none. meta leaves out array values."""
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
     def detokenize(self, tokens: Sequence[int], remove_special: bool, unparse_special: bool) -> str:
         """Invalid UTF-8 becomes U+FFFD. Raises InvalidTokenError for ids outside [0, n_vocab)."""
-    def token_to_piece(self, token: int, special: bool) -> bytes: ...
-    def is_eog(self, token: int) -> bool: ...
+    def token_to_piece(self, token: int, special: bool) -> bytes:
+        """Raises InvalidTokenError for an id outside [0, n_vocab)."""
+    def is_eog(self, token: int) -> bool:
+        """Raises InvalidTokenError for an id outside [0, n_vocab)."""
     def apply_chat_template(
         self, messages: Sequence[tuple[str, str]], template: str | None, add_assistant: bool
     ) -> str:
-        """(role, content) pairs through llama_chat_apply_template; template None = the model's own."""
+        """(role, content) pairs through llama_chat_apply_template; template None = the model's own.
+        ValueError when the template is not one llama.cpp knows, or when template is None and the model
+        has no template (llama.cpp itself would silently use chatml there)."""
 
 class Context:
-    n_ctx: int
-    n_batch: int
-    n_ubatch: int
+    n_ctx: int  # as asked (0: n_ctx_train), although llama.cpp allocates cells to a multiple of 256
+    n_batch: int  # as llama.cpp applies it (at most its 256-padded n_ctx)
+    n_ubatch: int  # at most n_batch
     n_seq_max: int
     n_threads: int
+    n_threads_batch: int
+    model: Model
     def __init__(self, model: Model, params: dict[str, Any]) -> None:
         """params keys (all optional): n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch, n_seq_max,
         embeddings, rope_freq_base, rope_freq_scale, type_k, type_v (ggml type names, e.g. "f16", "q8_0"),
         swa_full (default True), flash_attn ("auto"/"on"/"off"). n_ctx 0 = the model's n_ctx_train.
-        Raises ContextError for invalid values."""
-    def set_interrupt_word(self, control: memoryview, index: int) -> None:
+        Raises ContextError for invalid values.
+
+        A missing (or None) key takes llama.cpp's default (n_ctx 512, n_batch 2048, n_ubatch 512,
+        n_seq_max 1, f16 cache, flash_attn "auto"), threads: build_info()["default_threads"],
+        n_threads_batch: n_threads. rope_freq_base/scale 0 = the model's. Unknown keys, wrong types,
+        n_ctx < 0, n_batch/n_ubatch/n_threads < 1, n_threads > 512, n_seq_max outside
+        [1, max_parallel_sequences], an n_ctx whose KV cache would not fit the machine's memory (CPU build)
+        or int32 positions, a vocab_only model, and llama.cpp refusing the context all raise ContextError."""
+    def set_interrupt_word(self, control: memoryview | None, index: int = 0) -> None:
         """Points the context at the aligned u64 control[index*8:(index+1)*8]. While a call that decodes
         runs with request id R, it stops as soon as the word equals R: between tokens, and inside
-        llama_decode through llama.cpp's abort callback. Keeps a reference to the buffer."""
+        llama_decode through llama.cpp's abort callback. Keeps a reference to the buffer.
+
+        Any C-contiguous buffer works. The buffer export is held until the next call or the context is
+        freed (a SharedMemory cannot close while it is): set_interrupt_word(None) releases it.
+        ValueError if the word is past the end or not 8-byte aligned."""
     def n_past(self) -> int:
         """Tokens in the KV cache of sequence 0 (the length of the context's token history)."""
     def tokens(self) -> list[int]:
@@ -70,10 +100,15 @@ class Context:
         """Decodes tokens at the end of sequence 0 in n_batch chunks without sampling; logits only for the
         last position. -> {n_tokens, n_past, interrupted, prompt_ms}. On interrupt the KV is trimmed back to
         the last whole chunk, so n_past always matches what is cached. Raises InvalidTokenError,
-        ContextOverflowError (more tokens than n_ctx has room for: nothing is decoded), DecodeError."""
+        ContextOverflowError (more tokens than n_ctx has room for: nothing is decoded), DecodeError.
+
+        n_tokens: how many of these tokens are now in the cache (fewer than given when interrupted).
+        (With an SWA cache without swa_full, trimming may have to clear the whole cache: n_past says.)"""
     def logits_into(self, out: memoryview) -> None:
         """Copies the logits of the last decoded position (n_vocab float32) into out (writable, C-contiguous,
-        at least n_vocab * 4 bytes). Raises LloyalError when nothing has been decoded yet."""
+        at least n_vocab * 4 bytes). Raises LloyalError when nothing has been decoded yet (also after a
+        reset, or a decode that was interrupted), ValueError when out is too small, BufferError when it
+        is read-only or not contiguous."""
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -98,4 +133,32 @@ class Context:
             prompt_ms, decode_ms}.
         Raises InvalidTokenError, ContextOverflowError (prompt longer than the room in n_ctx),
         GrammarError (grammar does not parse), DecodeError; an exception from on_piece propagates after the
-        KV is left consistent."""
+        KV is left consistent.
+
+        Details:
+          - A key present with value None counts as missing; an unknown key is a ValueError. seed must be
+            in [0, 2**32-2] (llama.cpp reads 0xFFFFFFFF as "random"). repeat_last_n -1: the whole context.
+            stop may also be one str; empty stop strings are a ValueError. logit_bias values: finite or
+            -inf. ignore_eos bans every EOG token (bias -inf), not only eos.
+          - temperature <= 0 wins over mirostat (greedy). Sampler order: logit_bias, penalties, grammar,
+            then greedy | temp+mirostat | top_k, typical, top_p, min_p, temp, dist(seed). The penalties
+            also see the context's last repeat_last_n tokens before the generation (prompt included).
+          - Everything that can be refused (params, tokens, grammar, overflow) is refused before the KV
+            cache is touched.
+          - cache_prompt: the prompt is the whole intended context; the longest common prefix with the
+            history is kept (at least one prompt token is decoded again for fresh logits; if the cache
+            cannot keep that prefix it is cleared and the whole prompt decoded), n_cached = tokens kept.
+            Without it the prompt is appended to the history and n_cached is 0.
+            llama.cpp's CPU kernels are not batch-invariant (a row's logits depend on the ubatch it was
+            computed in), so re-decoding just the tail of a cached prompt can change a greedy result.
+            When the cache up to the start of the ubatch that holds the prefix's end is exactly what a
+            decode from scratch produces, the prefix is cut back to that ubatch start (< n_ubatch more
+            tokens to decode) and the result equals an uncached run; otherwise (generated tokens in the
+            prefix) the whole prefix is kept. Chunks are aligned to multiples of n_batch from position 0.
+          - tokens: the generated tokens, excluding a final EOG token (which is not in text either), but
+            including the token that completed a stop string (the stop string and what follows it are
+            cut from text). Every token in tokens is also decoded, so afterwards the history is prompt +
+            tokens and generate("") continues exactly. n_decoded counts sampled tokens, the EOG included.
+          - "length": n_predict reached, or no room left to decode another token.
+          - Also in the result: n_past (the history length afterwards).
+          - ValueError for an empty prompt on an empty context."""
