@@ -58,52 +58,62 @@ def _prompt_tokens(n_vocab: int, bos: int) -> list[int]:
     return [bos] + [rng.randrange(n_vocab) for _ in range(N_PROMPT - 1)]
 
 
-def bench_pool(model_path: Path, threads: int, reps: int) -> dict[str, float]:
-    from lloyal_pool import Pool
+class PoolRunner:
+    """The library as users run it: requests to a worker process."""
 
-    with Pool(1) as pool:
-        model = pool[0].load_model(model_path)
-        prompt = _prompt_tokens(model.n_vocab, model.info.bos)
-        pp_ctx = model.new_context(n_ctx=N_PROMPT, n_batch=2048, n_ubatch=512, n_threads=threads)
-        tg_ctx = model.new_context(n_ctx=N_GEN + 1, n_threads=threads)
-        pp, tg = [], []
-        for i in range(reps + 1):  # the first round warms caches, as llama-bench's warm-up run does
-            pp_ctx.reset()
-            t0 = time.perf_counter()
-            pp_ctx.eval(prompt)
-            pp_s = time.perf_counter() - t0
-            tg_ctx.reset()
-            t0 = time.perf_counter()
-            r = tg_ctx.generate([model.info.bos], n_predict=N_GEN, ignore_eos=True)
-            tg_s = time.perf_counter() - t0 - r.prompt_ms / 1000.0
-            if i:
-                pp.append(N_PROMPT / pp_s)
-                tg.append(r.n_decoded / tg_s)
-    return {"pp_tps": statistics.median(pp), "tg_tps": statistics.median(tg)}
+    def __init__(self, model_path: Path, threads: int) -> None:
+        from lloyal_pool import Pool
 
+        self.pool = Pool(1)
+        model = self.pool[0].load_model(model_path)
+        self.bos = model.info.bos
+        self.prompt = _prompt_tokens(model.n_vocab, self.bos)
+        self.pp_ctx = model.new_context(n_ctx=N_PROMPT, n_batch=2048, n_ubatch=512, n_threads=threads)
+        self.tg_ctx = model.new_context(n_ctx=N_GEN + 1, n_threads=threads)
 
-def bench_inprocess(model_path: Path, threads: int, reps: int) -> dict[str, float]:
-    import lloyal_pool.worker._native_cpu as native
-
-    model = native.Model(str(model_path))
-    info = model.info()
-    prompt = _prompt_tokens(int(info["n_vocab"]), int(info["bos"]))
-    pp_ctx = native.Context(model, {"n_ctx": N_PROMPT, "n_batch": 2048, "n_ubatch": 512, "n_threads": threads})
-    tg_ctx = native.Context(model, {"n_ctx": N_GEN + 1, "n_threads": threads})
-    pp, tg = [], []
-    for i in range(reps + 1):
-        pp_ctx.reset()
+    def once(self) -> tuple[float, float]:
+        self.pp_ctx.reset()
         t0 = time.perf_counter()
-        pp_ctx.eval(prompt)
+        self.pp_ctx.eval(self.prompt)
         pp_s = time.perf_counter() - t0
-        tg_ctx.reset()
+        self.tg_ctx.reset()
         t0 = time.perf_counter()
-        r = tg_ctx.generate([int(info["bos"])], {"n_predict": N_GEN, "ignore_eos": True})
+        r = self.tg_ctx.generate([self.bos], n_predict=N_GEN, ignore_eos=True)
+        # Wall clock of the whole request, less the one-token prompt the worker itself timed.
+        tg_s = time.perf_counter() - t0 - r.prompt_ms / 1000.0
+        return N_PROMPT / pp_s, r.n_decoded / tg_s
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class InProcessRunner:
+    """The same native code, called directly in this process."""
+
+    def __init__(self, model_path: Path, threads: int) -> None:
+        import lloyal_pool.worker._native_cpu as native
+
+        self.model = native.Model(str(model_path))
+        info = self.model.info()
+        self.bos = int(info["bos"])
+        self.prompt = _prompt_tokens(int(info["n_vocab"]), self.bos)
+        self.pp_ctx = native.Context(self.model, {"n_ctx": N_PROMPT, "n_batch": 2048, "n_ubatch": 512,
+                                                  "n_threads": threads})
+        self.tg_ctx = native.Context(self.model, {"n_ctx": N_GEN + 1, "n_threads": threads})
+
+    def once(self) -> tuple[float, float]:
+        self.pp_ctx.reset()
+        t0 = time.perf_counter()
+        self.pp_ctx.eval(self.prompt)
+        pp_s = time.perf_counter() - t0
+        self.tg_ctx.reset()
+        t0 = time.perf_counter()
+        r = self.tg_ctx.generate([self.bos], {"n_predict": N_GEN, "ignore_eos": True})
         tg_s = time.perf_counter() - t0 - float(r["prompt_ms"]) / 1000.0
-        if i:
-            pp.append(N_PROMPT / pp_s)
-            tg.append(int(r["n_decoded"]) / tg_s)
-    return {"pp_tps": statistics.median(pp), "tg_tps": statistics.median(tg)}
+        return N_PROMPT / pp_s, int(r["n_decoded"]) / tg_s
+
+    def close(self) -> None:
+        pass
 
 
 def main() -> int:
@@ -112,7 +122,13 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("-r", "--reps", type=int, default=5)
     ap.add_argument("--json-out", help="also write the JSON here")
+    ap.add_argument("--in-process-round", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.in_process_round:  # one warmed-up measurement, printed as [pp, tg]
+        runner = InProcessRunner(Path(args.model), args.threads)
+        runner.once()
+        print(json.dumps(runner.once()))
+        return 0
     if args.model:
         model = Path(args.model)
     else:
@@ -120,10 +136,32 @@ def main() -> int:
 
         model = default_model_path()
 
-    # Interleave nothing: each runner gets the machine to itself, llama-bench first.
-    ref = llama_bench(model, args.threads, args.reps)
-    inproc = bench_inprocess(model, args.threads, args.reps)
-    pool = bench_pool(model, args.threads, args.reps)
+    # The machines this runs on are noisy, so the runners take turns, round after round, and each
+    # figure is the median over rounds: a slow stretch hurts all three alike instead of one.
+    # The in-process runner gets a process of its own each round, as llama-bench does, so that no
+    # native thread pool of it lingers in this process while the pool's worker is measured.
+    pool_runner = PoolRunner(model, args.threads)
+    pool_runner.once()  # warm-up, as llama-bench's own warm-up run
+    rows: dict[str, list[tuple[float, float]]] = {"llama_bench": [], "in_process": [], "pool": []}
+    for _ in range(args.reps):
+        b = llama_bench(model, args.threads, 1)
+        rows["llama_bench"].append((b["pp_tps"], b["tg_tps"]))
+        out = subprocess.run([sys.executable, __file__, "--in-process-round", "-m", str(model), "-t",
+                              str(args.threads)], capture_output=True, text=True, check=True)
+        rows["in_process"].append(tuple(json.loads(out.stdout.strip().splitlines()[-1])))  # type: ignore[arg-type]
+        rows["pool"].append(pool_runner.once())
+    pool_runner.close()
+
+    def med(name: str) -> dict[str, float]:
+        return {"pp_tps": statistics.median(r[0] for r in rows[name]),
+                "tg_tps": statistics.median(r[1] for r in rows[name])}
+
+    ref, inproc, pool = med("llama_bench"), med("in_process"), med("pool")
+
+    def paired(name: str, i: int) -> float:
+        # Each round's ratio against the llama-bench run right before it, then the median: the
+        # machine's slow and fast stretches cancel within a round.
+        return statistics.median(a[i] / b[i] for a, b in zip(rows[name], rows["llama_bench"], strict=True))
     report: dict[str, Any] = {
         "model": model.name, "threads": args.threads, "reps": args.reps, "n_prompt": N_PROMPT, "n_gen": N_GEN,
         "llama_bench": ref, "in_process": inproc, "pool": pool,
@@ -134,6 +172,12 @@ def main() -> int:
             "in_process_vs_llama_bench_pp": inproc["pp_tps"] / ref["pp_tps"],
             "pool_vs_in_process_tg": pool["tg_tps"] / inproc["tg_tps"],
         },
+        "paired_ratios": {
+            "pool_vs_llama_bench_tg": paired("pool", 1), "pool_vs_llama_bench_pp": paired("pool", 0),
+            "in_process_vs_llama_bench_tg": paired("in_process", 1),
+            "in_process_vs_llama_bench_pp": paired("in_process", 0),
+        },
+        "rounds": rows,
         "targets": {"pool_vs_llama_bench_tg": 0.97, "pool_vs_llama_bench_pp": 0.95},
     }
     text = json.dumps(report, indent=2)
@@ -143,9 +187,11 @@ def main() -> int:
     print(f"\n{'runner':<12} {'pp512 tok/s':>12} {'tg128 tok/s':>12}")
     for name, row in (("llama-bench", ref), ("in-process", inproc), ("pool", pool)):
         print(f"{name:<12} {row['pp_tps']:>12.1f} {row['tg_tps']:>12.1f}")
-    r = report["ratios"]
+    r, pr = report["ratios"], report["paired_ratios"]
     print(f"{'pool/bench':<12} {r['pool_vs_llama_bench_pp']:>11.3f}x {r['pool_vs_llama_bench_tg']:>11.3f}x"
-          "   (targets 0.95x / 0.97x)")
+          "   ratio of medians")
+    print(f"{'pool/bench':<12} {pr['pool_vs_llama_bench_pp']:>11.3f}x {pr['pool_vs_llama_bench_tg']:>11.3f}x"
+          "   median of per-round ratios (targets 0.95x / 0.97x)")
     return 0
 
 

@@ -268,6 +268,18 @@ sampler_chain::sampler_chain(const gen_params & p, const Model & model, uint32_t
         // Greedy: no truncation samplers, no RNG. With nothing else enabled the chain is [greedy],
         // exactly what llama.cpp's examples/simple runs.
         llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
+        if (penalties_ == nullptr) {
+            // The chain is [logit_bias?, greedy]: stateless, so its choice can be computed directly.
+            // Filling a 262k-entry candidate array per token costs ~0.5 ms, 4% of a Gemma 270M step.
+            direct_argmax_ = true;
+            bias_ = bias;
+            if (!bias_.empty()) {
+                biased_.assign(static_cast<size_t>(n_vocab_), 0);
+                for (const auto & b : bias_) {
+                    biased_[static_cast<size_t>(b.token)] = 1;
+                }
+            }
+        }
         return;
     }
     if (p.mirostat == 1 || p.mirostat == 2) {
@@ -318,12 +330,74 @@ void sampler_chain::prime_penalties(const std::vector<llama_token> & history, si
     }
 }
 
+namespace {
+
+// Index of the first maximum (NaNs never win), or LLAMA_TOKEN_NULL. The max is a vectorised reduction
+// and the index a scan that stops at it: about 4x faster than one branchy pass over 262k logits.
+llama_token first_argmax(const float * x, int32_t n) {
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int32_t i = 0; i < n; ++i) {
+        m = x[i] > m ? x[i] : m;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        if (x[i] == m) {
+            return i;
+        }
+    }
+    return LLAMA_TOKEN_NULL;
+}
+
+}  // namespace
+
+llama_token sampler_chain::argmax(const float * logits) const {
+    // The same choice as llama.cpp's logit_bias + greedy samplers: biases add up per token (a token
+    // may appear more than once), and the first maximum wins; -inf everywhere means nothing allowed.
+    llama_token best = first_argmax(logits, n_vocab_);
+    float best_v = best == LLAMA_TOKEN_NULL ? -std::numeric_limits<float>::infinity() : logits[best];
+    if (best != LLAMA_TOKEN_NULL && !biased_.empty() && biased_[static_cast<size_t>(best)]) {
+        // The raw winner carries a bias (typically a banned EOG): find the best unbiased token.
+        best = LLAMA_TOKEN_NULL;
+        best_v = -std::numeric_limits<float>::infinity();
+        for (llama_token t = 0; t < n_vocab_; ++t) {
+            if (!biased_[static_cast<size_t>(t)] && logits[t] > best_v) {
+                best_v = logits[t];
+                best = t;
+            }
+        }
+    }
+    for (size_t i = 0; i < bias_.size(); ++i) {
+        const llama_token t = bias_[i].token;
+        bool first = true;  // sum each token's biases once, at its first entry
+        for (size_t j = 0; j < i; ++j) {
+            first = first && bias_[j].token != t;
+        }
+        if (!first) {
+            continue;
+        }
+        float v = logits[t];
+        for (size_t j = i; j < bias_.size(); ++j) {
+            if (bias_[j].token == t) {
+                v += bias_[j].bias;
+            }
+        }
+        if (v > best_v || (v == best_v && best != LLAMA_TOKEN_NULL && t < best)) {
+            best_v = v;
+            best = t;
+        }
+    }
+    return best_v == -std::numeric_limits<float>::infinity() ? LLAMA_TOKEN_NULL : best;
+}
+
 llama_token sampler_chain::sample(llama_context * ctx) {
     // llama_sampler_sample() does this too, but GGML_ASSERTs (aborting the process) where we
     // would rather report, and it cannot tell "nothing allowed" from a real choice.
     const float * logits = llama_get_logits_ith(ctx, -1);
     if (logits == nullptr) {
         throw lloyal_error("no logits to sample from");
+    }
+    if (direct_argmax_ && grammar_ == nullptr) {
+        return argmax(logits);  // stateless chain: nothing to accept
     }
     auto fill = [&] {
         cur_.resize(static_cast<size_t>(n_vocab_));

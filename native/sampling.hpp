@@ -67,6 +67,12 @@ class sampler_chain {
     bool has_grammar_ = false;
     int32_t n_vocab_ = 0;
     std::vector<llama_token_data> cur_;
+    // Greedy without penalties: the choice is the argmax of logits + bias, computed in place.
+    bool direct_argmax_ = false;
+    std::vector<llama_logit_bias> bias_;
+    std::vector<uint8_t> biased_;  // n_vocab flags, only when bias_ is not empty
+
+    llama_token argmax(const float * logits) const;
 };
 
 }  // namespace lloyal
