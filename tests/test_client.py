@@ -1,0 +1,70 @@
+"""Client mechanics: load progress, per-worker figures, calls from many threads, the pool's lifecycle."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from lloyal_pool import Model, Pool, PoolClosedError
+
+
+def test_load_progress_reaches_the_callback(pool: Pool, tiny_model: Path) -> None:
+    seen: list[float] = []
+    model = pool[1].load_model(tiny_model, progress=seen.append)
+    try:
+        assert seen and seen[-1] == 1.0
+        assert seen == sorted(seen) and all(0.0 <= f <= 1.0 for f in seen)
+    finally:
+        model.close()
+
+
+def test_worker_figures(pool: Pool) -> None:
+    stats = pool.stats()
+    assert [s["worker_id"] for s in stats] == [pool[0].worker_id, pool[1].worker_id]
+    for s in stats:
+        assert s["state"] == "alive" and s["rss"] > 10 << 20 and s["num_threads"] >= 1
+        assert s["variant"] == "cpu" and "user" in s["cpu_times"]
+    info = pool[0].build_info
+    assert info["llama_cpp"] and info["default_threads"] >= 1
+
+
+def test_many_threads_share_a_worker(tiny: Model) -> None:
+    # Each thread has its own context on the same worker; results equal a sequential run.
+    contexts = [tiny.new_context(n_ctx=128) for _ in range(6)]
+    prompts = [f"Prompt number {i}" for i in range(6)]
+    try:
+        expected = [c.generate(p, n_predict=12).tokens for c, p in zip(contexts, prompts, strict=True)]
+        for c in contexts:
+            c.reset()
+        with ThreadPoolExecutor(6) as ex:
+            got = list(ex.map(lambda cp: cp[0].generate(cp[1], n_predict=12).tokens,
+                              zip(contexts, prompts, strict=True)))
+        assert got == expected
+    finally:
+        for c in contexts:
+            c.close()
+
+
+def test_calls_on_one_context_run_in_order(tiny: Model) -> None:
+    ctx = tiny.new_context(n_ctx=256)
+    try:
+        futs = [ctx.eval_async([1, 100 + i]) if i == 0 else ctx.eval_async([100 + i]) for i in range(20)]
+        n_past = [f.result().n_past for f in futs]
+        assert n_past == list(range(2, 22))
+        assert ctx.tokens() == [1] + [100 + i for i in range(20)]
+    finally:
+        ctx.close()
+
+
+def test_closed_pool_refuses_calls(tiny_model: Path) -> None:
+    pool = Pool(1)
+    model = pool[0].load_model(tiny_model)
+    pool.close()
+    pool.close()
+    assert pool.closed
+    with pytest.raises(PoolClosedError):
+        model.tokenize("hello")
+    with pytest.raises(PoolClosedError):
+        pool.replace(0)
