@@ -138,10 +138,10 @@ def main() -> int:
 
     # The machines this runs on are noisy, so the runners take turns, round after round, and each
     # figure is the median over rounds: a slow stretch hurts all three alike instead of one.
-    # The in-process runner gets a process of its own each round, as llama-bench does, so that no
-    # native thread pool of it lingers in this process while the pool's worker is measured.
-    pool_runner = PoolRunner(model, args.threads)
-    pool_runner.once()  # warm-up, as llama-bench's own warm-up run
+    # Every runner starts afresh each round, as llama-bench does: the in-process one in a subprocess
+    # of its own (no native thread pool of it lingers here), the pool as a new Pool. A worker left
+    # idle between rounds is measured slower on machines that reclaim idle memory (DAMON pageout on
+    # these VMs evicts its mapped model pages), which says nothing about the pool's overhead.
     rows: dict[str, list[tuple[float, float]]] = {"llama_bench": [], "in_process": [], "pool": []}
     for _ in range(args.reps):
         b = llama_bench(model, args.threads, 1)
@@ -149,8 +149,10 @@ def main() -> int:
         out = subprocess.run([sys.executable, __file__, "--in-process-round", "-m", str(model), "-t",
                               str(args.threads)], capture_output=True, text=True, check=True)
         rows["in_process"].append(tuple(json.loads(out.stdout.strip().splitlines()[-1])))  # type: ignore[arg-type]
+        pool_runner = PoolRunner(model, args.threads)
+        pool_runner.once()  # each runner warms up every round, as llama-bench does before each test
         rows["pool"].append(pool_runner.once())
-    pool_runner.close()
+        pool_runner.close()
 
     def med(name: str) -> dict[str, float]:
         return {"pp_tps": statistics.median(r[0] for r in rows[name]),

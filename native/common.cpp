@@ -29,6 +29,22 @@ held_buffer::~held_buffer() {
     }
 }
 
+bool index_to_ll(py::handle obj, long long & out, std::string * text) {
+    py::object idx = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+    if (!idx) {
+        throw py::error_already_set();
+    }
+    if (text != nullptr) {
+        *text = py::str(idx).cast<std::string>();
+    }
+    int overflow = 0;
+    out = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
+    if (out == -1 && PyErr_Occurred()) {
+        throw py::error_already_set();
+    }
+    return overflow == 0;
+}
+
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
                std::chrono::steady_clock::now().time_since_epoch())

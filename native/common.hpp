@@ -60,6 +60,26 @@ std::string log_errors_since(uint64_t mark, size_t max_lines = 3);
 void log_abort_begin();
 void log_abort_end();
 
+// An int-like Python object (anything with __index__, numpy integers included; floats refused with
+// TypeError) as a long long. Returns false when it does not fit one; `text` gets its repr for messages.
+bool index_to_ll(py::handle obj, long long & out, std::string * text = nullptr);
+
+// A dict value that must be an int (bools refused, NotInt raised) in [lo, hi] (else OutOfRange).
+template <class NotInt, class OutOfRange>
+int64_t dict_int(const py::dict & d, const char * key, int64_t lo, int64_t hi, const std::string & what) {
+    py::handle v = d[key];
+    if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) {
+        throw NotInt(what + " must be an int");
+    }
+    long long x = 0;
+    std::string text;
+    if (!index_to_ll(v, x, &text) || x < lo || x > hi) {
+        throw OutOfRange(std::string(key) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                         "], got " + text);
+    }
+    return x;
+}
+
 // Threads a context uses unless told otherwise (backend.cpp).
 int default_threads();
 

@@ -26,24 +26,7 @@ const std::set<std::string> & known_context_keys() {
 }
 
 int64_t ctx_int(const py::dict & d, const char * key, int64_t lo, int64_t hi) {
-    py::object v = d[key];
-    if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) {
-        throw context_error(std::string(key) + " must be an int");
-    }
-    py::object idx = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
-    if (!idx) {
-        throw py::error_already_set();
-    }
-    int overflow = 0;
-    const long long x = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
-    if (x == -1 && PyErr_Occurred()) {
-        throw py::error_already_set();
-    }
-    if (overflow != 0 || x < lo || x > hi) {
-        throw context_error(std::string(key) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                            "], got " + py::str(idx).cast<std::string>());
-    }
-    return x;
+    return dict_int<context_error, context_error>(d, key, lo, hi, key);
 }
 
 float ctx_float(const py::dict & d, const char * key) {

@@ -274,18 +274,10 @@ std::string Model::apply_chat_template(const std::vector<std::pair<std::string, 
 
 llama_token token_from_py(py::handle obj, const Model & model) {
     // __index__ accepts numpy integers too, and refuses floats.
-    py::object idx = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
-    if (!idx) {
-        throw py::error_already_set();
-    }
-    int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
-    if (v == -1 && PyErr_Occurred()) {
-        throw py::error_already_set();
-    }
-    if (overflow != 0) {
-        throw invalid_token_error("token id " + py::str(idx).cast<std::string>() + " is outside [0, " +
-                                  std::to_string(model.n_vocab()) + ")");
+    long long v = 0;
+    std::string text;
+    if (!index_to_ll(obj, v, &text)) {
+        throw invalid_token_error("token id " + text + " is outside [0, " + std::to_string(model.n_vocab()) + ")");
     }
     model.check_token(v);
     return static_cast<llama_token>(v);
