@@ -144,15 +144,15 @@ def main() -> int:
     # these VMs evicts its mapped model pages), which says nothing about the pool's overhead.
     rows: dict[str, list[tuple[float, float]]] = {"llama_bench": [], "in_process": [], "pool": []}
     for _ in range(args.reps):
+        pool_runner = PoolRunner(model, args.threads)
+        pool_runner.once()  # each runner warms up every round, as llama-bench does before each test
+        rows["pool"].append(pool_runner.once())
+        pool_runner.close()
         b = llama_bench(model, args.threads, 1)
         rows["llama_bench"].append((b["pp_tps"], b["tg_tps"]))
         out = subprocess.run([sys.executable, __file__, "--in-process-round", "-m", str(model), "-t",
                               str(args.threads)], capture_output=True, text=True, check=True)
         rows["in_process"].append(tuple(json.loads(out.stdout.strip().splitlines()[-1])))  # type: ignore[arg-type]
-        pool_runner = PoolRunner(model, args.threads)
-        pool_runner.once()  # each runner warms up every round, as llama-bench does before each test
-        rows["pool"].append(pool_runner.once())
-        pool_runner.close()
 
     def med(name: str) -> dict[str, float]:
         return {"pp_tps": statistics.median(r[0] for r in rows[name]),
