@@ -63,6 +63,7 @@ class WorkerOptions:
     start_timeout: float = 60.0
     env: dict[str, str] = field(default_factory=dict)
     native_log_level: str = "warning"
+    threads: int | None = None  # a context's default n_threads in this worker
 
 
 @dataclass
@@ -138,6 +139,8 @@ class WorkerProcess:
                "--log-level", str(_LOG_LEVELS.get(options.native_log_level, 2))]
         if variants.strict_requested(options.strict_variant):
             cmd.append("--strict-variant")
+        if options.threads:
+            cmd += ["--threads", str(int(options.threads))]
         if options.memory_limit:
             cmd += ["--memory-limit", str(int(options.memory_limit))]
         pass_fds = [req_r, rep_w] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])

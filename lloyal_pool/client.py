@@ -77,6 +77,11 @@ class Instance:
         return str(self._proc.hello.get("variant"))
 
     @property
+    def threads(self) -> int:
+        """The n_threads a context in this worker gets unless it asks for another number."""
+        return int(self._proc.hello.get("threads", 0))
+
+    @property
     def build_info(self) -> dict[str, Any]:
         """What the handshake reported: llama.cpp build, system info, default threads."""
         return dict(self._proc.hello.get("build", {}))
@@ -375,13 +380,18 @@ class Pool:
     def __init__(self, size: int = 1, *, variant: str | None = None, strict_variant: bool | None = None,
                  shm_bytes: int = DEFAULT_SIZE, shm_backend: str = "auto", memory_limit: int | None = None,
                  start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
-                 native_log_level: str = "warning") -> None:
+                 native_log_level: str = "warning", threads_per_worker: int | None = None) -> None:
         if size < 1:
             raise ValueError(f"a Pool needs at least one worker, got size={size}")
+        if threads_per_worker is None:
+            # Workers that together ask for more threads than there are CPUs make llama.cpp's spinning
+            # thread barriers stall each other (10x slower on a loaded 2-core machine): share the CPUs.
+            threads_per_worker = max(1, len(os.sched_getaffinity(0)) // size) if hasattr(
+                os, "sched_getaffinity") else None
         self._options = WorkerOptions(variant=variant, strict_variant=strict_variant, shm_bytes=shm_bytes,
                                       shm_backend=shm_backend, memory_limit=memory_limit,
                                       start_timeout=start_timeout, env=dict(env or {}),
-                                      native_log_level=native_log_level)
+                                      native_log_level=native_log_level, threads=threads_per_worker)
         self._lock = threading.Lock()
         self._procs: list[WorkerProcess] = []
         self._all_procs: list[WorkerProcess] = []  # everything started, for the finalizer

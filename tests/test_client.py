@@ -68,3 +68,17 @@ def test_closed_pool_refuses_calls(tiny_model: Path) -> None:
         model.tokenize("hello")
     with pytest.raises(PoolClosedError):
         pool.replace(0)
+
+
+def test_workers_share_the_cpus_by_default(pool: Pool, tiny: Model) -> None:
+    import os
+
+    share = max(1, len(os.sched_getaffinity(0)) // len(pool))
+    assert [inst.threads for inst in pool] == [share] * len(pool)
+    ctx = tiny.new_context(n_ctx=64)
+    explicit = tiny.new_context(n_ctx=64, n_threads=3)
+    try:
+        assert (ctx.n_threads, explicit.n_threads) == (share, 3)
+    finally:
+        ctx.close()
+        explicit.close()

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict-variant", action="store_true")
     ap.add_argument("--memory-limit", type=int, default=0)
     ap.add_argument("--log-level", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="default n_threads of this worker's contexts")
     args = ap.parse_args(argv)
 
     sandbox.die_with_parent(args.parent_pid)
@@ -73,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         "requested_variant": args.variant,
         "fallback_reason": fallback,
         "build": native.build_info(),
+        "threads": args.threads or native.build_info()["default_threads"],
         "python": sys.version.split()[0],
     }
     if fallback:
         print(f"[worker] [startup] native variant {args.variant!r} unavailable, using "
               f"{native.variant!r}: {fallback}", file=sys.stderr, flush=True)
-    loop = WorkerLoop(Engine(native, region), rfd, wfd)
+    loop = WorkerLoop(Engine(native, region, default_threads=args.threads or None), rfd, wfd)
     try:
         loop.send(Kind.HELLO, 0, hello)
         return loop.run()

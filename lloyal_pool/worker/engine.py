@@ -39,9 +39,10 @@ class _ContextEntry:
 
 
 class Engine:
-    def __init__(self, native: ModuleType, region: Region) -> None:
+    def __init__(self, native: ModuleType, region: Region, default_threads: int | None = None) -> None:
         self.native = native
         self.region = region
+        self.default_threads = default_threads
         self._alloc = BlockAllocator(region.size)
         self._models: dict[int, _ModelEntry] = {}
         self._contexts: dict[int, _ContextEntry] = {}
@@ -119,6 +120,8 @@ class Engine:
             raise ContextError(f"a worker holds at most {INTERRUPT_SLOTS} contexts")
         logits_bytes = entry.n_vocab * 4
         offset = self._alloc.alloc(logits_bytes)
+        if self.default_threads and params.get("n_threads") is None:
+            params = {**params, "n_threads": self.default_threads}
         try:
             native = self.native.Context(entry.native, params)
         except BaseException:
