@@ -58,7 +58,40 @@ def _prompt_tokens(n_vocab: int, bos: int) -> list[int]:
     return [bos] + [rng.randrange(n_vocab) for _ in range(N_PROMPT - 1)]
 
 
-class PoolRunner:
+class Runner:
+    """One way of running the library; ``once`` times pp512 and tg128 the same way for every runner."""
+
+    bos: int
+    prompt: list[int]
+
+    pp_ctx: Any
+    tg_ctx: Any
+
+    def prefill(self) -> None:
+        """pp512 into the (empty) prefill context."""
+        raise NotImplementedError
+
+    def generate(self) -> tuple[int, float]:
+        """tg128 after a one-token prompt into the (empty) generation context -> (n_decoded, prompt_ms)."""
+        raise NotImplementedError
+
+    def once(self) -> tuple[float, float]:
+        self.pp_ctx.reset()  # outside the timing, as llama-bench clears its memory between runs
+        t0 = time.perf_counter()
+        self.prefill()
+        pp_s = time.perf_counter() - t0
+        self.tg_ctx.reset()
+        t0 = time.perf_counter()
+        n_decoded, prompt_ms = self.generate()
+        # Wall clock of the whole call, less the one-token prompt the native side timed.
+        tg_s = time.perf_counter() - t0 - prompt_ms / 1000.0
+        return N_PROMPT / pp_s, n_decoded / tg_s
+
+    def close(self) -> None:
+        pass
+
+
+class PoolRunner(Runner):
     """The library as users run it: requests to a worker process."""
 
     def __init__(self, model_path: Path, threads: int) -> None:
@@ -71,23 +104,18 @@ class PoolRunner:
         self.pp_ctx = model.new_context(n_ctx=N_PROMPT, n_batch=2048, n_ubatch=512, n_threads=threads)
         self.tg_ctx = model.new_context(n_ctx=N_GEN + 1, n_threads=threads)
 
-    def once(self) -> tuple[float, float]:
-        self.pp_ctx.reset()
-        t0 = time.perf_counter()
+    def prefill(self) -> None:
         self.pp_ctx.eval(self.prompt)
-        pp_s = time.perf_counter() - t0
-        self.tg_ctx.reset()
-        t0 = time.perf_counter()
+
+    def generate(self) -> tuple[int, float]:
         r = self.tg_ctx.generate([self.bos], n_predict=N_GEN, ignore_eos=True)
-        # Wall clock of the whole request, less the one-token prompt the worker itself timed.
-        tg_s = time.perf_counter() - t0 - r.prompt_ms / 1000.0
-        return N_PROMPT / pp_s, r.n_decoded / tg_s
+        return r.n_decoded, r.prompt_ms
 
     def close(self) -> None:
         self.pool.close()
 
 
-class InProcessRunner:
+class InProcessRunner(Runner):
     """The same native code, called directly in this process."""
 
     def __init__(self, model_path: Path, threads: int) -> None:
@@ -101,19 +129,12 @@ class InProcessRunner:
                                                   "n_threads": threads})
         self.tg_ctx = native.Context(self.model, {"n_ctx": N_GEN + 1, "n_threads": threads})
 
-    def once(self) -> tuple[float, float]:
-        self.pp_ctx.reset()
-        t0 = time.perf_counter()
+    def prefill(self) -> None:
         self.pp_ctx.eval(self.prompt)
-        pp_s = time.perf_counter() - t0
-        self.tg_ctx.reset()
-        t0 = time.perf_counter()
-        r = self.tg_ctx.generate([self.bos], {"n_predict": N_GEN, "ignore_eos": True})
-        tg_s = time.perf_counter() - t0 - float(r["prompt_ms"]) / 1000.0
-        return N_PROMPT / pp_s, int(r["n_decoded"]) / tg_s
 
-    def close(self) -> None:
-        pass
+    def generate(self) -> tuple[int, float]:
+        r = self.tg_ctx.generate([self.bos], {"n_predict": N_GEN, "ignore_eos": True})
+        return int(r["n_decoded"]), float(r["prompt_ms"])
 
 
 def main() -> int:

@@ -120,7 +120,8 @@ class WorkerProcess:
         self._write_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._dead: WorkerCrashedError | PoolClosedError | None = None
-        self._closing = False
+        self._closing = False  # close() was asked for: calls in flight end with PoolClosedError
+        self._closed = False
         self._dead_event = threading.Event()
         self._stderr_tail: collections.deque[str] = collections.deque()
         self._stderr_bytes = 0
@@ -367,9 +368,10 @@ class WorkerProcess:
     def close(self, timeout: float = 5.0) -> None:
         """SHUTDOWN, then EOF, then kill what is left; reaps everything and frees the region. Idempotent."""
         with self._lock:
-            if self._closing and self._req_w < 0:
+            if self._closed:
                 return
-            self._closing = self._closing or self._dead is None
+            self._closed = True
+            self._closing = self._dead is None
         deadline = time.monotonic() + timeout
         if self._req_w >= 0:
             try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -47,6 +48,18 @@ def _mapped(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
 
     fut.add_done_callback(done)
     return out
+
+
+def _forward(key: str, fn: Callable[[Any], None] | None) -> Callable[[dict[str, Any]], None] | None:
+    """An EVENT handler that passes ``event[key]`` to fn, for the events that carry it."""
+    if fn is None:
+        return None
+
+    def on_event(event: dict[str, Any]) -> None:
+        if key in event:
+            fn(event[key])
+
+    return on_event
 
 
 class Instance:
@@ -92,8 +105,6 @@ class Instance:
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds."""
-        import time
-
         t0 = time.perf_counter()
         self._call(Op.PING, {})[1].result(timeout)
         return time.perf_counter() - t0
@@ -105,15 +116,10 @@ class Instance:
 
     def load_model_async(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
                          vocab_only: bool = False, progress: ProgressCallback | None = None) -> Future[Model]:
-        on_event = None
-        if progress is not None:
-            def on_event(ev: dict[str, Any]) -> None:
-                if "progress" in ev:
-                    progress(float(ev["progress"]))
         abspath = os.path.abspath(os.fspath(path))
         args = {"path": abspath, "n_gpu_layers": int(n_gpu_layers),
                 "use_mmap": bool(use_mmap), "vocab_only": bool(vocab_only)}
-        _, fut = self._call(Op.LOAD_MODEL, args, on_event)
+        _, fut = self._call(Op.LOAD_MODEL, args, _forward("progress", progress))
         return _mapped(fut, lambda r: Model(self, self._proc, int(r["model"]), ModelInfo.from_wire(r["info"]), abspath))
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
@@ -215,10 +221,6 @@ class Stream:
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.future: Future[Result]
 
-    def _on_event(self, ev: dict[str, Any]) -> None:
-        if "piece" in ev:
-            self._q.put(ev["piece"])
-
     def _attach(self, fut: Future[Result]) -> None:
         self.future = fut
         fut.add_done_callback(lambda _: self._q.put(self._END))
@@ -285,13 +287,8 @@ class Context(_Handle):
     def generate_async(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                        on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Future[Result]:
         p = GenerateParams.of(params, overrides)
-        on_event = None
-        if on_piece is not None:
-            def on_event(ev: dict[str, Any]) -> None:
-                if "piece" in ev:
-                    on_piece(ev["piece"])
         fut = self._decode_call(Op.GENERATE, self._generate_args(prompt, p, stream=on_piece is not None),
-                                on_event)
+                                _forward("piece", on_piece))
         return _mapped(fut, Result.from_wire)
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None,
@@ -299,7 +296,8 @@ class Context(_Handle):
         """Like generate, but returns at once with an iterator over the pieces."""
         p = GenerateParams.of(params, overrides)
         s = Stream(self)
-        fut = self._decode_call(Op.GENERATE, self._generate_args(prompt, p, stream=True), s._on_event)
+        fut = self._decode_call(Op.GENERATE, self._generate_args(prompt, p, stream=True),
+                                _forward("piece", s._q.put))
         s._attach(_mapped(fut, Result.from_wire))
         return s
 

@@ -108,3 +108,13 @@ def test_block_allocator_reuses_and_reports_exhaustion() -> None:
     assert alloc.alloc(2 * PAGE) == a
     alloc.free(b, PAGE)
     assert alloc.alloc(PAGE) == b
+
+
+def test_worker_refuses_malformed_requests_as_protocol_errors() -> None:
+    from lloyal_pool.protocol import Op
+    from lloyal_pool.worker.loop import _parse_request
+
+    assert _parse_request(["ping", {}]) == (Op.PING, {})
+    for bad in (["no_such_op", {}], ["ping", [1]], "ping", ["ping"]):
+        with pytest.raises(errors.ProtocolError):
+            _parse_request(bad)

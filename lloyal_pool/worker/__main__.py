@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import Engine
     from .loop import WorkerLoop
 
+    build = native.build_info()
     hello: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
         "pid": os.getpid(),
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         "variant": native.variant,
         "requested_variant": args.variant,
         "fallback_reason": fallback,
-        "build": native.build_info(),
-        "threads": args.threads or native.build_info()["default_threads"],
+        "build": build,
+        "threads": args.threads or build["default_threads"],
         "python": sys.version.split()[0],
     }
     if fallback:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ..errors import ContextError, InvalidTokenError, LloyalError, ModelLoadError, StaleHandleError
+from ..errors import ContextError, LloyalError, ModelLoadError, StaleHandleError
 from ..shm import INTERRUPT_OFFSET, INTERRUPT_SLOTS, BlockAllocator, Region
 
 EventSink = Callable[[dict[str, Any]], None]
@@ -96,14 +96,10 @@ class Engine:
 
     def detokenize(self, model: int, tokens: Sequence[int], remove_special: bool = False,
                    unparse_special: bool = False) -> str:
-        entry = self._model(model)
-        _check_tokens(tokens, entry.n_vocab)
-        return str(entry.native.detokenize(tokens, remove_special, unparse_special))
+        return str(self._model(model).native.detokenize(tokens, remove_special, unparse_special))
 
     def token_to_piece(self, model: int, token: int, special: bool = True) -> bytes:
-        entry = self._model(model)
-        _check_tokens([token], entry.n_vocab)
-        return bytes(entry.native.token_to_piece(token, special))
+        return bytes(self._model(model).native.token_to_piece(token, special))
 
     def apply_chat_template(self, model: int, messages: Sequence[Sequence[str]], template: str | None = None,
                             add_assistant: bool = True) -> str:
@@ -154,16 +150,12 @@ class Engine:
             if add_special is None:
                 add_special = entry.native.n_past() == 0
             tokens = self.tokenize(entry.model_id, text, add_special, parse_special)
-        toks = list(tokens or [])
-        _check_tokens(toks, self._models[entry.model_id].n_vocab)
-        return dict(entry.native.eval(toks, request_id))
+        # Token ids are checked (InvalidTokenError) by the native side, before anything is decoded.
+        return dict(entry.native.eval(tokens or [], request_id))
 
     def generate(self, context: int, prompt: str | Sequence[int], params: dict[str, Any], request_id: int = 0,
                  stream: bool = False, emit: EventSink | None = None) -> dict[str, Any]:
         entry = self._context(context)
-        if not isinstance(prompt, str):
-            prompt = list(prompt)
-            _check_tokens(prompt, self._models[entry.model_id].n_vocab)
         on_piece = None
         if stream and emit is not None:
             def on_piece(piece: str) -> None:
@@ -184,12 +176,6 @@ class Engine:
     def close(self) -> None:
         for model in list(self._models):
             self.free_model(model)
-
-
-def _check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
-    for t in tokens:
-        if not isinstance(t, int) or not 0 <= t < n_vocab:
-            raise InvalidTokenError(f"token id {t!r} is outside the vocabulary [0, {n_vocab})")
 
 
 def _check_gguf_file(path: str) -> None:

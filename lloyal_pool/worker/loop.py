@@ -69,6 +69,15 @@ HANDLERS: dict[Op, Handler] = {
 }
 
 
+def _parse_request(payload: Any) -> tuple[Op, dict[str, Any]]:
+    if not (isinstance(payload, list) and len(payload) == 2 and isinstance(payload[1], dict)):
+        raise ProtocolError("a request payload must be [operation, {arguments}]")
+    try:
+        return Op(payload[0]), payload[1]
+    except ValueError:
+        raise ProtocolError(f"unknown operation {payload[0]!r}") from None
+
+
 class WorkerLoop:
     def __init__(self, engine: Engine, rfd: int, wfd: int) -> None:
         self.engine = engine
@@ -99,20 +108,11 @@ class WorkerLoop:
             self.send(Kind.EVENT, req_id, event)
 
         try:
-            op_name, args = payload
-            op = Op(op_name)
-            if not isinstance(args, dict):
-                raise ProtocolError(f"arguments of {op_name!r} must be a map")
+            op, args = _parse_request(payload)
             result = HANDLERS[op](self.engine, args, req_id, emit)
-        except (BrokenPipeError, PeerClosed):
+        except (BrokenPipeError, PeerClosed, KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as exc:
-            if isinstance(exc, ValueError) and "is not a valid Op" in str(exc):
-                exc = ProtocolError(f"unknown operation {payload[0]!r}")
-            elif isinstance(exc, TypeError) and "argument" in str(exc):
-                exc = ProtocolError(f"bad arguments for {payload[0]!r}: {exc}")
-            elif isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
+        except BaseException as exc:  # every request failure becomes an ERROR frame
             self.send(Kind.ERROR, req_id, error_payload(exc, traceback.format_exc()))
             return
         self.send(Kind.RESPONSE, req_id, result)
