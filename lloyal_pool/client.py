@@ -65,8 +65,7 @@ def _forward(key: str, fn: Callable[[Any], None] | None) -> Callable[[dict[str, 
 class Instance:
     """One worker process: an isolated engine that may hold several models and many contexts."""
 
-    def __init__(self, pool: Pool, proc: WorkerProcess) -> None:
-        self._pool = pool
+    def __init__(self, proc: WorkerProcess) -> None:
         self._proc = proc
 
     def __repr__(self) -> str:
@@ -391,21 +390,19 @@ class Pool:
                                       start_timeout=start_timeout, env=dict(env or {}),
                                       native_log_level=native_log_level, threads=threads_per_worker)
         self._lock = threading.Lock()
-        self._procs: list[WorkerProcess] = []
         self._all_procs: list[WorkerProcess] = []  # everything started, for the finalizer
         self._instances: list[Instance] = []
         self._closed = False
         self._next_worker_id = 0
         self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0)
         try:
-            for _ in range(size):  # start them all, then wait: start-ups overlap
-                self._procs.append(self._spawn())
-            for proc in self._procs:
+            procs = [self._spawn() for _ in range(size)]  # start them all, then wait: start-ups overlap
+            for proc in procs:
                 proc.wait_ready()
         except BaseException:
             self.close()
             raise
-        self._instances = [Instance(self, p) for p in self._procs]
+        self._instances = [Instance(p) for p in procs]
 
     def _spawn(self) -> WorkerProcess:
         with self._lock:
@@ -440,13 +437,12 @@ class Pool:
         if self._closed:
             raise PoolClosedError("the pool is closed")
         index = instance if isinstance(instance, int) else self._instances.index(instance)
-        old = self._procs[index]
+        old = self._instances[index]._proc
         old.close(timeout=2.0)
         proc = self._spawn()
         proc.wait_ready()
         with self._lock:
-            self._procs[index] = proc
-            self._instances[index] = Instance(self, proc)
+            self._instances[index] = Instance(proc)
             self._all_procs.remove(old)
         return self._instances[index]
 
