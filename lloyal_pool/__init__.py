@@ -3,12 +3,16 @@ this process never loads llama.cpp."""
 
 from __future__ import annotations
 
+from . import metrics
+from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
 from .client import Context, Instance, Model, Pool, Stream
 from .errors import (
+    BranchError,
     ContextError,
     ContextOverflowError,
     DecodeError,
     GrammarError,
+    InterruptedByClient,
     InvalidTokenError,
     LloyalError,
     ModelLoadError,
@@ -21,15 +25,57 @@ from .errors import (
     WorkerStartupError,
 )
 from .models import default_model_path
-from .params import ContextParams, EvalResult, GenerateParams, ModelInfo, Result, StopReason
+from .params import (
+    ContextParams,
+    EvalResult,
+    GenerateParams,
+    Grammar,
+    ModelInfo,
+    Result,
+    SamplerParams,
+    StopReason,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Context", "ContextError", "ContextOverflowError", "ContextParams", "DecodeError", "EvalResult",
-    "GenerateParams", "GrammarError", "Instance", "InvalidTokenError", "LloyalError", "Model", "ModelInfo",
-    "ModelLoadError", "Pool", "PoolClosedError", "ProtocolError", "RemoteError", "Result", "StaleHandleError",
-    "StopReason", "Stream", "WorkerCrashedError", "WorkerError", "WorkerStartupError", "default_model_path",
+    "KV",
+    "Branch",
+    "BranchError",
+    "BranchInfo",
+    "BranchStore",
+    "Context",
+    "ContextError",
+    "ContextOverflowError",
+    "ContextParams",
+    "DecodeError",
+    "EvalResult",
+    "GenerateParams",
+    "Grammar",
+    "GrammarError",
+    "Instance",
+    "InterruptedByClient",
+    "InvalidTokenError",
+    "KVPressure",
+    "LloyalError",
+    "Model",
+    "ModelInfo",
+    "ModelLoadError",
+    "Pool",
+    "PoolClosedError",
+    "Produced",
+    "ProtocolError",
+    "RemoteError",
+    "Result",
+    "SamplerParams",
+    "StaleHandleError",
+    "StopReason",
+    "Stream",
+    "WorkerCrashedError",
+    "WorkerError",
+    "WorkerStartupError",
+    "default_model_path",
+    "metrics",
 ]
 
 

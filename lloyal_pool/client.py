@@ -24,8 +24,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ._process import WorkerOptions, WorkerProcess
+from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import PoolClosedError, StaleHandleError
-from .params import ContextParams, EvalResult, GenerateParams, ModelInfo, Result
+from .params import ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams
 from .protocol import Op
 from .shm import DEFAULT_SIZE
 
@@ -260,6 +261,8 @@ class Context(_Handle):
         self._n_vocab = int(desc["n_vocab"])
         self._active: list[int] = []  # request ids of decodes in flight, oldest first
         self._active_lock = threading.Lock()
+        self.branches = BranchStore(self)
+        self.kv = KV(self)
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx} worker={self.instance.worker_id} handle={self._handle}>"
@@ -343,13 +346,30 @@ class Context(_Handle):
         return list(self._call(Op.TOKENS, {"context": self._handle})[1].result())
 
     def reset(self) -> None:
-        """Clears the KV cache: the next generation starts from nothing."""
+        """Clears the KV cache: the next generation starts from nothing. Every branch is released."""
         self._call(Op.RESET, {"context": self._handle})[1].result()
+        self.branches._forget_all()
+
+    # -- branches -------------------------------------------------------------------------------------
+    def branch(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
+               grammar: GrammarLike = None, **overrides: Any) -> Branch:
+        """A root branch at position 0 with its own sampler (keyword overrides are SamplerParams fields)
+        and grammar, prompt prefilled (text gets the model's BOS). Needs a context without a plain
+        eval/generate history; forks need n_seq_max > 1."""
+        return self.branches.create(prompt, params, grammar=grammar, **overrides)
+
+    def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> None:
+        """Infinite context for a single branch (BlinkKV): clears the whole KV cache and decodes sinks at
+        position 0, then tail, into the context's only branch, which keeps its handle, sampler, grammar
+        and perplexity; its position becomes len(sinks) + len(tail)."""
+        args = {"context": self._handle, "sinks": [int(t) for t in sinks], "tail": [int(t) for t in tail]}
+        self._decode_call(Op.CLEAR_AND_RESEED, args).result()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self.branches._forget_all()
         if self._proc.alive:
             self._proc.call(Op.FREE_CONTEXT, {"context": self._handle})[1].result()
 

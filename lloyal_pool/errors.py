@@ -68,6 +68,15 @@ class StaleHandleError(LloyalError):
     pass
 
 
+class BranchError(LloyalError):
+    """A branch operation that cannot be done as asked: pruning a branch that has children, the same
+    branch twice in one batch, no free sequence to lease, writing to a sequence a branch owns."""
+
+
+class InterruptedByClient(LloyalError):
+    """An all-or-nothing operation (branch commit, prefill) was interrupted; nothing was changed."""
+
+
 class ProtocolError(LloyalError):
     pass
 

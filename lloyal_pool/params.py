@@ -9,10 +9,11 @@ reproducible.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 MAX_SEED = 0xFFFFFFFE  # llama.cpp reads 0xFFFFFFFF as "pick a random seed"
 
@@ -24,14 +25,31 @@ class StopReason(str, enum.Enum):
     INTERRUPTED = "interrupted"
 
 
+P = TypeVar("P", bound="SamplerParams")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                 "dry_multiplier", "dry_base", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                 "mirostat_tau", "mirostat_eta")
+
+
 @dataclass(frozen=True)
-class GenerateParams:
-    n_predict: int = 0  # <= 0: until the context is full
+class SamplerParams:
+    """How tokens are chosen: every sampler llama.cpp has, in llama.cpp's order (penalties, DRY,
+    top-n-sigma, top-k, typical, top-p, min-p, XTC, temperature, then a draw with ``seed``). Branches
+    take these; GenerateParams adds what a whole generation needs."""
+
     temperature: float = 0.0  # <= 0: greedy, and the truncation samplers below are skipped
     top_k: int = 0
     top_p: float = 0.0  # 0 or >= 1: off
     min_p: float = 0.0
     typical_p: float = 0.0  # 0 or >= 1: off
+    top_n_sigma: float = 0.0  # 0: off
+    xtc_probability: float = 0.0  # 0: off
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0  # 0: DRY off
+    dry_base: float = 0.0  # 0: 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context, 0: off
+    dry_sequence_breakers: Sequence[str] = ("\n", ":", '"', "*")
     repeat_penalty: float = 0.0  # 0 or 1: off
     repeat_last_n: int = 0  # how many recent tokens the penalties look at
     presence_penalty: float = 0.0
@@ -40,6 +58,43 @@ class GenerateParams:
     mirostat: int = 0  # 0 off, 1 v1, 2 v2; replaces top_k/top_p/min_p/typical_p when on
     mirostat_tau: float = 0.0  # 0: 5.0
     mirostat_eta: float = 0.0  # 0: 0.1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if self.mirostat not in (0, 1, 2):
+            raise ValueError(f"mirostat must be 0, 1 or 2, got {self.mirostat}")
+        if self.top_k < 0 or self.repeat_last_n < -1 or self.dry_allowed_length < 0 or self.dry_penalty_last_n < -1:
+            raise ValueError("top_k and dry_allowed_length must be >= 0, repeat_last_n and dry_penalty_last_n >= -1")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+        if self.repeat_penalty < 0:
+            raise ValueError("repeat_penalty must be >= 0")
+        if isinstance(self.dry_sequence_breakers, str):
+            raise TypeError("dry_sequence_breakers must be a sequence of strings, not a string")
+
+    def to_wire(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
+        return out
+
+    @classmethod
+    def of(cls: type[P], params: P | None, overrides: Mapping[str, Any]) -> P:
+        """params with keyword overrides applied (TypeError for a name that is not a field)."""
+        if not overrides:
+            return params or cls()
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
+        base = asdict(params) if params is not None else {}
+        return cls(**{**base, **overrides})
+
+
+@dataclass(frozen=True)
+class GenerateParams(SamplerParams):
+    n_predict: int = 0  # <= 0: until the context is full
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: str = ""  # GBNF; "" none
@@ -47,39 +102,52 @@ class GenerateParams:
     cache_prompt: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
-        if self.mirostat not in (0, 1, 2):
-            raise ValueError(f"mirostat must be 0, 1 or 2, got {self.mirostat}")
-        if self.top_k < 0 or self.repeat_last_n < 0:
-            raise ValueError("top_k and repeat_last_n must be >= 0")
-        for name in ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
-                     "frequency_penalty", "mirostat_tau", "mirostat_eta"):
-            value = getattr(self, name)
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
-        if self.repeat_penalty < 0:
-            raise ValueError("repeat_penalty must be >= 0")
+        super().__post_init__()
         if isinstance(self.stop, str):
             raise TypeError("stop must be a sequence of strings, not a string")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
     def to_wire(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = super().to_wire()
         out["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         out["stop"] = list(self.stop)
         return out
 
-    @classmethod
-    def of(cls, params: GenerateParams | None, overrides: Mapping[str, Any]) -> GenerateParams:
-        if not overrides:
-            return params or cls()
-        unknown = set(overrides) - {f.name for f in fields(cls)}
-        if unknown:
-            raise TypeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
-        base = asdict(params) if params is not None else {}
-        return cls(**{**base, **overrides})
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar for a branch: GBNF text, or a JSON schema (converted by llama.cpp's own converter in the
+    worker). A lazy grammar leaves sampling free until a trigger fires (a word, a regex pattern matched
+    against the whole generated text, or a token), then constrains what follows."""
+
+    gbnf: str | None = None
+    json_schema: str | Mapping[str, Any] | None = None
+    lazy: bool = False
+    trigger_words: Sequence[str] = ()
+    trigger_patterns: Sequence[str] = ()
+    trigger_tokens: Sequence[int] = ()
+    root: str = "root"
+
+    def __post_init__(self) -> None:
+        if (self.gbnf is None) == (self.json_schema is None):
+            raise ValueError("a Grammar needs exactly one of gbnf and json_schema")
+        for name in ("trigger_words", "trigger_patterns"):
+            if isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a sequence of strings, not a string")
+        if self.lazy and not (self.trigger_words or self.trigger_patterns or self.trigger_tokens):
+            raise ValueError("a lazy grammar needs at least one trigger (word, pattern or token)")
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"root": self.root, "lazy": self.lazy, "trigger_words": list(self.trigger_words),
+                               "trigger_patterns": list(self.trigger_patterns),
+                               "trigger_tokens": [int(t) for t in self.trigger_tokens]}
+        if self.gbnf is not None:
+            out["gbnf"] = self.gbnf
+        else:
+            schema = self.json_schema
+            out["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
+        return out
 
 
 @dataclass(frozen=True)

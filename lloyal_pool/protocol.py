@@ -25,7 +25,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 
@@ -57,6 +57,32 @@ class Op(str, enum.Enum):
     LOGITS = "logits"
     RESET = "reset"
     TOKENS = "tokens"
+    # Branches (client.Branch / BranchStore), all on one context.
+    BRANCH_CREATE = "branch_create"
+    BRANCH_FORK = "branch_fork"
+    BRANCH_ADOPT = "branch_adopt"
+    BRANCH_PRUNE = "branch_prune"
+    BRANCH_RETAIN_ONLY = "branch_retain_only"
+    BRANCH_DETACH = "branch_detach"
+    BRANCH_INFO = "branch_info"
+    BRANCH_SET_PARAMS = "branch_set_params"
+    BRANCH_SET_GRAMMAR = "branch_set_grammar"
+    BRANCH_SET_LOGIT_BIAS = "branch_set_logit_bias"
+    BRANCH_RESEED = "branch_reseed"
+    BRANCH_SET_LOGITS = "branch_set_logits"
+    BRANCH_MERGE_LOGITS = "branch_merge_logits"
+    PRODUCE = "produce"
+    COMMIT = "commit"
+    PREFILL = "prefill"
+    STEP = "step"
+    # Raw KV-cache sequences (client.KV).
+    KV_SEQ = "kv_seq"
+    KV_PRESSURE = "kv_pressure"
+    STATE_SEQ_GET = "state_seq_get"
+    STATE_SEQ_SET = "state_seq_set"
+    STATE_SEQ_SAVE_FILE = "state_seq_save_file"
+    STATE_SEQ_LOAD_FILE = "state_seq_load_file"
+    CLEAR_AND_RESEED = "clear_and_reseed"
     FAULT = "_fault"  # test-only, refused unless the worker runs with LLOYAL_POOL_TEST_FAULTS=1
 
 

@@ -1,4 +1,5 @@
 #include "common.hpp"
+#include "branch.hpp"
 #include "context.hpp"
 #include "errors.hpp"
 
@@ -187,6 +188,7 @@ Context::Context(std::shared_ptr<Model> model, const py::dict & params) : model_
     if (has("swa_full")) {
         cp.swa_full = ctx_bool(params, "swa_full");
     }
+    swa_full_ = cp.swa_full;
     if (has("flash_attn")) {
         py::object fa = params["flash_attn"];
         if (PyBool_Check(fa.ptr())) {
@@ -252,6 +254,7 @@ Context::Context(std::shared_ptr<Model> model, const py::dict & params) : model_
     n_threads_ = llama_n_threads(ctx_);
     n_threads_batch_ = llama_n_threads_batch(ctx_);
     n_swa_ = llama_model_n_swa(lm);
+    n_cells_ = llama_n_ctx(ctx_);
 
     batch_ = llama_batch_init(static_cast<int32_t>(n_batch_), 0, 1);
     batch_allocated_ = true;
@@ -259,6 +262,7 @@ Context::Context(std::shared_ptr<Model> model, const py::dict & params) : model_
 }
 
 Context::~Context() {
+    store_.reset();  // the branches' buffer exports, released while the GIL is held (it is, here)
     if (batch_allocated_) {
         llama_batch_free(batch_);
     }
@@ -356,6 +360,7 @@ void Context::append_history(const llama_token * toks, size_t n) {
 
 void Context::reset() {
     busy_guard busy(*this);
+    drop_branches();
     llama_memory_clear(llama_get_memory(ctx_), true);
     set_history_size(0);
     has_logits_ = false;
@@ -442,6 +447,7 @@ bool Context::decode_tokens(const llama_token * toks, size_t n, bool want_logits
 
 py::dict Context::eval(py::handle tokens, uint64_t request_id) {
     busy_guard busy(*this);
+    require_sequence_mode("eval");
     const std::vector<llama_token> toks = tokens_from_py(tokens, *model_);
     const size_t before = history_.size();
     const size_t room = n_ctx_seq_ > before ? n_ctx_seq_ - before : 0;
@@ -486,7 +492,8 @@ void Context::logits_into(const py::object & out) {
 }
 
 void register_context(py::module_ & m) {
-    py::class_<Context, std::shared_ptr<Context>>(m, "Context")
+    py::class_<Context, std::shared_ptr<Context>> cls(m, "Context");
+    cls
         .def(py::init<std::shared_ptr<Model>, const py::dict &>(), py::arg("model"), py::arg("params"))
         .def_property_readonly("n_ctx", &Context::n_ctx)
         .def_property_readonly("n_batch", &Context::n_batch)
@@ -503,6 +510,8 @@ void register_context(py::module_ & m) {
         .def("logits_into", &Context::logits_into, py::arg("out"))
         .def("generate", &Context::generate, py::arg("prompt"), py::arg("params"), py::arg("request_id") = 0,
              py::arg("on_piece") = py::none());
+    register_branches(cls);
+    register_kv(cls);
 }
 
 }  // namespace lloyal

@@ -10,6 +10,9 @@
 
 namespace lloyal {
 
+struct branch;
+class branch_store;
+
 class Context {
   public:
     Context(std::shared_ptr<Model> model, const py::dict & params);
@@ -33,6 +36,39 @@ class Context {
     void logits_into(const py::object & out);
     // generate.cpp
     py::dict generate(py::handle prompt, const py::dict & params, uint64_t request_id, const py::object & on_piece);
+
+    // branch.cpp (the contract is at the end of branch.hpp)
+    uint32_t branch_create(py::handle logits, const py::dict & params, py::handle grammar);
+    uint32_t branch_adopt(py::handle seq, py::handle logits, const py::dict & params, py::handle grammar);
+    uint32_t branch_fork(py::handle src, py::handle logits);
+    py::list branch_prune(py::handle h, bool subtree);
+    py::list branch_retain_only(py::handle h);
+    int32_t branch_detach(py::handle h);
+    py::dict branch_info(py::handle h);
+    py::list branches();
+    void branch_set_params(py::handle h, const py::dict & params);
+    void branch_set_grammar(py::handle h, py::handle grammar);
+    void branch_set_logit_bias(py::handle h, py::handle bias);
+    void branch_reseed(py::handle h, py::handle seed);
+    void branch_set_logits(py::handle h, py::handle src);
+    void branch_merge_logits(py::handle dst, py::handle experts, double alpha);
+    py::list produce(py::handle handles);
+    void commit(py::handle pairs, uint64_t request_id);
+    void prefill(py::handle items, uint64_t request_id);
+    py::list step(py::handle handles, uint64_t request_id);
+    void clear_and_reseed(py::handle sinks, py::handle tail, uint64_t request_id);
+    // kv.cpp
+    void free_seq(py::handle seq);
+    void kv_seq_cp(py::handle src, py::handle dst, py::handle p0, py::handle p1);
+    void kv_seq_keep(py::handle seq);
+    bool kv_seq_rm(py::handle seq, py::handle p0, py::handle p1);
+    int32_t kv_seq_pos_min(py::handle seq);
+    int32_t kv_seq_pos_max(py::handle seq);
+    py::dict kv_pressure();
+    py::bytes state_seq_get(py::handle seq);
+    size_t state_seq_set(py::handle seq, py::handle data);
+    size_t state_seq_save_file(py::handle seq, const std::string & path, py::handle tokens);
+    py::tuple state_seq_load_file(py::handle seq, const std::string & path);
 
   private:
     // One call at a time: eval/generate run with the GIL released, so a second Python thread could
@@ -58,6 +94,28 @@ class Context {
 
     static bool abort_callback(void * data);
     bool interrupt_requested() const;
+
+    // Branch mode (branch.cpp, kv.cpp). The store exists from the first branch on.
+    branch_store & store();
+    bool branch_mode() const;                // branches or detached sequences exist
+    void require_sequence_mode(const char * what) const;  // ContextError in branch mode
+    void check_branch_capable() const;       // ContextError: a history, or a cache that cannot roll back
+    // A branch record without a seq yet: sampler, grammar and snapshot buffer, all validated.
+    std::unique_ptr<branch> new_root(py::handle logits, const py::dict & params, py::handle grammar);
+    void drop_branches();                    // reset(): every branch and detached sequence goes
+    void free_branch(uint32_t handle);       // cells removed, seq and slot returned
+    void write_snapshot(branch & b, const float * src);
+    std::vector<branch *> branch_list(py::handle handles, bool need_logits);
+    std::vector<std::pair<llama_token, float>> produce_impl(const std::vector<branch *> & bs);
+    py::list produce_result(const std::vector<std::pair<llama_token, float>> & out);
+    void commit_impl(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
+    // llama_decode of batch_[0:n] with the abort bookkeeping; returns llama_decode's code.
+    int32_t decode_batch(int32_t n);
+    [[noreturn]] void throw_decode_failure(int32_t ret, size_t n_tokens, uint64_t log_mark_before) const;
+    llama_seq_id seq_arg(py::handle seq) const;  // ValueError outside [0, n_seq_max)
+    void check_raw_write(llama_seq_id seq);
+    branch * load_target(llama_seq_id seq);  // the branch that adopts loaded state, or null (detached)
+    void adopt_loaded(branch * b, llama_seq_id seq);
 
     // The rest runs with the GIL released.
 
@@ -102,6 +160,14 @@ class Context {
     uint64_t * interrupt_word_ = nullptr;
     std::atomic<uint64_t> current_request_{0};
     std::atomic<bool> aborting_{false};  // the abort callback said stop during the current llama_decode
+
+    uint32_t n_cells_ = 0;  // the KV cache's real size (llama.cpp pads n_ctx to 256)
+    bool swa_full_ = true;
+    std::unique_ptr<branch_store> store_;
 };
+
+// The methods of branch.cpp and kv.cpp, bound on the Context class by register_context.
+void register_branches(py::class_<Context, std::shared_ptr<Context>> & cls);
+void register_kv(py::class_<Context, std::shared_ptr<Context>> & cls);
 
 }  // namespace lloyal

@@ -16,6 +16,9 @@ struct error_classes {
     PyObject * context_overflow = nullptr;
     PyObject * grammar = nullptr;
     PyObject * decode = nullptr;
+    PyObject * stale_handle = nullptr;
+    PyObject * branch = nullptr;
+    PyObject * interrupted = nullptr;
 };
 
 error_classes g_classes;
@@ -40,6 +43,9 @@ void register_errors(py::module_ &) {
     g_classes.context_overflow = load_class(errors, "ContextOverflowError");
     g_classes.grammar = load_class(errors, "GrammarError");
     g_classes.decode = load_class(errors, "DecodeError");
+    g_classes.stale_handle = load_class(errors, "StaleHandleError");
+    g_classes.branch = load_class(errors, "BranchError");
+    g_classes.interrupted = load_class(errors, "InterruptedByClient");
 
     // Most derived first: a catch clause for lloyal_error would also take every subclass.
     py::register_exception_translator([](std::exception_ptr p) {
@@ -59,6 +65,12 @@ void register_errors(py::module_ &) {
             PyErr_SetString(g_classes.grammar, e.what());
         } catch (const decode_error & e) {
             PyErr_SetString(g_classes.decode, e.what());
+        } catch (const stale_handle_error & e) {
+            PyErr_SetString(g_classes.stale_handle, e.what());
+        } catch (const branch_error & e) {
+            PyErr_SetString(g_classes.branch, e.what());
+        } catch (const interrupted_error & e) {
+            PyErr_SetString(g_classes.interrupted, e.what());
         } catch (const lloyal_error & e) {
             PyErr_SetString(g_classes.base, e.what());
         } catch (const std::invalid_argument & e) {

@@ -36,4 +36,20 @@ struct decode_error : lloyal_error {
     using lloyal_error::lloyal_error;
 };
 
+// A branch handle that is not live (pruned, never issued, or of another generation of its slot).
+struct stale_handle_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+// A branch operation that cannot be done as asked (children in the way, a duplicate in a batch, a
+// write to a sequence a branch owns, ...).
+struct branch_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
+// An all-or-nothing operation stopped by the interrupt word; nothing was changed.
+struct interrupted_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
 }  // namespace lloyal

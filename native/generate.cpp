@@ -110,6 +110,7 @@ size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama
 
 py::dict Context::generate(py::handle prompt, const py::dict & params, uint64_t request_id, const py::object & on_piece) {
     busy_guard busy(*this);
+    require_sequence_mode("generate");
     if (!on_piece.is_none() && !PyCallable_Check(on_piece.ptr())) {
         throw py::type_error("on_piece must be callable or None");
     }

@@ -103,7 +103,7 @@ def test_invalid_params_fail_before_the_worker() -> None:
         GenerateParams(seed=2**32 - 1)
     with pytest.raises(ValueError):
         GenerateParams(temperature=float("nan"))
-    with pytest.raises(TypeError, match="unknown generation parameter"):
+    with pytest.raises(TypeError, match="unknown GenerateParams field"):
         GenerateParams.of(None, {"n_predcit": 3})
 
 

@@ -124,6 +124,10 @@ class Context:
           n_predict (<= 0: until the context is full), temperature (<= 0: greedy, no truncation samplers),
           top_k (0 off), top_p (0 or >= 1 off), min_p (0 off), typical_p (0 or >= 1 off),
           repeat_penalty (0 or 1 off), repeat_last_n (0: no history), presence_penalty, frequency_penalty,
+          top_n_sigma (0 off), xtc_probability (0 off, at most 1), xtc_threshold ([0, 1]; > 0.5 never acts),
+          dry_multiplier (0 off), dry_base (0: 1.75, else >= 1), dry_allowed_length,
+          dry_penalty_last_n (-1: the context size, 0 off), dry_sequence_breakers (list[str], each 1-40
+          bytes; missing: none),
           seed (uint32, 0 is a fixed seed), mirostat (0/1/2), mirostat_tau (0: 5.0), mirostat_eta (0: 0.1),
           ignore_eos, logit_bias (dict[int, float], -inf forbids), grammar (GBNF str, "" none),
           stop (list[str], matched across token boundaries), cache_prompt (bool).
@@ -140,9 +144,10 @@ class Context:
             in [0, 2**32-2] (llama.cpp reads 0xFFFFFFFF as "random"). repeat_last_n -1: the whole context.
             stop may also be one str; empty stop strings are a ValueError. logit_bias values: finite or
             -inf. ignore_eos bans every EOG token (bias -inf), not only eos.
-          - temperature <= 0 wins over mirostat (greedy). Sampler order: logit_bias, penalties, grammar,
-            then greedy | temp+mirostat | top_k, typical, top_p, min_p, temp, dist(seed). The penalties
-            also see the context's last repeat_last_n tokens before the generation (prompt included).
+          - temperature <= 0 wins over mirostat (greedy). Sampler order (llama.cpp's common order):
+            logit_bias, penalties, DRY, grammar, then greedy | temp+mirostat | top_n_sigma, top_k, typical,
+            top_p, min_p, XTC, temp, dist(seed). The penalties and DRY also see the context's last
+            repeat_last_n / dry_penalty_last_n tokens before the generation (prompt included).
           - Everything that can be refused (params, tokens, grammar, overflow) is refused before the KV
             cache is touched.
           - cache_prompt: the prompt is the whole intended context; the longest common prefix with the
@@ -162,3 +167,95 @@ class Context:
           - "length": n_predict reached, or no room left to decode another token.
           - Also in the result: n_past (the history length afterwards).
           - ValueError for an empty prompt on an empty context."""
+
+    # -- branches (native/branch.hpp has the contract; docs/BRANCHES.md the semantics) ------------------
+    # Handles are u32 (generation << 16 | slot), never 0; a handle that is not live raises
+    # StaleHandleError. Sampler params of a branch: exactly the sampler keys of generate() (temperature,
+    # top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability, xtc_threshold, dry_multiplier,
+    # dry_base, dry_allowed_length, dry_penalty_last_n, dry_sequence_breakers, repeat_penalty,
+    # repeat_last_n, presence_penalty, frequency_penalty, seed, mirostat, mirostat_tau, mirostat_eta);
+    # anything else (n_predict, grammar, ...) is a ValueError. A grammar is a dict {"gbnf": str,
+    # "root": str = "root", "lazy": bool = False, "trigger_words": [str], "trigger_patterns": [str],
+    # "trigger_tokens": [int]}, checked when it is set (GrammarError, InvalidTokenError, ValueError).
+    def branch_create(self, logits: Any, params: dict[str, Any], grammar: dict[str, Any] | None = None) -> int:
+        """A root at position 0 without logits, writing its snapshot into `logits` (writable, >= n_vocab*4
+        bytes, held until the branch is freed). BranchError when no sequence is free; ContextError for a
+        sequence-mode history or a cache that cannot roll back (recurrent model, sliding window without
+        swa_full)."""
+    def branch_adopt(self, seq: int, logits: Any, params: dict[str, Any],
+                     grammar: dict[str, Any] | None = None) -> int:
+        """A root over a detached sequence (detached, or loaded with state_seq_set/_load_file), at
+        pos_max + 1, without logits until its next prefill/commit. BranchError for a free sequence or a
+        branch's."""
+    def branch_fork(self, src: int, logits: Any) -> int:
+        """A child sharing the parent's KV cells, with a copy of its sampler (PRNG included), grammar, bias,
+        perplexity sums and snapshot. BranchError when no sequence is free."""
+    def branch_prune(self, branch: int, subtree: bool = False) -> list[int]:
+        """Frees the branch (and with subtree its descendants, leaves first); returns the handles freed.
+        BranchError when it has children and subtree is False."""
+    def branch_retain_only(self, branch: int) -> list[int]:
+        """Keeps only this branch's cells; every other branch and detached sequence goes (handles
+        returned). The branch becomes a root."""
+    def branch_detach(self, branch: int) -> int:
+        """Frees the branch but keeps its sequence and cells as a raw (detached) sequence: its id."""
+    def free_seq(self, seq: int) -> None:
+        """Frees a detached sequence. BranchError for a branch's sequence, ValueError for a free one."""
+    def branch_info(self, branch: int) -> dict[str, Any]:
+        """handle, seq, position, fork_head, parent (0 none), children, has_logits, n_accepted,
+        perplexity (inf before the first commit), sampling_perplexity (inf when nothing counted),
+        last_token (the last produced token, -1 none)."""
+    def branches(self) -> list[int]:
+        """Live handles in creation order."""
+    def branch_set_params(self, branch: int, params: dict[str, Any]) -> None:
+        """A new sampler chain (PRNGs from params' seed, penalty/DRY windows re-primed from the committed
+        tokens); params equal to the current ones change nothing."""
+    def branch_set_grammar(self, branch: int, grammar: dict[str, Any] | None) -> None: ...
+    def branch_set_logit_bias(self, branch: int, bias: dict[int, float] | Sequence[tuple[int, float]] | None) -> None:
+        """Replaces the bias (a token's entries add up; -inf bans; +inf and NaN are a ValueError)."""
+    def branch_reseed(self, branch: int, seed: int) -> None:
+        """Restarts every sampler that draws (dist, XTC, mirostat) from seed; penalty windows are kept."""
+    def branch_set_logits(self, branch: int, logits: Any) -> None:
+        """snapshot := logits (a buffer of exactly n_vocab float32)."""
+    def branch_merge_logits(self, dst: int, experts: Sequence[int], alpha: float) -> None:
+        """dst.snapshot += alpha * sum(expert snapshots); every branch needs logits (BranchError)."""
+    def produce(self, branches: Sequence[int]) -> list[tuple[int, bytes, bool]]:
+        """(token, piece, is_stop) per branch, sampled from its snapshot; nothing but the PRNGs changes.
+        Token -1 (piece b"", is_stop True) when nothing is allowed. BranchError: duplicates, no logits."""
+    def commit(self, pairs: Sequence[tuple[int, int]], request_id: int = 0) -> None:
+        """One llama_decode for every (branch, token) (at most n_batch, else ValueError). All or nothing:
+        GrammarError (a token the grammar refuses), DecodeError (KV full), InterruptedByClient leave every
+        branch exactly as it was. BranchError: duplicates, no logits yet."""
+    def prefill(self, items: Sequence[tuple[int, Sequence[int]]], request_id: int = 0) -> None:
+        """Tokens into each branch, packed into n_batch chunks; logits for each item's last token; no
+        grammar/penalty/perplexity accept. All or nothing like commit."""
+    def step(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool]]:
+        """produce, then one commit of every branch whose token is not a stop."""
+    def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int], request_id: int = 0) -> None:
+        """With exactly one branch and no detached sequence (else BranchError): clears the cache and
+        decodes sinks + tail from position 0 into it, keeping handle, sampler, grammar and perplexity.
+        ValueError when both are empty. On failure the branch's cells are restored."""
+    def kv_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Raw KV writes (cp, keep, rm) only go to detached sequences: BranchError for a branch's or a free
+        sequence (and for keep while branches live), ContextError in sequence mode, ValueError for a seq
+        outside [0, n_seq_max)."""
+    def kv_seq_keep(self, seq: int) -> None: ...
+    def kv_seq_rm(self, seq: int, p0: int, p1: int) -> bool: ...
+    def kv_seq_pos_min(self, seq: int) -> int:
+        """-1 when empty (any sequence can be read)."""
+    def kv_seq_pos_max(self, seq: int) -> int:
+        """-1 when empty (any sequence can be read)."""
+    def kv_pressure(self) -> dict[str, int]:
+        """n_ctx, cells_used, remaining, n_seq_max, seqs_leased, seqs_free. In branch mode n_ctx is the
+        cells the cache really has (llama.cpp pads to 256: where a commit runs out of room) and cells_used
+        is exact for branches (shared prefixes once) plus pos_max + 1 per detached sequence; in sequence
+        mode they are the context's n_ctx and the history length."""
+    def state_seq_get(self, seq: int) -> bytes:
+        """The sequence's cells (llama_state_seq_get_data). ContextError when it is empty."""
+    def state_seq_set(self, seq: int, data: bytes) -> int:
+        """Loads cells into a detached sequence or a branch that has none yet (which then continues from
+        them, without logits until its next prefill/commit). Bytes read. BranchError for any other
+        branch's or a free sequence, ContextError when llama.cpp refuses the data."""
+    def state_seq_save_file(self, seq: int, path: str, tokens: Sequence[int] = ()) -> int:
+        """llama_state_seq_save_file: bytes written. ContextError when empty or unwritable."""
+    def state_seq_load_file(self, seq: int, path: str) -> tuple[list[int], int]:
+        """Like state_seq_set, from a file: (tokens saved with it, bytes read)."""

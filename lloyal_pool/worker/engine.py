@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from ..errors import ContextError, LloyalError, ModelLoadError, StaleHandleError
+from ..errors import BranchError, ContextError, LloyalError, ModelLoadError, StaleHandleError
 from ..shm import INTERRUPT_OFFSET, INTERRUPT_SLOTS, BlockAllocator, Region
 
 EventSink = Callable[[dict[str, Any]], None]
+# Context.kv's operations -> the native Context methods that do them.
+_KV_OPS = {"cp": "kv_seq_cp", "keep": "kv_seq_keep", "rm": "kv_seq_rm", "pos_min": "kv_seq_pos_min",
+           "pos_max": "kv_seq_pos_max", "free": "free_seq"}
 _GGUF_MAGIC = b"GGUF"
 
 
@@ -36,6 +39,7 @@ class _ContextEntry:
     slot: int  # interrupt word index
     logits_offset: int
     logits_bytes: int
+    branches: dict[int, int] = field(default_factory=dict)  # branch handle -> its logits block
 
 
 class Engine:
@@ -140,6 +144,7 @@ class Engine:
         entry = self._context(context)
         del self._contexts[context]
         self._models[entry.model_id].contexts.discard(context)
+        self._free_blocks(entry, list(entry.branches))
         self._alloc.free(entry.logits_offset, entry.logits_bytes)
         self._free_slots.append(entry.slot)
 
@@ -168,10 +173,150 @@ class Engine:
         return {"offset": entry.logits_offset, "count": entry.logits_bytes // 4}
 
     def reset(self, context: int) -> None:
-        self._context(context).native.reset()
+        entry = self._context(context)
+        entry.native.reset()  # drops every branch and detached sequence too
+        self._free_blocks(entry, list(entry.branches))
 
     def tokens(self, context: int) -> list[int]:
         return list(self._context(context).native.tokens())
+
+    # -- branches -------------------------------------------------------------------------------------
+    # A branch's logits snapshot is a block of the shared region: the native side writes it on every
+    # commit, the client reads it in place. The engine hands blocks out and takes them back when the
+    # native side reports the handles it freed.
+    def _new_block(self, entry: _ContextEntry) -> tuple[int, memoryview]:
+        try:
+            offset = self._alloc.alloc(entry.logits_bytes)
+        except LloyalError as exc:
+            raise BranchError(f"{exc} (every branch keeps its {entry.logits_bytes >> 10} KiB logits snapshot "
+                              "there)") from None
+        return offset, self.region.writable(offset, entry.logits_bytes)
+
+    def _free_blocks(self, entry: _ContextEntry, handles: Sequence[int]) -> None:
+        for h in handles:
+            offset = entry.branches.pop(int(h), None)
+            if offset is not None:
+                self._alloc.free(offset, entry.logits_bytes)
+
+    def _adopt(self, entry: _ContextEntry, make: Callable[[memoryview], int]) -> dict[str, int]:
+        offset, block = self._new_block(entry)
+        try:
+            handle = int(make(block))
+        except BaseException:
+            self._alloc.free(offset, entry.logits_bytes)
+            raise
+        entry.branches[handle] = offset
+        return {"branch": handle, "logits_offset": offset}
+
+    def _grammar(self, grammar: dict[str, Any] | None) -> dict[str, Any] | None:
+        if grammar is None:
+            return None
+        grammar = dict(grammar)
+        schema = grammar.pop("json_schema", None)
+        if schema is not None:
+            grammar["gbnf"] = self.json_schema_to_grammar(schema)
+        return grammar
+
+    def branch_create(self, context: int, params: dict[str, Any], grammar: dict[str, Any] | None = None,
+                      tokens: Sequence[int] | None = None, request_id: int = 0) -> dict[str, int]:
+        entry = self._context(context)
+        spec = self._grammar(grammar)
+        out = self._adopt(entry, lambda block: entry.native.branch_create(block, params, spec))
+        if tokens:
+            try:
+                entry.native.prefill([(out["branch"], list(tokens))], request_id)
+            except BaseException:
+                self._free_blocks(entry, entry.native.branch_prune(out["branch"], True))
+                raise
+        return out
+
+    def branch_fork(self, context: int, branch: int) -> dict[str, int]:
+        entry = self._context(context)
+        return self._adopt(entry, lambda block: entry.native.branch_fork(branch, block))
+
+    def branch_adopt(self, context: int, seq: int, params: dict[str, Any],
+                     grammar: dict[str, Any] | None = None) -> dict[str, int]:
+        entry = self._context(context)
+        spec = self._grammar(grammar)
+        return self._adopt(entry, lambda block: entry.native.branch_adopt(seq, block, params, spec))
+
+    def branch_prune(self, context: int, branch: int, subtree: bool = False) -> list[int]:
+        entry = self._context(context)
+        freed = [int(h) for h in entry.native.branch_prune(branch, subtree)]
+        self._free_blocks(entry, freed)
+        return freed
+
+    def branch_retain_only(self, context: int, branch: int) -> list[int]:
+        entry = self._context(context)
+        freed = [int(h) for h in entry.native.branch_retain_only(branch)]
+        self._free_blocks(entry, freed)
+        return freed
+
+    def branch_detach(self, context: int, branch: int) -> int:
+        entry = self._context(context)
+        seq = int(entry.native.branch_detach(branch))
+        self._free_blocks(entry, [branch])
+        return seq
+
+    def branch_info(self, context: int, branch: int) -> dict[str, Any]:
+        return dict(self._context(context).native.branch_info(branch))
+
+    def branch_set_params(self, context: int, branch: int, params: dict[str, Any]) -> None:
+        self._context(context).native.branch_set_params(branch, params)
+
+    def branch_set_grammar(self, context: int, branch: int, grammar: dict[str, Any] | None) -> None:
+        self._context(context).native.branch_set_grammar(branch, self._grammar(grammar))
+
+    def branch_set_logit_bias(self, context: int, branch: int, bias: Sequence[Sequence[float]] | None) -> None:
+        pairs = None if bias is None else [(int(t), float(b)) for t, b in bias]
+        self._context(context).native.branch_set_logit_bias(branch, pairs)
+
+    def branch_reseed(self, context: int, branch: int, seed: int) -> None:
+        self._context(context).native.branch_reseed(branch, seed)
+
+    def branch_set_logits(self, context: int, branch: int, logits: bytes) -> None:
+        self._context(context).native.branch_set_logits(branch, logits)
+
+    def branch_merge_logits(self, context: int, branch: int, experts: Sequence[int], alpha: float) -> None:
+        self._context(context).native.branch_merge_logits(branch, list(experts), float(alpha))
+
+    def produce(self, context: int, branches: Sequence[int]) -> list[Any]:
+        return list(self._context(context).native.produce(list(branches)))
+
+    def commit(self, context: int, pairs: Sequence[Sequence[int]], request_id: int = 0) -> None:
+        self._context(context).native.commit([(int(h), int(t)) for h, t in pairs], request_id)
+
+    def prefill(self, context: int, items: Sequence[Sequence[Any]], request_id: int = 0) -> None:
+        self._context(context).native.prefill([(int(h), list(toks)) for h, toks in items], request_id)
+
+    def step(self, context: int, branches: Sequence[int], request_id: int = 0) -> list[Any]:
+        return list(self._context(context).native.step(list(branches), request_id))
+
+    # -- raw KV sequences -----------------------------------------------------------------------------
+    def kv_seq(self, context: int, op: str, args: Sequence[int]) -> Any:
+        name = _KV_OPS.get(op)
+        if name is None:
+            raise ValueError(f"unknown KV operation {op!r} (one of {', '.join(_KV_OPS)})")
+        return getattr(self._context(context).native, name)(*[int(a) for a in args])
+
+    def kv_pressure(self, context: int) -> dict[str, int]:
+        return dict(self._context(context).native.kv_pressure())
+
+    def state_seq_get(self, context: int, seq: int) -> bytes:
+        return bytes(self._context(context).native.state_seq_get(seq))
+
+    def state_seq_set(self, context: int, seq: int, data: bytes) -> int:
+        return int(self._context(context).native.state_seq_set(seq, data))
+
+    def state_seq_save_file(self, context: int, seq: int, path: str, tokens: Sequence[int] = ()) -> int:
+        return int(self._context(context).native.state_seq_save_file(seq, path, list(tokens)))
+
+    def state_seq_load_file(self, context: int, seq: int, path: str) -> dict[str, Any]:
+        tokens, n = self._context(context).native.state_seq_load_file(seq, path)
+        return {"tokens": list(tokens), "bytes": int(n)}
+
+    def clear_and_reseed(self, context: int, sinks: Sequence[int], tail: Sequence[int], request_id: int = 0) -> None:
+        self._context(context).native.clear_and_reseed(list(sinks), list(tail), request_id)
 
     def close(self) -> None:
         for model in list(self._models):

@@ -1,0 +1,325 @@
+"""Branches through a worker, on Gemma 3 270M (262k vocabulary, sliding-window attention): fork semantics,
+batched commits, exact rollback, grammars, metrics, KV operations, errors that leave the worker serving."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lloyal_pool import (
+    Branch,
+    BranchError,
+    Context,
+    ContextError,
+    DecodeError,
+    Grammar,
+    GrammarError,
+    InvalidTokenError,
+    Model,
+    SamplerParams,
+    StaleHandleError,
+    metrics,
+)
+
+PROMPT = "The three most interesting facts about octopuses are"
+WARM = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1234)
+
+
+@pytest.fixture
+def ctx(gemma: Model) -> Iterator[Context]:
+    c = gemma.new_context(n_ctx=1024, n_seq_max=8)
+    yield c
+    c.close()
+
+
+def _run(branch: Branch, n: int) -> list[int]:
+    return [p.token for p in branch.iterate(n)]
+
+
+def test_determinism_across_contexts_and_n_batch(gemma: Model) -> None:
+    runs = []
+    # n_ubatch fixed: llama.cpp's CPU kernels give rows computed in differently shaped ubatches
+    # slightly different values, so only n_batch (how tokens are chunked into decodes) may vary.
+    for n_batch in (512, 64, 16):
+        c = gemma.new_context(n_ctx=512, n_seq_max=2, n_batch=n_batch, n_ubatch=16)
+        try:
+            root = c.branch(PROMPT, WARM)
+            runs.append(_run(root, 16))
+        finally:
+            c.close()
+    assert len(runs[0]) == 16
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_fork_siblings_reseed_and_parent_continuation(ctx: Context) -> None:
+    root = ctx.branch(PROMPT, WARM)
+    a, b = root.fork(), root.fork()
+    c = root.fork(reseed=99)
+    ta, tb, tc = _run(a, 12), _run(b, 12), _run(c, 12)
+    assert ta == tb, "unreseeded siblings share the PRNG state, so they sample the same tokens"
+    assert tc != ta, "a reseeded sibling diverges"
+    # A fork continues exactly as its parent would have (same seed, same PRNG state).
+    assert _run(root, 12) == ta
+
+
+def test_child_decode_leaves_parent_logits_bitwise(ctx: Context) -> None:
+    root = ctx.branch(PROMPT, WARM)
+    before = root.logits.copy()
+    child = root.fork()
+    np.testing.assert_array_equal(child.logits, before)
+    child.step()
+    child.step()
+    assert root.logits.tobytes() == before.tobytes()
+    assert child.logits.tobytes() != before.tobytes()
+
+
+def test_commit_twice_equals_prefill_of_both(ctx: Context) -> None:
+    root = ctx.branch(PROMPT, WARM)
+    t1, t2 = 1000, 2000
+    fresh = root.fork()
+    stepped = root.fork()
+    stepped.commit(t1)
+    stepped.commit(t2)
+    fresh.prefill([t1, t2])
+    assert stepped.position == fresh.position == root.position + 2
+    assert stepped.logits.tobytes() == fresh.logits.tobytes()
+
+
+def test_batched_commit_equals_single_commits(ctx: Context) -> None:
+    root = ctx.branch(PROMPT, WARM)
+    batched = [root.fork(reseed=i) for i in range(1, 4)]
+    single = [root.fork(reseed=i) for i in range(1, 4)]
+    for _ in range(4):
+        produced = ctx.branches.produce(batched)
+        ctx.branches.commit([(b, p.token) for b, p in zip(batched, produced, strict=True)])
+        for b, p in zip(single, produced, strict=True):
+            assert b.produce().token == p.token
+            b.commit(p.token)
+    for b, s in zip(batched, single, strict=True):
+        assert b.position == s.position
+        assert b.logits.tobytes() == s.logits.tobytes()
+        assert b.perplexity == s.perplexity
+
+
+def test_rollback_when_the_kv_fills(gemma: Model) -> None:
+    c = gemma.new_context(n_ctx=256, n_seq_max=8)
+    try:
+        hot = SamplerParams(temperature=1.0, seed=7)
+        root = c.branch(gemma.tokenize("Once upon a time") + [1000] * 200, hot)
+        branches = [root] + [root.fork(reseed=i) for i in range(1, 8)]
+        failed = False
+        for _ in range(64):
+            before = [(b.info(), b.logits.copy()) for b in branches]
+            produced = c.branches.produce(branches)
+            try:
+                c.branches.commit([(b, p.token) for b, p in zip(branches, produced, strict=True)])
+            except DecodeError:
+                failed = True
+            else:
+                continue
+            for b, (info, logits) in zip(branches, before, strict=True):
+                after = b.info()
+                assert (after.position, after.n_accepted) == (info.position, info.n_accepted)
+                assert after.perplexity == info.perplexity or (math.isinf(after.perplexity)
+                                                               and math.isinf(info.perplexity))
+                assert b.logits.tobytes() == logits.tobytes()
+            # The next sample is the one the failed commit would have accepted: produce advanced the PRNG
+            # and the failed commit changed nothing after it.
+            break
+        assert failed, "the KV cache never filled up"
+        assert c.kv.pressure().remaining < len(branches)
+        root.commit(produced[0].token)  # a single commit still fits
+        assert root.position == branches[1].position + 1
+    finally:
+        c.close()
+
+
+def test_json_schema_grammar_on_siblings_and_inheritance(ctx: Context) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    root = ctx.branch("A person as JSON: ", SamplerParams(temperature=0.7, seed=3), grammar=Grammar(json_schema=schema))
+    kids = [root.fork(reseed=s) for s in (1, 2, 3)]
+    texts = ["".join(p.text for p in k.iterate(60)) for k in kids]
+    for text in texts:
+        obj = json.loads(text)
+        assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and isinstance(obj["name"], str)
+    # A grammar swapped in mid-generation is inherited by later forks.
+    other = ctx.branch("Answer yes or no: ", SamplerParams(temperature=0.7, seed=5))
+    other.set_grammar('root ::= "yes" | "no"')
+    fork = other.fork(reseed=8)
+    assert "".join(p.text for p in fork.iterate(8)) in ("yes", "no")
+
+
+def test_metrics_against_numpy(ctx: Context) -> None:
+    root = ctx.branch(PROMPT, WARM)
+    assert math.isinf(root.perplexity)
+    surprisals = []
+    for _ in range(6):
+        z = root.logits.copy()
+        p = root.produce()
+        surprisals.append(metrics.surprisal(z, p.token))
+        assert root.model_surprisal(p.token) == pytest.approx(metrics.surprisal(z, p.token))
+        root.commit(p.token)
+    nats = root.model_entropy()
+    assert root.model_entropy("bits") == pytest.approx(nats / math.log(2))
+    # numpy by hand from the same array
+    z = root.logits.astype(np.float64)
+    logp = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+    assert nats == pytest.approx(float(-(np.exp(logp) * logp).sum()), rel=1e-9)
+    ppl = root.perplexity
+    assert math.isfinite(ppl) and ppl >= 1.0
+    assert ppl == pytest.approx(math.exp(sum(surprisals) / len(surprisals)), rel=1e-4)
+    assert math.isfinite(root.sampling_perplexity) and root.sampling_perplexity >= 1.0
+
+
+def test_logits_view_is_shared_memory(ctx: Context) -> None:
+    root = ctx.branch(PROMPT)
+    view = root.logits
+    assert view.dtype == np.float32 and view.shape == (ctx.model.n_vocab,)
+    assert not view.flags.writeable and not view.flags.owndata
+    token = int(np.argmax(view))
+    assert root.produce().token == token  # greedy by default
+    np.testing.assert_array_equal(root.logits_at([token, 0]), view[[token, 0]])
+    other = root.fork()
+    other.set_logits(np.zeros(ctx.model.n_vocab, np.float32))
+    other.merge_logits([root], 2.0)
+    np.testing.assert_allclose(other.logits, 2.0 * root.logits)
+
+
+def test_tree_prune_retain_and_detach(ctx: Context) -> None:
+    root = ctx.branch(PROMPT)
+    a = root.fork()
+    b = root.fork()
+    a1 = a.fork()
+    assert root.children == [a, b] and a.parent is root and not a.is_leaf and a1.is_leaf
+    with pytest.raises(BranchError, match="children"):
+        a.prune()
+    a.prune_subtree()
+    assert not a.alive and not a1.alive and root.children == [b]
+    with pytest.raises(StaleHandleError):
+        a.produce()
+    with pytest.raises(StaleHandleError):
+        _ = a1.logits
+    b.step()
+    ctx.branches.retain_only(b)
+    assert not root.alive and list(ctx.branches) == [b] and b.parent is None
+    pos = b.position
+    seq = b.detach()
+    assert ctx.kv.pos_max(seq) == pos - 1
+    assert ctx.kv.pressure().seqs_leased == 1
+    ctx.kv.free(seq)
+    assert ctx.kv.pressure().seqs_leased == 0 and ctx.kv.pos_max(seq) == -1
+
+
+def test_kv_pressure_counts_shared_prefix_once(ctx: Context) -> None:
+    root = ctx.branch(list(range(100, 140)))
+    kids = [root.fork() for _ in range(3)]
+    for k in kids:
+        k.prefill([5, 6])
+    p = ctx.kv.pressure()
+    assert p.cells_used == 40 + 3 * 2
+    assert p.remaining == p.n_ctx - p.cells_used and p.seqs_leased == 4 and p.seqs_free == p.n_seq_max - 4
+    assert ctx.branches.available == p.seqs_free
+
+
+def test_state_save_and_load(ctx: Context, tmp_path: Path) -> None:
+    root = ctx.branch(PROMPT)
+    n_prompt = root.position
+    ref = root.fork()
+    ref.prefill([1000])
+    expected = ref.logits.copy()
+    ref.prune()
+    seq = root.fork().detach()
+    data = ctx.kv.save(seq)
+    assert len(data) > 0
+    path = tmp_path / "state.bin"
+    n = ctx.kv.save_file(seq, path, tokens=[1, 2, 3])
+    assert n > 0 and path.stat().st_size > 0
+    ctx.kv.free(seq)
+    root.prune()
+    # Into an emptied context; adopted as a branch, the restored sequence goes on exactly as before.
+    for restore in ("bytes", "file"):
+        ctx.reset()
+        seq = ctx.branch().detach()
+        if restore == "bytes":
+            assert ctx.kv.load(seq, data) == len(data)
+        else:
+            assert ctx.kv.load_file(seq, path) == [1, 2, 3]
+        assert ctx.kv.pos_max(seq) == n_prompt - 1
+        again = ctx.branches.adopt(seq)
+        assert again.position == n_prompt
+        again.prefill([1000])
+        np.testing.assert_allclose(again.logits, expected, rtol=0, atol=1e-3)
+    ctx.reset()
+
+
+def test_clear_and_reseed_keeps_the_branch(ctx: Context) -> None:
+    toks = ctx.model.tokenize(PROMPT + " they have three hearts, blue blood and")
+    root = ctx.branch(toks, WARM)
+    for _ in range(4):
+        root.step()
+    ppl = root.perplexity
+    sinks, tail = toks[:4], toks[-6:]
+    ctx.clear_and_reseed(sinks, tail)
+    info = root.info()
+    assert info.position == 10 and info.perplexity == ppl
+    assert ctx.kv.pressure().cells_used == 10
+    root.step()
+    assert root.position == 11
+    root.fork()
+    with pytest.raises(BranchError):
+        ctx.clear_and_reseed(sinks, tail)
+
+
+def test_iterator_stops_anywhere_and_forks(ctx: Context) -> None:
+    root = ctx.branch(PROMPT, WARM)
+    start = root.position
+    got = []
+    for p in root:
+        got.append(p.token)
+        if len(got) == 10:
+            break
+    assert root.position == start + 10
+    manual = ctx.branch(PROMPT, WARM)
+    assert [manual.step().token for _ in range(10)] == got
+    child = root.fork()
+    assert child.position == root.position
+
+
+def test_errors_are_typed_and_the_worker_keeps_serving(ctx: Context, gemma: Model) -> None:
+    root = ctx.branch(PROMPT)
+    fresh = ctx.branch()
+    with pytest.raises(BranchError, match="logits"):
+        fresh.produce()
+    with pytest.raises(BranchError, match=r"twice|duplicate"):
+        ctx.branches.commit([(root, 1), (root, 2)])
+    with pytest.raises(InvalidTokenError):
+        root.commit(gemma.n_vocab + 5)
+    with pytest.raises(GrammarError):
+        root.set_grammar('root ::= ("a" | "b"')
+    with pytest.raises(GrammarError):
+        root.set_grammar(Grammar(json_schema={"type": "nonsense-type"}))
+    seq = root.info().seq
+    with pytest.raises(BranchError):
+        ctx.kv.remove(seq)
+    with pytest.raises(ContextError):
+        ctx.generate("no plain generation while branches exist", n_predict=1)
+    kids = [root.fork() for _ in range(ctx.n_seq_max - 2)]
+    with pytest.raises(BranchError, match="sequence"):
+        root.fork()
+    for k in kids:
+        k.prune()
+    other = gemma.new_context(n_ctx=256, n_seq_max=2)
+    try:
+        foreign = other.branch(PROMPT)
+        with pytest.raises(BranchError, match="another context"):
+            ctx.branches.commit([(foreign, 1)])
+    finally:
+        other.close()
+    assert root.step().token >= 0  # still serving

@@ -1,0 +1,31 @@
+"""Every example runs, on the default model, with small settings: the examples are documentation, and
+documentation that does not run is wrong."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+CASES = {
+    "best_of_n": (["-n", "3", "-t", "12"], "best (ppl"),
+    "speculative": (["-k", "3", "-t", "16"], "tokens per target step"),
+    "entropy": (["-t", "20"], "explored"),
+    "grammar": (["-n", "2"], "fork 1:"),
+    "streaming": (["-t", "150", "--n-ctx", "96", "--tail", "32"], "reseeds"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_runs(name: str, gemma_path: Path) -> None:
+    args, expect = CASES[name]
+    script = EXAMPLES / name / f"{name}.py"
+    assert (EXAMPLES / name / "README.md").exists()
+    out = subprocess.run([sys.executable, str(script), "-m", str(gemma_path), *args], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert expect in out.stdout, out.stdout[-2000:]
