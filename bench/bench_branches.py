@@ -61,6 +61,8 @@ def pool_round(model: Path, threads: int, seed: int) -> dict[str, float]:
         root.prune_subtree()
 
         root = ctx.branch(prompt, params)
+        # as llama-batched-bench never stops early: no end of generation (forks inherit the bias)
+        root.set_logit_bias({m.info.eos: float("-inf")})
         t0 = time.perf_counter()
         kids = [root.fork(reseed=i) for i in range(1, N_BRANCH + 1)]
         fork_ms = (time.perf_counter() - t0) * 1000.0 / N_BRANCH
@@ -73,7 +75,6 @@ def pool_round(model: Path, threads: int, seed: int) -> dict[str, float]:
             n_tokens += sum(not p.is_stop for p in produced)
         gen_s = sum(step_s)
         best = min(kids, key=lambda b: b.perplexity)  # best-of-n by perplexity, outside the timing
-        assert best.position == N_PROMPT + N_GEN
 
         # logits read: the view (what users get) and a full copy of it
         t2 = time.perf_counter()

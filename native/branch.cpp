@@ -350,15 +350,21 @@ std::unique_ptr<branch> Context::new_root(py::handle logits, const py::dict & pa
     return b;
 }
 
+llama_seq_id Context::lease_or_throw(branch_store & st) const {
+    const llama_seq_id seq = st.lease();
+    if (seq < 0) {
+        throw branch_error("no free sequence: all n_seq_max " + std::to_string(n_seq_max_) +
+                           " are leased (prune a branch, or create the context with a larger n_seq_max)");
+    }
+    return seq;
+}
+
 uint32_t Context::branch_create(py::handle logits, const py::dict & params, py::handle grammar) {
     busy_guard busy(*this);
     check_branch_capable();
     std::unique_ptr<branch> b = new_root(logits, params, grammar);
     branch_store & st = store();
-    const llama_seq_id seq = st.lease();
-    if (seq < 0) {
-        throw branch_error("no free sequence: n_seq_max " + std::to_string(n_seq_max_) + ", all leased");
-    }
+    const llama_seq_id seq = lease_or_throw(st);
     lease_guard guard(st, seq);
     b->seq = seq;
     b->lineage.push_back({st.new_origin(), 0, 0});
@@ -394,10 +400,7 @@ uint32_t Context::branch_fork(py::handle src, py::handle logits) {
     branch_store & st = store();
     branch & parent = st.get(src);
     auto buf = snapshot_buffer(logits, model_->n_vocab());
-    const llama_seq_id seq = st.lease();
-    if (seq < 0) {
-        throw branch_error("no free sequence: n_seq_max " + std::to_string(n_seq_max_) + ", all leased");
-    }
+    const llama_seq_id seq = lease_or_throw(st);
     lease_guard guard(st, seq);
     auto b = std::make_unique<branch>();
     b->seq = seq;

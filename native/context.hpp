@@ -97,6 +97,7 @@ class Context {
 
     // Branch mode (branch.cpp, kv.cpp). The store exists from the first branch on.
     branch_store & store();
+    llama_seq_id lease_or_throw(branch_store & st) const;
     bool branch_mode() const;                // branches or detached sequences exist
     void require_sequence_mode(const char * what) const;  // ContextError in branch mode
     void check_branch_capable() const;       // ContextError: a history, or a cache that cannot roll back

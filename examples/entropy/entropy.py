@@ -15,8 +15,9 @@ from _common import model_path, parser
 
 from lloyal_pool import Branch, Context, Pool, SamplerParams
 
-GREEDY = SamplerParams()
-SAMPLE = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
+# A mild repetition penalty in both modes: greedy decoding of a small model loops otherwise.
+GREEDY = SamplerParams(repeat_penalty=1.2, repeat_last_n=64)
+SAMPLE = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, repeat_penalty=1.2, repeat_last_n=64, seed=7)
 
 
 def explore(ctx: Context, branch: Branch, width: int, depth: int) -> tuple[Branch, list[int]]:

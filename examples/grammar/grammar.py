@@ -53,7 +53,7 @@ def main() -> int:
         marker = f'"{args.field}":'
         for piece in pull(root):
             prefix += piece
-            if prefix.replace(" ", "").endswith(marker):
+            if marker in prefix.replace(" ", ""):
                 break  # stop pulling: the object so far is in the KV cache and the grammar's state
         print(f"shared prefix ({root.position} tokens): {prefix}")
 
