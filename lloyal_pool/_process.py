@@ -229,7 +229,12 @@ class WorkerProcess:
                 raise self._stale_error()
             req_id = next(self._ids)
             self._pending[req_id] = _Pending(fut, on_event)
-        frame = pack(Kind.REQUEST, req_id, [op.value, args])
+        try:
+            frame = pack(Kind.REQUEST, req_id, [op.value, args])
+        except BaseException:
+            with self._lock:
+                self._pending.pop(req_id, None)
+            raise
         try:
             with self._write_lock:
                 write_frame(self._req_w, frame)

@@ -87,7 +87,11 @@ class Op(str, enum.Enum):
 
 
 def pack(kind: Kind, req_id: int, payload: Any) -> bytes:
+    """ProtocolError for a frame over MAX_FRAME: refused by the side that would send it, since the
+    receiving side must treat such a frame as a broken peer."""
     body: bytes = msgpack.packb([int(kind), req_id, payload], use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"a {kind.name} frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
     return _LEN.pack(len(body)) + body
 
 

@@ -90,6 +90,10 @@ def test_unexpected_worker_exception_keeps_the_worker(fresh_pool: Pool) -> None:
         fresh_pool[0].fault("raise").result(timeout=10)
     assert "an unexpected error inside the worker" in (info.value.remote_traceback or "")
     assert fresh_pool[0].alive and fresh_pool[0].ping(timeout=5) < 1.0
+    # A result that cannot be sent (not msgpack, or over the frame limit) fails its request only.
+    with pytest.raises(TypeError, match="serialize"):
+        fresh_pool[0].fault("unpackable").result(timeout=10)
+    assert fresh_pool[0].alive and fresh_pool[0].ping(timeout=5) < 1.0
 
 
 def test_stdout_noise_never_reaches_the_protocol(fresh_pool: Pool) -> None:

@@ -47,6 +47,15 @@ def test_oversized_and_malformed_frames_are_protocol_errors() -> None:
         unpack(b"\x93\x63\x01\xc0")  # kind 99 does not exist
 
 
+def test_oversized_frames_are_refused_by_the_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lloyal_pool import protocol
+
+    monkeypatch.setattr(protocol, "MAX_FRAME", 1000)
+    pack(Kind.RESPONSE, 1, b"x" * 900)
+    with pytest.raises(errors.ProtocolError, match="RESPONSE frame of"):
+        pack(Kind.RESPONSE, 1, b"x" * 1000)
+
+
 def test_remote_errors_keep_their_type_and_traceback() -> None:
     exc = errors.rebuild("GrammarError", "bad rule", "Traceback: in the worker")
     assert isinstance(exc, errors.GrammarError) and isinstance(exc, ValueError)

@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import BranchError, ContextError, LloyalError, ModelLoadError, StaleHandleError
+from ..protocol import MAX_FRAME
 from ..shm import INTERRUPT_OFFSET, INTERRUPT_SLOTS, BlockAllocator, Region
 
 EventSink = Callable[[dict[str, Any]], None]
@@ -303,7 +304,11 @@ class Engine:
         return dict(self._context(context).native.kv_pressure())
 
     def state_seq_get(self, context: int, seq: int) -> bytes:
-        return bytes(self._context(context).native.state_seq_get(seq))
+        data = bytes(self._context(context).native.state_seq_get(seq))
+        if len(data) > MAX_FRAME - 4096:
+            raise ContextError(f"the state of sequence {seq} is {len(data)} bytes, more than one protocol frame "
+                               f"carries ({MAX_FRAME}): save it to a file with kv.save_file instead")
+        return data
 
     def state_seq_set(self, context: int, seq: int, data: bytes) -> int:
         return int(self._context(context).native.state_seq_set(seq, data))

@@ -44,6 +44,8 @@ def _fault(engine: Engine, args: dict[str, Any], req_id: int, emit: EventSink) -
         os.write(1, b"garbage on stdout must not reach the protocol\n" * 100)
         print("print() too", flush=True)
         return "ok"
+    elif kind == "unpackable":
+        return {"a set is not msgpack": {1, 2}}
     elif kind == "raise":
         raise RuntimeError("an unexpected error inside the worker")
     raise ValueError(f"unknown fault kind {kind!r}")
@@ -134,9 +136,12 @@ class WorkerLoop:
         try:
             op, args = _parse_request(payload)
             result = HANDLERS[op](self.engine, args, req_id, emit)
+            # Packed here, so that a result too big for one frame (or not msgpack-able) fails this
+            # request instead of the worker.
+            frame = pack(Kind.RESPONSE, req_id, result)
         except (BrokenPipeError, PeerClosed, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # every request failure becomes an ERROR frame
             self.send(Kind.ERROR, req_id, error_payload(exc, traceback.format_exc()))
             return
-        self.send(Kind.RESPONSE, req_id, result)
+        write_frame(self.wfd, frame)
