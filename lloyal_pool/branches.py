@@ -268,6 +268,9 @@ class BranchStore:
     def __init__(self, context: Context) -> None:
         self.context = context
         self._live: dict[int, Branch] = {}
+        # Time the worker spent inside llama_decode during the last commit, prefill or step on this
+        # context: subtract it from a call's wall time to see what everything else cost.
+        self.last_decode_ms = 0.0
 
     def __iter__(self) -> Iterator[Branch]:
         return iter(list(self._live.values()))
@@ -300,6 +303,10 @@ class BranchStore:
 
     def _ctx_call(self, op: Op, **args: Any) -> Any:
         return self.context._call(op, {"context": self.context._handle, **args})[1].result()
+
+    def _timed(self, reply: Mapping[str, Any]) -> Mapping[str, Any]:
+        self.last_decode_ms = float(reply["decode_ms"])
+        return reply
 
     # -- creation -------------------------------------------------------------------------------------
     def create(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
@@ -339,12 +346,12 @@ class BranchStore:
         """Commits one token per branch in ONE llama_decode. All or nothing: if the decode fails (KV full:
         DecodeError; interrupt: InterruptedByClient) every branch is exactly as before."""
         wire = [[self._own(b), int(t)] for b, t in pairs]
-        self.context._decode_call(Op.COMMIT, {"context": self.context._handle, "pairs": wire}).result()
+        self._timed(self.context._decode_call(Op.COMMIT, {"context": self.context._handle, "pairs": wire}).result())
 
     def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]]) -> None:
         """Decodes a token run into each branch, packed into n_batch chunks. All or nothing."""
         wire = [[self._own(b), self._tokens(toks, bos=False)] for b, toks in items]
-        self.context._decode_call(Op.PREFILL, {"context": self.context._handle, "items": wire}).result()
+        self._timed(self.context._decode_call(Op.PREFILL, {"context": self.context._handle, "items": wire}).result())
 
     def step(self, branches: Sequence[Branch]) -> list[Produced]:
         """produce for every branch, then one batched commit of those whose token is not a stop."""
@@ -354,7 +361,7 @@ class BranchStore:
         from .client import _mapped
 
         args = {"context": self.context._handle, "branches": [self._own(b) for b in branches]}
-        return _mapped(self.context._decode_call(Op.STEP, args), _produced)
+        return _mapped(self.context._decode_call(Op.STEP, args), lambda r: _produced(self._timed(r)["produced"]))
 
     def retain_only(self, winner: Branch) -> None:
         """Keeps winner's KV sequence (one llama_memory_seq_keep) and drops every other branch and

@@ -363,7 +363,7 @@ class Context(_Handle):
         position 0, then tail, into the context's only branch, which keeps its handle, sampler, grammar
         and perplexity; its position becomes len(sinks) + len(tail)."""
         args = {"context": self._handle, "sinks": [int(t) for t in sinks], "tail": [int(t) for t in tail]}
-        self._decode_call(Op.CLEAR_AND_RESEED, args).result()
+        self.branches._timed(self._decode_call(Op.CLEAR_AND_RESEED, args).result())
 
     def close(self) -> None:
         if self._closed:

@@ -294,7 +294,9 @@ std::vector<branch *> Context::branch_list(py::handle handles, bool need_logits)
 
 int32_t Context::decode_batch(int32_t n) {
     batch_.n_tokens = n;
+    const int64_t t0 = now_us();
     const int32_t ret = llama_decode(ctx_, batch_);
+    decode_us_ += now_us() - t0;
     if (aborting_.exchange(false, std::memory_order_relaxed)) {
         log_abort_end();
     }
@@ -730,6 +732,7 @@ void Context::commit_impl(const std::vector<branch *> & bs, const std::vector<ll
 
 void Context::commit(py::handle pairs, uint64_t request_id) {
     busy_guard busy(*this);
+    decode_us_ = 0;
     branch_store & st = store();
     std::vector<branch *> bs;
     std::vector<llama_token> toks;
@@ -754,6 +757,7 @@ void Context::commit(py::handle pairs, uint64_t request_id) {
 
 py::list Context::step(py::handle handles, uint64_t request_id) {
     busy_guard busy(*this);
+    decode_us_ = 0;
     const std::vector<branch *> bs = branch_list(handles, true);
     const auto out = produce_impl(bs);
     std::vector<branch *> go;
@@ -771,6 +775,7 @@ py::list Context::step(py::handle handles, uint64_t request_id) {
 
 void Context::prefill(py::handle items_obj, uint64_t request_id) {
     busy_guard busy(*this);
+    decode_us_ = 0;
     branch_store & st = store();
     struct item {
         branch * b;
@@ -898,6 +903,7 @@ void Context::prefill(py::handle items_obj, uint64_t request_id) {
 
 void Context::clear_and_reseed(py::handle sinks_obj, py::handle tail_obj, uint64_t request_id) {
     busy_guard busy(*this);
+    decode_us_ = 0;
     branch_store & st = store();
     std::vector<llama_token> toks = tokens_from_py(sinks_obj, *model_);
     const std::vector<llama_token> tail = tokens_from_py(tail_obj, *model_);

@@ -501,6 +501,7 @@ void register_context(py::module_ & m) {
         .def_property_readonly("n_seq_max", &Context::n_seq_max)
         .def_property_readonly("n_threads", &Context::n_threads)
         .def_property_readonly("n_threads_batch", &Context::n_threads_batch)
+        .def_property_readonly("last_decode_ms", &Context::last_decode_ms)
         .def_property_readonly("model", &Context::model)
         .def("set_interrupt_word", &Context::set_interrupt_word, py::arg("control"), py::arg("index") = 0)
         .def("n_past", &Context::n_past)

@@ -26,6 +26,7 @@ class Context {
     uint32_t n_seq_max() const { return n_seq_max_; }
     int32_t n_threads() const { return n_threads_; }
     int32_t n_threads_batch() const { return n_threads_batch_; }
+    double last_decode_ms() const { return static_cast<double>(decode_us_) / 1000.0; }
     const std::shared_ptr<Model> & model() const { return model_; }
 
     void set_interrupt_word(const py::object & control, int64_t index);
@@ -148,6 +149,9 @@ class Context {
     int32_t n_threads_ = 0;
     int32_t n_threads_batch_ = 0;
     int32_t n_swa_ = 0;
+    // Time inside llama_decode during the last commit, prefill, step or clear_and_reseed: what a
+    // caller subtracts from its wall time to see the per-step overhead.
+    int64_t decode_us_ = 0;
 
     std::atomic<bool> busy_{false};
     mutable std::mutex history_mu_;  // writers hold busy_ too; this only orders them against readers

@@ -97,6 +97,7 @@ def test_batched_commit_equals_single_commits(ctx: Context) -> None:
     for _ in range(4):
         produced = ctx.branches.produce(batched)
         ctx.branches.commit([(b, p.token) for b, p in zip(batched, produced, strict=True)])
+        assert ctx.branches.last_decode_ms > 0
         for b, p in zip(single, produced, strict=True):
             assert b.produce().token == p.token
             b.commit(p.token)

@@ -69,6 +69,7 @@ class Context:
     n_seq_max: int
     n_threads: int
     n_threads_batch: int
+    last_decode_ms: float  # time inside llama_decode during the last commit/prefill/step/clear_and_reseed
     model: Model
     def __init__(self, model: Model, params: dict[str, Any]) -> None:
         """params keys (all optional): n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch, n_seq_max,

@@ -284,14 +284,21 @@ class Engine:
     def produce(self, context: int, branches: Sequence[int]) -> list[Any]:
         return list(self._context(context).native.produce(list(branches)))
 
-    def commit(self, context: int, pairs: Sequence[Sequence[int]], request_id: int = 0) -> None:
-        self._context(context).native.commit([(int(h), int(t)) for h, t in pairs], request_id)
+    # The decoding calls report the time spent inside llama_decode, so a caller can tell its overhead.
+    def commit(self, context: int, pairs: Sequence[Sequence[int]], request_id: int = 0) -> dict[str, float]:
+        native = self._context(context).native
+        native.commit([(int(h), int(t)) for h, t in pairs], request_id)
+        return {"decode_ms": native.last_decode_ms}
 
-    def prefill(self, context: int, items: Sequence[Sequence[Any]], request_id: int = 0) -> None:
-        self._context(context).native.prefill([(int(h), list(toks)) for h, toks in items], request_id)
+    def prefill(self, context: int, items: Sequence[Sequence[Any]], request_id: int = 0) -> dict[str, float]:
+        native = self._context(context).native
+        native.prefill([(int(h), list(toks)) for h, toks in items], request_id)
+        return {"decode_ms": native.last_decode_ms}
 
-    def step(self, context: int, branches: Sequence[int], request_id: int = 0) -> list[Any]:
-        return list(self._context(context).native.step(list(branches), request_id))
+    def step(self, context: int, branches: Sequence[int], request_id: int = 0) -> dict[str, Any]:
+        native = self._context(context).native
+        produced = list(native.step(list(branches), request_id))
+        return {"produced": produced, "decode_ms": native.last_decode_ms}
 
     # -- raw KV sequences -----------------------------------------------------------------------------
     def kv_seq(self, context: int, op: str, args: Sequence[int]) -> Any:
@@ -320,8 +327,11 @@ class Engine:
         tokens, n = self._context(context).native.state_seq_load_file(seq, path)
         return {"tokens": list(tokens), "bytes": int(n)}
 
-    def clear_and_reseed(self, context: int, sinks: Sequence[int], tail: Sequence[int], request_id: int = 0) -> None:
-        self._context(context).native.clear_and_reseed(list(sinks), list(tail), request_id)
+    def clear_and_reseed(self, context: int, sinks: Sequence[int], tail: Sequence[int],
+                         request_id: int = 0) -> dict[str, float]:
+        native = self._context(context).native
+        native.clear_and_reseed(list(sinks), list(tail), request_id)
+        return {"decode_ms": native.last_decode_ms}
 
     def close(self) -> None:
         for model in list(self._models):
