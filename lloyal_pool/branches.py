@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import metrics
+from ._futures import mapped
 from .errors import BranchError, StaleHandleError
 from .params import Grammar, SamplerParams
 from .protocol import Op
@@ -111,7 +112,7 @@ class Branch:
         return self.handle
 
     def _call(self, op: Op, **args: Any) -> Any:
-        return self.context._call(op, {"context": self.context._handle, "branch": self._live(), **args})[1].result()
+        return self.context._request(op, branch=self._live(), **args)
 
     @property
     def alive(self) -> bool:
@@ -123,7 +124,7 @@ class Branch:
         copy of its sampler (PRNG and penalty history), grammar state, logit bias, logits and perplexity.
         Unreseeded siblings sample identical tokens: pass ``reseed`` to make them diverge."""
         r = self._call(Op.BRANCH_FORK)
-        child = self.context.branches._adopt(r)
+        child = self.context.branches._register(r)
         if reseed is not None:
             child.reseed_sampler(reseed)
         return child
@@ -279,7 +280,7 @@ class BranchStore:
         return len(self._live)
 
     # -- registry -------------------------------------------------------------------------------------
-    def _adopt(self, reply: Mapping[str, Any]) -> Branch:
+    def _register(self, reply: Mapping[str, Any]) -> Branch:
         branch = Branch(self.context, int(reply["branch"]), int(reply["logits_offset"]))
         self._live[branch.handle] = branch
         return branch
@@ -301,9 +302,6 @@ class BranchStore:
             raise BranchError(f"{branch!r} belongs to another context")
         return branch._live()
 
-    def _ctx_call(self, op: Op, **args: Any) -> Any:
-        return self.context._call(op, {"context": self.context._handle, **args})[1].result()
-
     def _timed(self, reply: Mapping[str, Any]) -> Mapping[str, Any]:
         self.last_decode_ms = float(reply["decode_ms"])
         return reply
@@ -318,16 +316,14 @@ class BranchStore:
         p = SamplerParams.of(params, overrides)
         args: dict[str, Any] = {"context": self.context._handle, "params": p.to_wire(),
                                 "grammar": _grammar_wire(grammar), "tokens": self._tokens(prompt, bos=True)}
-        from .client import _mapped
-
-        return _mapped(self.context._decode_call(Op.BRANCH_CREATE, args), self._adopt)
+        return mapped(self.context._decode_call(Op.BRANCH_CREATE, args), self._register)
 
     def adopt(self, seq: int, params: SamplerParams | None = None, *, grammar: GrammarLike = None,
               **overrides: Any) -> Branch:
         """A root branch over an existing sequence (a detached branch's, or one loaded with kv.load): it
         continues at pos_max + 1. It has no logits until its next prefill or commit."""
         p = SamplerParams.of(params, overrides)
-        return self._adopt(self._ctx_call(Op.BRANCH_ADOPT, seq=int(seq), params=p.to_wire(),
+        return self._register(self.context._request(Op.BRANCH_ADOPT, seq=int(seq), params=p.to_wire(),
                                           grammar=_grammar_wire(grammar)))
 
     def _tokens(self, prompt: Sequence[int] | str | None, bos: bool) -> list[int]:
@@ -340,7 +336,7 @@ class BranchStore:
     # -- batched operations ---------------------------------------------------------------------------
     def produce(self, branches: Sequence[Branch]) -> list[Produced]:
         """Samples every branch (one round trip)."""
-        return _produced(self._ctx_call(Op.PRODUCE, branches=[self._own(b) for b in branches]))
+        return _produced(self.context._request(Op.PRODUCE, branches=[self._own(b) for b in branches]))
 
     def commit(self, pairs: Iterable[tuple[Branch, int]]) -> None:
         """Commits one token per branch in ONE llama_decode. All or nothing: if the decode fails (KV full:
@@ -358,15 +354,13 @@ class BranchStore:
         return self.step_async(branches).result()
 
     def step_async(self, branches: Sequence[Branch]) -> Future[list[Produced]]:
-        from .client import _mapped
-
         args = {"context": self.context._handle, "branches": [self._own(b) for b in branches]}
-        return _mapped(self.context._decode_call(Op.STEP, args), lambda r: _produced(self._timed(r)["produced"]))
+        return mapped(self.context._decode_call(Op.STEP, args), lambda r: _produced(self._timed(r)["produced"]))
 
     def retain_only(self, winner: Branch) -> None:
         """Keeps winner's KV sequence (one llama_memory_seq_keep) and drops every other branch and
         detached sequence; winner becomes a root."""
-        self._released(self._ctx_call(Op.BRANCH_RETAIN_ONLY, branch=self._own(winner)))
+        self._released(self.context._request(Op.BRANCH_RETAIN_ONLY, branch=self._own(winner)))
 
     @property
     def available(self) -> int:
@@ -382,11 +376,7 @@ class KV:
         self.context = context
 
     def _seq(self, op: str, *args: int) -> Any:
-        return self.context._call(Op.KV_SEQ, {"context": self.context._handle, "op": op,
-                                              "args": [int(a) for a in args]})[1].result()
-
-    def _ctx_call(self, op: Op, **args: Any) -> Any:
-        return self.context._call(op, {"context": self.context._handle, **args})[1].result()
+        return self.context._request(Op.KV_SEQ, op=op, args=[int(a) for a in args])
 
     def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """dst gets src's cells in [p0, p1) (p1 -1: to the end); shared, not copied."""
@@ -410,22 +400,22 @@ class KV:
         self._seq("free", seq)
 
     def pressure(self) -> KVPressure:
-        return KVPressure(**{k: int(v) for k, v in self._ctx_call(Op.KV_PRESSURE).items()})
+        return KVPressure(**{k: int(v) for k, v in self.context._request(Op.KV_PRESSURE).items()})
 
     def save(self, seq: int) -> bytes:
         """seq's KV state (llama_state_seq_get_data): that sequence only, never the whole context."""
-        return bytes(self._ctx_call(Op.STATE_SEQ_GET, seq=int(seq)))
+        return bytes(self.context._request(Op.STATE_SEQ_GET, seq=int(seq)))
 
     def load(self, seq: int, data: bytes) -> int:
-        return int(self._ctx_call(Op.STATE_SEQ_SET, seq=int(seq), data=bytes(data)))
+        return int(self.context._request(Op.STATE_SEQ_SET, seq=int(seq), data=bytes(data)))
 
     def save_file(self, seq: int, path: str | os.PathLike[str], tokens: Sequence[int] = ()) -> int:
-        return int(self._ctx_call(Op.STATE_SEQ_SAVE_FILE, seq=int(seq), path=os.path.abspath(os.fspath(path)),
+        return int(self.context._request(Op.STATE_SEQ_SAVE_FILE, seq=int(seq), path=os.path.abspath(os.fspath(path)),
                                   tokens=[int(t) for t in tokens]))
 
     def load_file(self, seq: int, path: str | os.PathLike[str]) -> list[int]:
         """Loads seq from a file written by save_file and returns the tokens saved with it."""
-        r = self._ctx_call(Op.STATE_SEQ_LOAD_FILE, seq=int(seq), path=os.path.abspath(os.fspath(path)))
+        r = self.context._request(Op.STATE_SEQ_LOAD_FILE, seq=int(seq), path=os.path.abspath(os.fspath(path)))
         return [int(t) for t in r["tokens"]]
 
 

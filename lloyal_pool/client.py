@@ -19,10 +19,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
+from ._futures import mapped
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import PoolClosedError, StaleHandleError
@@ -30,25 +31,7 @@ from .params import ContextParams, EvalResult, GenerateParams, ModelInfo, Result
 from .protocol import Op
 from .shm import DEFAULT_SIZE
 
-T = TypeVar("T")
 ProgressCallback = Callable[[float], None]
-
-
-def _mapped(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
-    out: Future[T] = Future()
-
-    def done(f: Future[Any]) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-            return
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as e:
-            out.set_exception(e)
-
-    fut.add_done_callback(done)
-    return out
 
 
 def _forward(key: str, fn: Callable[[Any], None] | None) -> Callable[[dict[str, Any]], None] | None:
@@ -120,7 +103,7 @@ class Instance:
         args = {"path": abspath, "n_gpu_layers": int(n_gpu_layers),
                 "use_mmap": bool(use_mmap), "vocab_only": bool(vocab_only)}
         _, fut = self._call(Op.LOAD_MODEL, args, _forward("progress", progress))
-        return _mapped(fut, lambda r: Model(self, self._proc, int(r["model"]), ModelInfo.from_wire(r["info"]), abspath))
+        return mapped(fut, lambda r: Model(self, self._proc, int(r["model"]), ModelInfo.from_wire(r["info"]), abspath))
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
@@ -267,6 +250,10 @@ class Context(_Handle):
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx} worker={self.instance.worker_id} handle={self._handle}>"
 
+    def _request(self, op: Op, /, **args: Any) -> Any:
+        """A request about this context, waited for."""
+        return self._call(op, {"context": self._handle, **args})[1].result()
+
     def _decode_call(self, op: Op, args: dict[str, Any],
                      on_event: Callable[[dict[str, Any]], None] | None = None) -> Future[Any]:
         with self._active_lock:
@@ -291,7 +278,7 @@ class Context(_Handle):
         p = GenerateParams.of(params, overrides)
         fut = self._decode_call(Op.GENERATE, self._generate_args(prompt, p, stream=on_piece is not None),
                                 _forward("piece", on_piece))
-        return _mapped(fut, Result.from_wire)
+        return mapped(fut, Result.from_wire)
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None,
                **overrides: Any) -> Stream:
@@ -300,7 +287,7 @@ class Context(_Handle):
         s = Stream(self)
         fut = self._decode_call(Op.GENERATE, self._generate_args(prompt, p, stream=True),
                                 _forward("piece", s._q.put))
-        s._attach(_mapped(fut, Result.from_wire))
+        s._attach(mapped(fut, Result.from_wire))
         return s
 
     def _generate_args(self, prompt: str | Sequence[int], p: GenerateParams, stream: bool) -> dict[str, Any]:
@@ -320,7 +307,7 @@ class Context(_Handle):
             args.update(text=prompt, add_special=add_special, parse_special=parse_special)
         else:
             args["tokens"] = [int(t) for t in prompt]
-        return _mapped(self._decode_call(Op.EVAL, args), EvalResult.from_wire)
+        return mapped(self._decode_call(Op.EVAL, args), EvalResult.from_wire)
 
     def interrupt(self) -> None:
         """Stops the generation or prompt evaluation running on this context, from any thread, without a
@@ -333,7 +320,7 @@ class Context(_Handle):
     def logits(self, *, copy: bool = False) -> np.ndarray:
         """Logits (n_vocab float32) of the last decoded position. Without copy, a read-only view of the
         worker's shared memory: valid until the next logits() call on this context."""
-        r = self._call(Op.LOGITS, {"context": self._handle})[1].result()
+        r = self._request(Op.LOGITS)
         arr = self._proc.region.floats(int(r["offset"]), int(r["count"]))
         return arr.copy() if copy else arr
 
@@ -343,11 +330,11 @@ class Context(_Handle):
 
     def tokens(self) -> list[int]:
         """The tokens in the KV cache, in order."""
-        return list(self._call(Op.TOKENS, {"context": self._handle})[1].result())
+        return list(self._request(Op.TOKENS))
 
     def reset(self) -> None:
         """Clears the KV cache: the next generation starts from nothing. Every branch is released."""
-        self._call(Op.RESET, {"context": self._handle})[1].result()
+        self._request(Op.RESET)
         self.branches._forget_all()
 
     # -- branches -------------------------------------------------------------------------------------
