@@ -324,3 +324,38 @@ def test_errors_are_typed_and_the_worker_keeps_serving(ctx: Context, gemma: Mode
     finally:
         other.close()
     assert root.step().token >= 0  # still serving
+
+
+def test_interrupted_prefill_changes_nothing(gemma: Model) -> None:
+    import threading
+    import time
+
+    from lloyal_pool import InterruptedByClient
+
+    c = gemma.new_context(n_ctx=8192, n_seq_max=2, n_batch=512, n_ubatch=64)
+    try:
+        root = c.branch(PROMPT, WARM)
+        before = root.info()
+        logits = root.logits.copy()
+        errors: list[BaseException] = []
+
+        def long_prefill() -> None:
+            try:
+                root.prefill([1000 + i % 5000 for i in range(6000)])
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=long_prefill)
+        t.start()
+        time.sleep(0.3)
+        c.interrupt()
+        t.join(timeout=60)
+        assert len(errors) == 1 and isinstance(errors[0], InterruptedByClient), errors
+        after = root.info()
+        assert (after.position, after.n_accepted) == (before.position, before.n_accepted)
+        assert root.logits.tobytes() == logits.tobytes()
+        assert c.kv.pressure().cells_used == before.position
+        root.step()  # still serving, from where it was
+        assert root.position == before.position + 1
+    finally:
+        c.close()
