@@ -306,6 +306,9 @@ class BranchStore:
         self.last_decode_ms = float(reply["decode_ms"])
         return reply
 
+    def _untimed(self, reply: Mapping[str, Any]) -> None:
+        self._timed(reply)
+
     # -- creation -------------------------------------------------------------------------------------
     def create(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
                grammar: GrammarLike = None, **overrides: Any) -> Branch:
@@ -341,13 +344,21 @@ class BranchStore:
     def commit(self, pairs: Iterable[tuple[Branch, int]]) -> None:
         """Commits one token per branch in ONE llama_decode. All or nothing: if the decode fails (KV full:
         DecodeError; interrupt: InterruptedByClient) every branch is exactly as before."""
+        self.commit_async(pairs).result()
+
+    def commit_async(self, pairs: Iterable[tuple[Branch, int]]) -> Future[None]:
         wire = [[self._own(b), int(t)] for b, t in pairs]
-        self._timed(self.context._decode_call(Op.COMMIT, {"context": self.context._handle, "pairs": wire}).result())
+        return mapped(self.context._decode_call(Op.COMMIT, {"context": self.context._handle, "pairs": wire}),
+                      self._untimed)
 
     def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]]) -> None:
         """Decodes a token run into each branch, packed into n_batch chunks. All or nothing."""
+        self.prefill_async(items).result()
+
+    def prefill_async(self, items: Iterable[tuple[Branch, Sequence[int] | str]]) -> Future[None]:
         wire = [[self._own(b), self._tokens(toks, bos=False)] for b, toks in items]
-        self._timed(self.context._decode_call(Op.PREFILL, {"context": self.context._handle, "items": wire}).result())
+        return mapped(self.context._decode_call(Op.PREFILL, {"context": self.context._handle, "items": wire}),
+                      self._untimed)
 
     def step(self, branches: Sequence[Branch]) -> list[Produced]:
         """produce for every branch, then one batched commit of those whose token is not a stop."""
@@ -398,6 +409,10 @@ class KV:
     def free(self, seq: int) -> None:
         """Removes a detached sequence's cells and returns its id to the lease pool."""
         self._seq("free", seq)
+
+    def clear(self) -> None:
+        """Empties the whole cache: Context.reset() (every branch is released)."""
+        self.context.reset()
 
     def pressure(self) -> KVPressure:
         return KVPressure(**{k: int(v) for k, v in self.context._request(Op.KV_PRESSURE).items()})

@@ -359,3 +359,17 @@ def test_interrupted_prefill_changes_nothing(gemma: Model) -> None:
         assert root.position == before.position + 1
     finally:
         c.close()
+
+
+def test_async_commit_and_kv_clear(ctx: Context) -> None:
+    root = ctx.branch(PROMPT)
+    kid = root.fork()
+    token = kid.produce().token
+    fut = ctx.branches.commit_async([(kid, token)])
+    assert fut.result(timeout=60) is None
+    assert kid.position == root.position + 1
+    ctx.branches.prefill_async([(root, [token])]).result(timeout=60)
+    assert root.logits.tobytes() == kid.logits.tobytes()  # commit(t) and prefill([t]) decode the same row
+    ctx.kv.clear()
+    assert not root.alive and not kid.alive and len(ctx.branches) == 0
+    assert ctx.kv.pressure().cells_used == 0
