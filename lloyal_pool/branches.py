@@ -318,7 +318,7 @@ class BranchStore:
                      grammar: GrammarLike = None, **overrides: Any) -> Future[Branch]:
         p = SamplerParams.of(params, overrides)
         args: dict[str, Any] = {"context": self.context._handle, "params": p.to_wire(),
-                                "grammar": _grammar_wire(grammar), "tokens": self._tokens(prompt, bos=True)}
+                                "grammar": _grammar_wire(grammar), "prompt": self._wire_prompt(prompt)}
         return mapped(self.context._decode_call(Op.BRANCH_CREATE, args), self._register)
 
     def adopt(self, seq: int, params: SamplerParams | None = None, *, grammar: GrammarLike = None,
@@ -327,14 +327,14 @@ class BranchStore:
         continues at pos_max + 1. It has no logits until its next prefill or commit."""
         p = SamplerParams.of(params, overrides)
         return self._register(self.context._request(Op.BRANCH_ADOPT, seq=int(seq), params=p.to_wire(),
-                                          grammar=_grammar_wire(grammar)))
+                                                    grammar=_grammar_wire(grammar)))
 
-    def _tokens(self, prompt: Sequence[int] | str | None, bos: bool) -> list[int]:
+    @staticmethod
+    def _wire_prompt(prompt: Sequence[int] | str | None) -> str | list[int]:
+        # Text is tokenized by the worker, in the same request: no extra round trip.
         if prompt is None:
             return []
-        if isinstance(prompt, str):
-            return self.context.model.tokenize(prompt, add_special=bos, parse_special=True)
-        return [int(t) for t in prompt]
+        return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
 
     # -- batched operations ---------------------------------------------------------------------------
     def produce(self, branches: Sequence[Branch]) -> list[Produced]:
@@ -356,7 +356,7 @@ class BranchStore:
         self.prefill_async(items).result()
 
     def prefill_async(self, items: Iterable[tuple[Branch, Sequence[int] | str]]) -> Future[None]:
-        wire = [[self._own(b), self._tokens(toks, bos=False)] for b, toks in items]
+        wire = [[self._own(b), self._wire_prompt(toks)] for b, toks in items]
         return mapped(self.context._decode_call(Op.PREFILL, {"context": self.context._handle, "items": wire}),
                       self._untimed)
 

@@ -199,7 +199,7 @@ class Engine:
             if offset is not None:
                 self._alloc.free(offset, entry.logits_bytes)
 
-    def _adopt(self, entry: _ContextEntry, make: Callable[[memoryview], int]) -> dict[str, int]:
+    def _new_branch(self, entry: _ContextEntry, make: Callable[[memoryview], int]) -> dict[str, int]:
         offset, block = self._new_block(entry)
         try:
             handle = int(make(block))
@@ -218,11 +218,18 @@ class Engine:
             grammar["gbnf"] = self.json_schema_to_grammar(schema)
         return grammar
 
+    def _prompt_tokens(self, entry: _ContextEntry, prompt: str | Sequence[int], bos: bool) -> list[int]:
+        """Token ids, or text tokenized with special tokens parsed (BOS only for a root's prompt)."""
+        if isinstance(prompt, str):
+            return self.tokenize(entry.model_id, prompt, add_special=bos, parse_special=True)
+        return list(prompt)
+
     def branch_create(self, context: int, params: dict[str, Any], grammar: dict[str, Any] | None = None,
-                      tokens: Sequence[int] | None = None, request_id: int = 0) -> dict[str, int]:
+                      prompt: str | Sequence[int] = (), request_id: int = 0) -> dict[str, int]:
         entry = self._context(context)
         spec = self._grammar(grammar)
-        out = self._adopt(entry, lambda block: entry.native.branch_create(block, params, spec))
+        tokens = self._prompt_tokens(entry, prompt, bos=True)
+        out = self._new_branch(entry, lambda block: entry.native.branch_create(block, params, spec))
         if tokens:
             try:
                 entry.native.prefill([(out["branch"], list(tokens))], request_id)
@@ -233,13 +240,13 @@ class Engine:
 
     def branch_fork(self, context: int, branch: int) -> dict[str, int]:
         entry = self._context(context)
-        return self._adopt(entry, lambda block: entry.native.branch_fork(branch, block))
+        return self._new_branch(entry, lambda block: entry.native.branch_fork(branch, block))
 
     def branch_adopt(self, context: int, seq: int, params: dict[str, Any],
                      grammar: dict[str, Any] | None = None) -> dict[str, int]:
         entry = self._context(context)
         spec = self._grammar(grammar)
-        return self._adopt(entry, lambda block: entry.native.branch_adopt(seq, block, params, spec))
+        return self._new_branch(entry, lambda block: entry.native.branch_adopt(seq, block, params, spec))
 
     def branch_prune(self, context: int, branch: int, subtree: bool = False) -> list[int]:
         entry = self._context(context)
@@ -291,8 +298,9 @@ class Engine:
         return {"decode_ms": native.last_decode_ms}
 
     def prefill(self, context: int, items: Sequence[Sequence[Any]], request_id: int = 0) -> dict[str, float]:
-        native = self._context(context).native
-        native.prefill([(int(h), list(toks)) for h, toks in items], request_id)
+        entry = self._context(context)
+        native = entry.native
+        native.prefill([(int(h), self._prompt_tokens(entry, p, bos=False)) for h, p in items], request_id)
         return {"decode_ms": native.last_decode_ms}
 
     def step(self, context: int, branches: Sequence[int], request_id: int = 0) -> dict[str, Any]:
