@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import tool
+from bench_generate import common_args, emit_report, model_path, tool
 
 N_PROMPT, N_GEN, N_BRANCH = 128, 64, 8
 SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -129,17 +128,10 @@ def fork_worker_ms(model: Path, threads: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--model", help="GGUF (default: Gemma 3 270M Q4_K_M)")
-    ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    common_args(ap)
     ap.add_argument("-r", "--rounds", type=int, default=3)
-    ap.add_argument("--json-out", help="also write the JSON here")
     args = ap.parse_args()
-    if args.model:
-        model = Path(args.model)
-    else:
-        from lloyal_pool import default_model_path
-
-        model = default_model_path()
+    model = model_path(args.model)
 
     # Runners take turns round after round and each figure is a median over rounds (noisy machines).
     pool_rows: list[dict[str, float]] = []
@@ -165,10 +157,7 @@ def main() -> int:
         },
         "targets": {"best_of_8_vs_batched_bench": 0.90, "fork_ms": 1.0, "logits_read_ms": 0.1},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit_report(report, args.json_out)
     r = report["ratios"]
     print(f"\nbest-of-8 {pool['best_of_8_tps']:.1f} tok/s | llama-batched-bench B=8 {ref['tg_tps_b8']:.1f} tok/s "
           f"| 8 sequential {pool['sequential_tps']:.1f} tok/s")

@@ -13,7 +13,6 @@ Targets from the foundation issue: pool >= 0.97x llama-bench for generation, >= 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
@@ -25,22 +24,41 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import reference_tools  # noqa: E402
+
 N_PROMPT, N_GEN = 512, 128
 
 
-def build_dir() -> Path:
-    dirs = sorted(glob.glob(str(ROOT / "build" / "*" / "CMakeCache.txt")), key=os.path.getmtime)
-    if not dirs:
-        sys.exit("no build directory: run scripts/test (or scripts/setup.sh) first")
-    return Path(dirs[-1]).parent
-
-
 def tool(name: str) -> Path:
-    exe = build_dir() / "bin" / name
-    if not exe.exists():
-        subprocess.run(["cmake", "--build", str(build_dir()), "--target", name, "-j", str(os.cpu_count())],
-                       check=True, stdout=subprocess.DEVNULL)
-    return exe
+    """llama.cpp's own program `name` from the same tree and flags (scripts/reference_tools.py)."""
+    try:
+        return reference_tools.tool(name)
+    except RuntimeError as exc:
+        sys.exit(str(exc))
+
+
+# What every bench script shares: model and threads options, and how the report comes out.
+def common_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("-m", "--model", help="GGUF (default: Gemma 3 270M Q4_K_M)")
+    ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--json-out", help="also write the JSON here")
+
+
+def model_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from lloyal_pool import default_model_path
+
+    return default_model_path()
+
+
+def emit_report(report: dict[str, Any], json_out: str | None) -> None:
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_out:
+        Path(json_out).write_text(text + "\n")
 
 
 def llama_bench(model: Path, threads: int, reps: int) -> dict[str, float]:
@@ -139,10 +157,8 @@ class InProcessRunner(Runner):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--model", help="GGUF (default: Gemma 3 270M Q4_K_M)")
-    ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    common_args(ap)
     ap.add_argument("-r", "--reps", type=int, default=5)
-    ap.add_argument("--json-out", help="also write the JSON here")
     ap.add_argument("--in-process-round", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.in_process_round:  # one warmed-up measurement, printed as [pp, tg]
@@ -150,12 +166,7 @@ def main() -> int:
         runner.once()
         print(json.dumps(runner.once()))
         return 0
-    if args.model:
-        model = Path(args.model)
-    else:
-        from lloyal_pool import default_model_path
-
-        model = default_model_path()
+    model = model_path(args.model)
 
     # The machines this runs on are noisy, so the runners take turns, round after round, and each
     # figure is the median over rounds: a slow stretch hurts all three alike instead of one.
@@ -203,10 +214,7 @@ def main() -> int:
         "rounds": rows,
         "targets": {"pool_vs_llama_bench_tg": 0.97, "pool_vs_llama_bench_pp": 0.95},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit_report(report, args.json_out)
     print(f"\n{'runner':<12} {'pp512 tok/s':>12} {'tg128 tok/s':>12}")
     for name, row in (("llama-bench", ref), ("in-process", inproc), ("pool", pool)):
         print(f"{name:<12} {row['pp_tps']:>12.1f} {row['tg_tps']:>12.1f}")

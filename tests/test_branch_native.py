@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,8 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from reference_tools import llama_simple_text
 
 import lloyal_pool.worker._native_cpu as native
+from lloyal_pool import metrics
 from lloyal_pool.errors import (
     BranchError,
     ContextError,
@@ -37,7 +38,7 @@ def gemma_model(gemma_path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model: Path) -> Any:
+def tiny_native(tiny_model: Path) -> Any:
     native.set_log_level(3)
     return native.Model(str(tiny_model))
 
@@ -82,12 +83,6 @@ class Ctx:
             for i, (t, _piece, _stop) in enumerate(self.c.step(hs)):
                 out[i].append(t)
         return out
-
-
-def lse64(z: np.ndarray) -> float:
-    z = z.astype(np.float64)
-    m = z.max()
-    return float(m + np.log(np.exp(z - m).sum()))
 
 
 # -- forks ---------------------------------------------------------------------------------------------
@@ -243,9 +238,9 @@ def test_interrupted_prefill_changes_nothing(gemma_model: Any) -> None:
 
 # -- errors --------------------------------------------------------------------------------------------
 
-def test_typed_errors_leave_the_context_working(tiny: Any) -> None:
-    x = Ctx(tiny, n_ctx=256, n_seq_max=3)
-    prompt = tiny.tokenize("hello world, this is a test", True, True)
+def test_typed_errors_leave_the_context_working(tiny_native: Any) -> None:
+    x = Ctx(tiny_native, n_ctx=256, n_seq_max=3)
+    prompt = tiny_native.tokenize("hello world, this is a test", True, True)
     fresh = x.create({})
     with pytest.raises(BranchError):
         x.c.produce([fresh])  # no logits yet
@@ -264,13 +259,13 @@ def test_typed_errors_leave_the_context_working(tiny: Any) -> None:
     with pytest.raises(BranchError, match="twice"):
         x.c.prefill([(child, [5]), (child, [6])])
     with pytest.raises(InvalidTokenError):
-        x.c.commit([(child, tiny.n_vocab)])
+        x.c.commit([(child, tiny_native.n_vocab)])
     with pytest.raises(InvalidTokenError):
         x.c.prefill([(child, [1, -1])])
     with pytest.raises(GrammarError):
         x.c.branch_set_grammar(child, {"gbnf": "root ::= ((("})
     with pytest.raises(GrammarError):
-        x.c.branch_create(np.ones(tiny.n_vocab, np.float32), {}, {"gbnf": "root ::= \"a\"", "root": "nope"})
+        x.c.branch_create(np.ones(tiny_native.n_vocab, np.float32), {}, {"gbnf": "root ::= \"a\"", "root": "nope"})
     with pytest.raises(BranchError, match="belongs to branch"):
         x.c.kv_seq_rm(x.info(child)["seq"], 0, -1)
     with pytest.raises(ValueError):
@@ -307,13 +302,13 @@ def test_typed_errors_leave_the_context_working(tiny: Any) -> None:
     assert x.c.branches() == [root, child]
 
 
-def test_sequence_mode_and_branch_mode_exclude_each_other(tiny: Any) -> None:
-    c = native.Context(tiny, {"n_ctx": 256, "n_seq_max": 2, "n_threads": 2})
-    c.eval(tiny.tokenize("hello", True, True))
+def test_sequence_mode_and_branch_mode_exclude_each_other(tiny_native: Any) -> None:
+    c = native.Context(tiny_native, {"n_ctx": 256, "n_seq_max": 2, "n_threads": 2})
+    c.eval(tiny_native.tokenize("hello", True, True))
     with pytest.raises(ContextError, match="history"):
-        c.branch_create(np.ones(tiny.n_vocab, np.float32), {})
+        c.branch_create(np.ones(tiny_native.n_vocab, np.float32), {})
     c.reset()
-    b = np.ones(tiny.n_vocab, np.float32)
+    b = np.ones(tiny_native.n_vocab, np.float32)
     h = c.branch_create(b, {})
     with pytest.raises(ContextError):
         c.eval([1])
@@ -326,8 +321,8 @@ def test_sequence_mode_and_branch_mode_exclude_each_other(tiny: Any) -> None:
 
 # -- kv bookkeeping, tree operations -------------------------------------------------------------------
 
-def test_tree_operations_and_kv_pressure(tiny: Any) -> None:
-    x = Ctx(tiny, n_ctx=256, n_seq_max=6)
+def test_tree_operations_and_kv_pressure(tiny_native: Any) -> None:
+    x = Ctx(tiny_native, n_ctx=256, n_seq_max=6)
     root = x.create({}, tokens=list(range(10, 20)))
     a, b = x.fork(root), x.fork(root)
     x.c.prefill([(a, [1, 2, 3]), (b, [4, 5])])
@@ -357,8 +352,8 @@ def test_tree_operations_and_kv_pressure(tiny: Any) -> None:
     assert x.c.kv_seq_pos_max(info["seq"]) == 10 and x.c.kv_pressure()["cells_used"] == 11
 
 
-def test_detach_and_free_seq(tiny: Any) -> None:
-    x = Ctx(tiny, n_ctx=256, n_seq_max=4)
+def test_detach_and_free_seq(tiny_native: Any) -> None:
+    x = Ctx(tiny_native, n_ctx=256, n_seq_max=4)
     root = x.create({}, tokens=[5, 6, 7])
     kid = x.fork(root)
     seq = x.c.branch_detach(root)
@@ -553,7 +548,7 @@ def test_perplexity_follows_the_snapshots(gemma_model: Any) -> None:
     for _ in range(6):
         tok = x.c.produce([h])[0][0]
         z = x.logits(h)
-        nll.append(lse64(z) - float(z[tok]))
+        nll.append(metrics.surprisal(z, tok))
         x.c.commit([(h, tok)])
     assert x.info(h)["perplexity"] == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-4)
     assert 1.0 <= x.info(h)["sampling_perplexity"] <= x.info(h)["perplexity"] * 10
@@ -601,19 +596,19 @@ def test_every_sampler_runs_and_is_seeded(gemma_model: Any) -> None:
         x.c.branch_set_logit_bias(g, {top: float("inf")})
 
 
-def test_set_and_merge_logits(tiny: Any) -> None:
-    x = Ctx(tiny, n_ctx=256, n_seq_max=4)
+def test_set_and_merge_logits(tiny_native: Any) -> None:
+    x = Ctx(tiny_native, n_ctx=256, n_seq_max=4)
     a = x.create({}, tokens=[3, 4, 5])
     b = x.fork(a)
     x.c.commit([(b, 9)])
     za, zb = x.logits(a).copy(), x.logits(b).copy()
     x.c.branch_merge_logits(a, [a, b], -0.5)
     assert np.allclose(x.logits(a), za + -0.5 * (za + zb), atol=1e-6)
-    src = np.linspace(-3, 3, tiny.n_vocab, dtype=np.float32)
+    src = np.linspace(-3, 3, tiny_native.n_vocab, dtype=np.float32)
     x.c.branch_set_params(a, {"temperature": 0.0})
     x.c.branch_set_logits(a, src.tobytes())
     assert np.array_equal(x.logits(a), src)
-    assert x.c.produce([a])[0][0] == tiny.n_vocab - 1
+    assert x.c.produce([a])[0][0] == tiny_native.n_vocab - 1
     fresh = x.create({})
     with pytest.raises(BranchError):
         x.c.branch_merge_logits(a, [fresh], 1.0)
@@ -640,9 +635,7 @@ def test_a_branch_samples_what_generate_samples(gemma_model: Any, params: dict[s
 def test_generate_greedy_still_matches_llama_simple(gemma_model: Any, gemma_path: Path, llama_simple: Path) -> None:
     # generate() shares the sampler code now: its greedy fast path must still be llama.cpp's own choice.
     prompt = "Once upon a time, in a small village,"
-    out = subprocess.run([str(llama_simple), "-m", str(gemma_path), "-n", "16", prompt], capture_output=True,
-                         text=True, timeout=300, check=True)
-    expected = out.stdout.removeprefix("<bos>")[len(prompt):].removesuffix("\n")
+    expected = llama_simple_text(llama_simple, gemma_path, prompt, 16)
     c = native.Context(gemma_model, {"n_ctx": 512, "n_threads": 2})
     assert c.generate(prompt, {"n_predict": 16})["text"] == expected
 
@@ -665,8 +658,8 @@ def test_generate_and_a_greedy_branch_agree(gemma_model: Any) -> None:
         c.generate(prompt, {"dry_base": 0.5})
 
 
-def test_prefill_packs_many_items(tiny: Any) -> None:
-    x = Ctx(tiny, n_ctx=512, n_batch=16, n_seq_max=5)
+def test_prefill_packs_many_items(tiny_native: Any) -> None:
+    x = Ctx(tiny_native, n_ctx=512, n_batch=16, n_seq_max=5)
     root = x.create({}, tokens=[1, 2, 3])
     hs = [x.fork(root) for _ in range(4)]
     items = [(hs[0], list(range(10, 20))), (hs[1], list(range(30, 35))), (hs[2], list(range(40, 80))),
@@ -678,7 +671,7 @@ def test_prefill_packs_many_items(tiny: Any) -> None:
         assert x.c.kv_seq_pos_max(info["seq"]) == 3 + len(toks) - 1
     # The same tokens one item at a time: the same positions, and logits that agree to rounding (the
     # chunks have other shapes, so the rows are computed by other kernels).
-    y = Ctx(tiny, n_ctx=512, n_batch=16, n_seq_max=5)
+    y = Ctx(tiny_native, n_ctx=512, n_batch=16, n_seq_max=5)
     r = y.create({}, tokens=[1, 2, 3])
     for h, toks in items[:3]:
         k = y.fork(r)

@@ -15,7 +15,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
-def test_generate_prints_only_the_text(gemma: Model, gemma_path: Path) -> None:
+def test_generate_prints_only_the_text(gemma: Model) -> None:
     out = _run("generate", "-n", "16", "The capital of France is")
     assert out.returncode == 0, out.stderr
     ctx = gemma.new_context(n_ctx=4096)

@@ -3,10 +3,10 @@ streaming, stop strings, n_predict and stop reasons."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
+from reference_tools import llama_simple_text
 
 from lloyal_pool import GenerateParams, Model, StopReason
 
@@ -18,19 +18,9 @@ PROMPTS = [
 ]
 
 
-def _llama_simple(exe: Path, model: Path, prompt: str, n: int) -> str:
-    out = subprocess.run([str(exe), "-m", str(model), "-n", str(n), prompt], capture_output=True, text=True,
-                         timeout=300, check=True)
-    # llama-simple prints the prompt's pieces (BOS rendered as "<bos>"), then each generated piece, then a
-    # newline.
-    text = out.stdout.removeprefix("<bos>")
-    assert text.startswith(prompt), text[:200]
-    return text[len(prompt):].removesuffix("\n")
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_matches_llama_simple(gemma: Model, gemma_path: Path, llama_simple: Path, prompt: str) -> None:
-    expected = _llama_simple(llama_simple, gemma_path, prompt, 32)
+    expected = llama_simple_text(llama_simple, gemma_path, prompt, 32)
     ctx = gemma.new_context(n_ctx=512)
     try:
         result = ctx.generate(prompt, n_predict=32)

@@ -39,7 +39,6 @@ __all__ = [
     "PARSE_SPECIAL",
     "SEPARATOR",
     "VocabCaseError",
-    "default_models_dir",
     "load_cases",
     "unique_cases",
     "vocab_files",
@@ -62,17 +61,12 @@ class VocabCaseError(ValueError):
     """The .inp/.out pair is malformed (missing, or counts do not line up)."""
 
 
-def default_models_dir() -> Path:
-    """``vendor/llama.cpp/models`` of this repository."""
-    return Path(__file__).resolve().parent.parent / "vendor" / "llama.cpp" / "models"
-
-
-def vocab_files(models_dir: Path | str | None = None) -> list[Path]:
+def vocab_files(models_dir: Path | str) -> list[Path]:
     """Every ``ggml-vocab-*.gguf`` in *models_dir* that has both ``.gguf.inp`` and ``.gguf.out``.
 
     Sorted by name.  Files named in :data:`SKIP` are left out.
     """
-    d = Path(models_dir) if models_dir is not None else default_models_dir()
+    d = Path(models_dir)
     out = []
     for p in sorted(d.glob("ggml-vocab-*.gguf")):
         if p.name in SKIP:

@@ -20,18 +20,18 @@ GREEDY = SamplerParams(repeat_penalty=1.2, repeat_last_n=64)
 SAMPLE = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, repeat_penalty=1.2, repeat_last_n=64, seed=7)
 
 
-def explore(ctx: Context, branch: Branch, width: int, depth: int) -> tuple[Branch, list[int]]:
-    """width forks, depth sampled tokens each (batched); returns the best fork and its tokens."""
+def explore(ctx: Context, branch: Branch, width: int, depth: int) -> tuple[Branch, list[bytes]]:
+    """width forks, depth sampled tokens each (batched); returns the best fork and its tokens' bytes."""
     forks = [branch.fork() for _ in range(width)]
     for i, f in enumerate(forks):
         f.set_sampler_params(SAMPLE, seed=100 + i)
-    tokens: dict[int, list[int]] = {f.handle: [] for f in forks}
+    tokens: dict[int, list[bytes]] = {f.handle: [] for f in forks}
     live = list(forks)
     for _ in range(depth):
         produced = ctx.branches.step(live)
         for f, p in zip(live, produced, strict=True):
             if not p.is_stop:
-                tokens[f.handle].append(p.token)
+                tokens[f.handle].append(p.piece)
         live = [f for f, p in zip(live, produced, strict=True) if not p.is_stop]
         if not live:
             break
@@ -62,8 +62,7 @@ def main() -> int:
                 best, toks = explore(ctx, branch, width=3, depth=6)
                 ctx.branches.retain_only(best)
                 branch = best
-                branch.set_sampler_params(GREEDY)
-                piece = "".join(utf8.decode(model.token_to_piece(t)) for t in toks)
+                piece = "".join(utf8.decode(b) for b in toks)
                 text += f"[{piece}]"
                 counts["explore"] += 1
                 n += max(1, len(toks))

@@ -47,6 +47,7 @@ def main() -> int:
             # Draft: each fork commits one greedy token, so fork i holds the first i drafted tokens and the
             # logits that come after them. Nothing is decoded twice.
             chain, drafted, captured = [main_branch], [], [main_branch.logits.copy()]
+            pieces: list[bytes] = []  # the drafted tokens' bytes, as produce returned them
             for _ in range(args.draft):
                 fork = chain[-1].fork()
                 p = fork.step()
@@ -55,6 +56,7 @@ def main() -> int:
                     break
                 chain.append(fork)
                 drafted.append(p.token)
+                pieces.append(p.piece)
                 captured.append(fork.logits.copy())
             # Verify: a deterministic drafter proposes d with probability 1, so the target accepts it with
             # probability p_target(d); on a rejection it samples from p_target with d removed.
@@ -74,8 +76,8 @@ def main() -> int:
             ctx.branches.retain_only(keep)
             main_branch = keep
             accepted_total += n_ok
-            for t in drafted[:n_ok]:
-                text += out.decode(model.token_to_piece(t))
+            for piece in pieces[:n_ok]:
+                text += out.decode(piece)
             n_out += n_ok
             eos = extra == model.info.eos
             if not eos:
