@@ -759,6 +759,18 @@ py::list Context::step(py::handle handles, uint64_t request_id) {
     busy_guard busy(*this);
     decode_us_ = 0;
     const std::vector<branch *> bs = branch_list(handles, true);
+    // Sampling advances the PRNGs, mirostat's mu and the last sample: what would refuse the commit is
+    // checked before, so that a step that commits nothing has consumed nothing either.
+    if (bs.size() > n_batch_) {
+        throw std::invalid_argument("a step holds at most n_batch (" + std::to_string(n_batch_) + ") branches, got " +
+                                    std::to_string(bs.size()));
+    }
+    {
+        request_scope req(*this, request_id);
+        if (interrupt_requested()) {
+            throw interrupted_error("interrupted before the decode: nothing was produced or committed");
+        }
+    }
     const auto out = produce_impl(bs);
     std::vector<branch *> go;
     std::vector<llama_token> toks;

@@ -133,7 +133,9 @@ std::vector<std::pair<llama_token, float>> parse_logit_bias(const py::handle & b
 
 // One piece of a sequence's KV cells: positions [p0, p1) of the cells some branch decoded itself
 // (origin). A branch's cells are its lineage: the segments it shares with its ancestors (capped at the
-// position it was forked at) and its own. The union over the live branches counts cells exactly.
+// position it was forked at) and its own. The union over the live branches counts cells exactly for a
+// tree of forks. A detached seq keeps no lineage: adopted again (branch_adopt, a state load) it gets a
+// fresh origin, so cells it still shares with former relatives count twice (an upper bound).
 struct kv_segment {
     uint64_t origin;
     llama_pos p0;
@@ -283,6 +285,8 @@ class branch_store {
 //      commit. Empty items are skipped; duplicates -> BranchError.
 //  step(handles: list[int], request_id: int) -> list[(token, piece, is_stop)]
 //      produce, then one commit of every branch whose token is not a stop: one round trip per step.
+//      More than n_batch handles (ValueError) or an interrupt already requested fail before sampling,
+//      so a step that commits nothing has drawn nothing from the PRNGs.
 //
 //  kv_seq_cp(src, dst, p0, p1) / kv_seq_keep(seq) / kv_seq_rm(seq, p0, p1) -> bool /
 //  kv_seq_pos_min(seq) / kv_seq_pos_max(seq) (-1 when empty)
@@ -292,8 +296,10 @@ class branch_store {
 //      [0, n_seq_max) -> ValueError. Writes in sequence mode (a plain history) raise ContextError.
 //  kv_pressure() -> dict: n_ctx, cells_used, remaining, n_seq_max, seqs_leased, seqs_free
 //      In branch mode n_ctx is the cells the cache really has (llama.cpp pads to 256: that is where a
-//      decode runs out of room); cells_used is exact for branches (shared prefixes counted once),
-//      pos_max + 1 for raw seqs. In sequence mode: the context's n_ctx and the history length.
+//      decode runs out of room); cells_used is exact for a tree of forks (shared prefixes counted once),
+//      pos_max + 1 for raw seqs. Cells a raw seq, or a branch adopted from one, shares with another
+//      sequence count once for each (see kv_segment): an upper bound then. In sequence mode: the
+//      context's n_ctx and the history length.
 //  state_seq_get(seq) -> bytes / state_seq_set(seq, data: bytes) -> int (bytes read)
 //  state_seq_save_file(seq, path, tokens: list[int]) -> int / state_seq_load_file(seq, path) -> (tokens, int)
 //      Per-sequence state (llama_state_seq_*): never a silent fall back to the whole context. Errors

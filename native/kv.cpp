@@ -279,7 +279,11 @@ py::tuple Context::state_seq_load_file(py::handle seq_obj, const std::string & p
             if (llama_state_seq_load_file(ctx_, path.c_str(), seq, nullptr, 0, &count) != 0) {
                 toks.resize(count);
                 llama_memory_seq_rm(mem, seq, -1, -1);
-                n = llama_state_seq_load_file(ctx_, path.c_str(), seq, toks.data(), toks.size(), &count);
+                // A file saved with no tokens still needs a non-null tokens_out: null means "count only",
+                // which would report success with nothing loaded.
+                llama_token none = LLAMA_TOKEN_NULL;
+                llama_token * out = toks.empty() ? &none : toks.data();
+                n = llama_state_seq_load_file(ctx_, path.c_str(), seq, out, toks.size(), &count);
                 toks.resize(count);
             }
         } catch (const std::exception &) {

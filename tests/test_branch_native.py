@@ -236,6 +236,24 @@ def test_interrupted_prefill_changes_nothing(gemma_model: Any) -> None:
     assert x.info(root)["position"] == info["position"] + 1
 
 
+def test_a_refused_step_draws_nothing(tiny_native: Any) -> None:
+    # (More branches than n_batch, the other refusal, cannot be set up: llama.cpp needs n_batch >= n_seq_max.)
+    x = Ctx(tiny_native, n_ctx=256, n_seq_max=3)
+    word = np.zeros(1, np.uint64)
+    x.c.set_interrupt_word(word, 0)
+    prompt = tiny_native.tokenize("hello world, this is a test", True, True)
+    root = x.create({"temperature": 1.5, "seed": 7}, tokens=prompt)
+    a, twin = x.fork(root), x.fork(root)
+    before = x.info(a)
+    word[0] = 5
+    with pytest.raises(InterruptedByClient):
+        x.c.step([a], 5)
+    word[0] = 0
+    assert x.info(a) == before
+    # The PRNG is where the twin's is: both draw the same tokens from here on.
+    assert x.steps([a], 16) == x.steps([twin], 16)
+
+
 # -- errors --------------------------------------------------------------------------------------------
 
 def test_typed_errors_leave_the_context_working(tiny_native: Any) -> None:
@@ -502,6 +520,26 @@ def test_state_seq_round_trip(gemma_model: Any, tmp_path: Path) -> None:
         x.c.state_seq_load_file(x.info(d)["seq"], str(tmp_path / "missing.bin"))
     assert x.info(d)["position"] == 0 and x.c.kv_seq_pos_max(x.info(d)["seq"]) == -1
     x.c.prefill([(d, prompt)])  # still usable
+
+
+def test_state_file_saved_without_tokens_loads(gemma_model: Any, tmp_path: Path) -> None:
+    x = Ctx(gemma_model, n_ctx=512, n_seq_max=2)
+    prompt = gemma_model.tokenize(PROMPT, True, True)
+    a = x.create({}, tokens=prompt)
+    seq_a = x.info(a)["seq"]
+    path = str(tmp_path / "no_tokens.bin")
+    assert x.c.state_seq_save_file(seq_a, path, []) > 0
+    t = 9876
+    x.c.commit([(a, t)])
+    expected = x.logits(a).copy()
+
+    b = x.create({})
+    tokens, n = x.c.state_seq_load_file(x.info(b)["seq"], path)
+    assert tokens == [] and n > 0
+    assert x.c.kv_seq_pos_max(x.info(b)["seq"]) == len(prompt) - 1
+    assert x.info(b)["position"] == len(prompt)
+    x.c.prefill([(b, [t])])
+    assert np.array_equal(x.logits(b), expected)
 
 
 def test_clear_and_reseed_keeps_handle_sampler_and_perplexity(gemma_model: Any) -> None:

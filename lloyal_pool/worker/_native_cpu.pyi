@@ -230,7 +230,9 @@ class Context:
         """Tokens into each branch, packed into n_batch chunks; logits for each item's last token; no
         grammar/penalty/perplexity accept. All or nothing like commit."""
     def step(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool]]:
-        """produce, then one commit of every branch whose token is not a stop."""
+        """produce, then one commit of every branch whose token is not a stop. More than n_batch branches
+        (ValueError) or an interrupt already requested (InterruptedByClient) fail before sampling: a step
+        that commits nothing leaves the PRNGs and last samples as they were."""
     def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int], request_id: int = 0) -> None:
         """With exactly one branch and no detached sequence (else BranchError): clears the cache and
         decodes sinks + tail from position 0 into it, keeping handle, sampler, grammar and perplexity.
@@ -248,8 +250,10 @@ class Context:
     def kv_pressure(self) -> dict[str, int]:
         """n_ctx, cells_used, remaining, n_seq_max, seqs_leased, seqs_free. In branch mode n_ctx is the
         cells the cache really has (llama.cpp pads to 256: where a commit runs out of room) and cells_used
-        is exact for branches (shared prefixes once) plus pos_max + 1 per detached sequence; in sequence
-        mode they are the context's n_ctx and the history length."""
+        counts the branches' cells (shared prefixes once) plus pos_max + 1 per detached sequence; in
+        sequence mode they are the context's n_ctx and the history length. Cells a detached sequence or a
+        branch adopted from one (branch_adopt, a state load) still shares with other sequences count once
+        for each of them: an upper bound then, exact for a tree of forks."""
     def state_seq_get(self, seq: int) -> bytes:
         """The sequence's cells (llama_state_seq_get_data). ContextError when it is empty."""
     def state_seq_set(self, seq: int, data: bytes) -> int:
