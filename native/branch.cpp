@@ -90,6 +90,21 @@ std::unique_ptr<branch> branch_store::remove(uint32_t handle) {
     return b;
 }
 
+std::vector<uint32_t> branch_store::release_all(uint32_t keep) {
+    std::vector<uint32_t> freed;
+    for (uint32_t h : handles()) {
+        if (h == keep) {
+            continue;
+        }
+        release(remove(h)->seq);
+        freed.push_back(h);
+    }
+    for (llama_seq_id s : detached()) {
+        release(s);
+    }
+    return freed;
+}
+
 llama_seq_id branch_store::lease() {
     if (free_seqs_.empty()) {
         return -1;
@@ -212,6 +227,15 @@ std::pair<py::object, py::object> pair_items(const py::object & item, const char
     return {two[0], two[1]};
 }
 
+// The branch of h, BranchError when this call named it before (seen: the branches it did).
+branch & distinct_branch(branch_store & st, py::handle h, std::unordered_set<branch *> & seen, const char * call) {
+    branch & b = st.get(h);
+    if (!seen.insert(&b).second) {
+        throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one " + call);
+    }
+    return b;
+}
+
 double perplexity(double sum, int64_t count) {
     return count > 0 ? std::exp(sum / static_cast<double>(count)) : std::numeric_limits<double>::infinity();
 }
@@ -239,20 +263,14 @@ void Context::drop_branches() {
         return;
     }
     // The cache is cleared by the caller; only the records go (their buffer exports with them).
-    for (uint32_t h : store_->handles()) {
-        std::unique_ptr<branch> b = store_->remove(h);
-        store_->release(b->seq);
-    }
-    for (llama_seq_id s : store_->detached()) {
-        store_->release(s);
-    }
+    store_->release_all();
 }
 
-void Context::free_branch(uint32_t handle) {
+std::unique_ptr<branch> Context::unlink_branch(uint32_t handle) {
     branch_store & st = store();
     std::unique_ptr<branch> b = st.remove(handle);
     if (!b) {
-        return;
+        return b;
     }
     if (branch * p = st.find(b->parent)) {
         p->children.erase(std::remove(p->children.begin(), p->children.end(), handle), p->children.end());
@@ -262,8 +280,16 @@ void Context::free_branch(uint32_t handle) {
             child->parent = 0;
         }
     }
+    return b;
+}
+
+void Context::free_branch(uint32_t handle) {
+    std::unique_ptr<branch> b = unlink_branch(handle);
+    if (!b) {
+        return;
+    }
     llama_memory_seq_rm(llama_get_memory(ctx_), b->seq, -1, -1);  // a whole sequence: never fails
-    st.release(b->seq);
+    store().release(b->seq);
 }
 
 void Context::write_snapshot(branch & b, const float * src) {
@@ -274,16 +300,13 @@ void Context::write_snapshot(branch & b, const float * src) {
     b.sample_pending = false;
 }
 
-std::vector<branch *> Context::branch_list(py::handle handles, bool need_logits) {
+std::vector<branch *> Context::branch_list(py::handle handles) {
     branch_store & st = store();
     std::vector<branch *> out;
     std::unordered_set<branch *> seen;
     for (const py::object & h : sequence_items(handles, "branch handles")) {
-        branch & b = st.get(h);
-        if (!seen.insert(&b).second) {
-            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one batch");
-        }
-        if (need_logits && !b.has_logits) {
+        branch & b = distinct_branch(st, h, seen, "batch");
+        if (!b.has_logits) {
             throw branch_error("branch " + std::to_string(b.handle) +
                                " has no logits yet: prefill or commit something first");
         }
@@ -293,13 +316,9 @@ std::vector<branch *> Context::branch_list(py::handle handles, bool need_logits)
 }
 
 int32_t Context::decode_batch(int32_t n) {
-    batch_.n_tokens = n;
     const int64_t t0 = now_us();
-    const int32_t ret = llama_decode(ctx_, batch_);
+    const int32_t ret = decode_raw(n);
     decode_us_ += now_us() - t0;
-    if (aborting_.exchange(false, std::memory_order_relaxed)) {
-        log_abort_end();
-    }
     return ret;
 }
 
@@ -311,12 +330,11 @@ void Context::throw_decode_failure(int32_t ret, size_t n_tokens, uint64_t mark) 
         throw decode_error("llama_decode found no KV slot for a batch of " + std::to_string(n_tokens) +
                            " tokens (the cache has " + std::to_string(n_cells_) + " cells): nothing was changed");
     }
-    const std::string why = log_errors_since(mark);
+    const std::string why = log_reason_since(mark);
     if (ret == -1) {
-        throw decode_error("llama_decode rejected the batch as invalid" + (why.empty() ? std::string() : ": " + why));
+        throw decode_error("llama_decode rejected the batch as invalid" + why);
     }
-    throw decode_error("llama_decode failed (" + std::to_string(ret) + ")" + (why.empty() ? std::string() : ": " + why) +
-                       "; nothing was changed");
+    throw decode_error("llama_decode failed (" + std::to_string(ret) + ")" + why + "; nothing was changed");
 }
 
 void Context::check_branch_capable() const {
@@ -371,7 +389,6 @@ uint32_t Context::branch_create(py::handle logits, const py::dict & params, py::
     b->seq = seq;
     b->lineage.push_back({st.new_origin(), 0, 0});
     llama_memory_seq_rm(llama_get_memory(ctx_), seq, -1, -1);  // a vacant seq has no cells; make sure
-    has_logits_ = false;  // sequence mode's logits_into has nothing to give from here on
     guard.dismiss();
     return st.add(std::move(b)).handle;
 }
@@ -473,16 +490,8 @@ py::list Context::branch_retain_only(py::handle h) {
     branch & w = st.get(h);
     llama_memory_seq_keep(llama_get_memory(ctx_), w.seq);
     py::list freed;
-    for (uint32_t handle : st.handles()) {
-        if (handle == w.handle) {
-            continue;
-        }
-        std::unique_ptr<branch> b = st.remove(handle);
-        st.release(b->seq);
+    for (uint32_t handle : st.release_all(w.handle)) {
         freed.append(handle);
-    }
-    for (llama_seq_id s : st.detached()) {
-        st.release(s);
     }
     w.parent = 0;
     w.fork_head = 0;
@@ -493,17 +502,7 @@ py::list Context::branch_retain_only(py::handle h) {
 int32_t Context::branch_detach(py::handle h) {
     busy_guard busy(*this);
     branch_store & st = store();
-    const uint32_t handle = st.get(h).handle;
-    std::unique_ptr<branch> b = st.remove(handle);  // its seq stays leased: detached
-    if (branch * p = st.find(b->parent)) {
-        p->children.erase(std::remove(p->children.begin(), p->children.end(), handle), p->children.end());
-    }
-    for (uint32_t c : b->children) {
-        if (branch * child = st.find(c)) {
-            child->parent = 0;
-        }
-    }
-    return b->seq;
+    return unlink_branch(st.get(h).handle)->seq;  // its seq stays leased: detached
 }
 
 py::dict Context::branch_info(py::handle h) {
@@ -624,8 +623,8 @@ void Context::branch_merge_logits(py::handle dst, py::handle experts, double alp
     write_snapshot(d, d.snapshot);
 }
 
-std::vector<std::pair<llama_token, float>> Context::produce_impl(const std::vector<branch *> & bs) {
-    std::vector<std::pair<llama_token, float>> out;
+std::vector<llama_token> Context::produce_impl(const std::vector<branch *> & bs) {
+    std::vector<llama_token> out;
     out.reserve(bs.size());
     gil_release nogil;
     auto & scratch = store().scratch();
@@ -634,15 +633,14 @@ std::vector<std::pair<llama_token, float>> Context::produce_impl(const std::vect
         b->last_token = r.token;
         b->last_surprisal = r.sampling_surprisal;
         b->sample_pending = r.token != LLAMA_TOKEN_NULL;
-        out.emplace_back(r.token, r.sampling_surprisal);
+        out.push_back(r.token);
     }
     return out;
 }
 
-py::list Context::produce_result(const std::vector<std::pair<llama_token, float>> & out) {
+py::list Context::produce_result(const std::vector<llama_token> & out) {
     py::list result;
-    for (const auto & [tok, surprisal] : out) {
-        (void) surprisal;
+    for (const llama_token tok : out) {
         if (tok == LLAMA_TOKEN_NULL) {
             result.append(py::make_tuple(-1, py::bytes(""), true));
         } else {
@@ -655,7 +653,7 @@ py::list Context::produce_result(const std::vector<std::pair<llama_token, float>
 
 py::list Context::produce(py::handle handles) {
     busy_guard busy(*this);
-    const std::vector<branch *> bs = branch_list(handles, true);
+    const std::vector<branch *> bs = branch_list(handles);
     return produce_result(produce_impl(bs));
 }
 
@@ -720,7 +718,7 @@ void Context::commit_impl(const std::vector<branch *> & bs, const std::vector<ll
             ++b.samp_count;
         }
         if (grammars[i]) {
-            b.sampler->set_grammar_state(std::move(grammars[i]));
+            b.sampler->set_grammar(std::move(grammars[i]));
         }
         b.sampler->accept(t);
         b.accepted.push_back(t);
@@ -739,10 +737,7 @@ void Context::commit(py::handle pairs, uint64_t request_id) {
     std::unordered_set<branch *> seen;
     for (const py::object & item : sequence_items(pairs, "commit pairs")) {
         auto [h, t] = pair_items(item, "commit pairs");
-        branch & b = st.get(h);
-        if (!seen.insert(&b).second) {
-            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one commit");
-        }
+        branch & b = distinct_branch(st, h, seen, "commit");
         toks.push_back(token_from_py(t, *model_));
         bs.push_back(&b);
     }
@@ -758,7 +753,7 @@ void Context::commit(py::handle pairs, uint64_t request_id) {
 py::list Context::step(py::handle handles, uint64_t request_id) {
     busy_guard busy(*this);
     decode_us_ = 0;
-    const std::vector<branch *> bs = branch_list(handles, true);
+    const std::vector<branch *> bs = branch_list(handles);
     // Sampling advances the PRNGs, mirostat's mu and the last sample: what would refuse the commit is
     // checked before, so that a step that commits nothing has consumed nothing either.
     if (bs.size() > n_batch_) {
@@ -775,7 +770,7 @@ py::list Context::step(py::handle handles, uint64_t request_id) {
     std::vector<branch *> go;
     std::vector<llama_token> toks;
     for (size_t i = 0; i < bs.size(); ++i) {
-        const llama_token t = out[i].first;
+        const llama_token t = out[i];
         if (t != LLAMA_TOKEN_NULL && !llama_vocab_is_eog(model_->vocab(), t)) {
             go.push_back(bs[i]);
             toks.push_back(t);
@@ -797,10 +792,7 @@ void Context::prefill(py::handle items_obj, uint64_t request_id) {
     std::unordered_set<branch *> seen;
     for (const py::object & it : sequence_items(items_obj, "prefill items")) {
         auto [h, t] = pair_items(it, "prefill items");
-        branch & b = st.get(h);
-        if (!seen.insert(&b).second) {
-            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one prefill");
-        }
+        branch & b = distinct_branch(st, h, seen, "prefill");
         std::vector<llama_token> toks = tokens_from_py(t, *model_);
         if (!toks.empty()) {
             items.push_back({&b, std::move(toks)});

@@ -83,8 +83,7 @@ class branch_sampler {
     // A new chain: the PRNGs restart from p.seed, the penalty and DRY windows are re-primed from the
     // branch's accepted tokens. Params equal to the current ones change nothing (no PRNG restart).
     void set_params(const sampler_params & p, const std::vector<llama_token> & accepted);
-    void set_grammar(sampler_ptr g);  // null removes it
-    bool has_grammar() const { return grammar_ != nullptr; }
+    void set_grammar(sampler_ptr g) { grammar_ = std::move(g); }  // null removes it
     // Sorted by token, one entry per token (biases of a token summed; -inf bans it).
     void set_logit_bias(std::vector<std::pair<llama_token, float>> bias) { bias_ = std::move(bias); }
     // Every sampler that draws (XTC, dist, mirostat, whose mu restarts) starts again from seed;
@@ -103,7 +102,6 @@ class branch_sampler {
     // when there is no grammar. Checks the token with the grammar's own mask first: accepting an
     // end-of-generation token the grammar cannot end at would GGML_ABORT inside llama.cpp.
     sampler_ptr grammar_after(llama_token token) const;
-    void set_grammar_state(sampler_ptr g) { grammar_ = std::move(g); }
     void accept(llama_token token);  // penalty and DRY windows; the grammar is swapped in by the caller
 
   private:
@@ -119,8 +117,6 @@ class branch_sampler {
     sampler_params p_;
     sampler_ptr penalties_;
     sampler_ptr dry_;
-    int32_t penalty_last_n_ = 0;
-    int32_t dry_last_n_ = 0;
     std::vector<sampler_ptr> rest_;
     bool rest_starts_with_top_k_ = false;
     sampler_ptr grammar_;
@@ -185,10 +181,12 @@ class branch_store {
 
     branch & add(std::unique_ptr<branch> b);  // assigns handle and serial; b->seq already leased
     std::unique_ptr<branch> remove(uint32_t handle);  // the slot is freed; the lease stays with the caller
+    // Every branch but keep (0: none) and every detached seq: slots freed, seqs back on the free list
+    // (their cells are the caller's to clear). Returns the handles freed, in creation order.
+    std::vector<uint32_t> release_all(uint32_t keep = 0);
 
     llama_seq_id lease();  // -1 when none is free; seq 0 first, then LIFO reuse
     void release(llama_seq_id seq);
-    void set_detached(llama_seq_id seq) { owner_[static_cast<size_t>(seq)] = k_detached; }
     bool is_free(llama_seq_id seq) const { return owner_[static_cast<size_t>(seq)] == k_free; }
     bool is_detached(llama_seq_id seq) const { return owner_[static_cast<size_t>(seq)] == k_detached; }
     branch * owner(llama_seq_id seq);  // the branch that owns seq, or null

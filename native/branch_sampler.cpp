@@ -51,21 +51,10 @@ void branch_sampler::build(const std::vector<llama_token> & accepted) {
     chain_stages st = make_chain_stages(p_, *model_, n_ctx_);
     penalties_ = std::move(st.penalties);
     dry_ = std::move(st.dry);
-    penalty_last_n_ = st.penalty_last_n;
-    dry_last_n_ = st.dry_last_n;
     rest_ = std::move(st.rest);
     rest_starts_with_top_k_ = st.rest_starts_with_top_k;
-    auto prime = [&](llama_sampler * s, int32_t last_n) {
-        if (s == nullptr) {
-            return;
-        }
-        const size_t want = std::min(accepted.size(), static_cast<size_t>(last_n));
-        for (size_t i = accepted.size() - want; i < accepted.size(); ++i) {
-            llama_sampler_accept(s, accepted[i]);
-        }
-    };
-    prime(penalties_.get(), penalty_last_n_);
-    prime(dry_.get(), dry_last_n_);
+    prime_window(penalties_.get(), st.penalty_last_n, accepted, accepted.size(), {});
+    prime_window(dry_.get(), st.dry_last_n, accepted, accepted.size(), {});
 }
 
 std::unique_ptr<branch_sampler> branch_sampler::clone() const {
@@ -73,8 +62,6 @@ std::unique_ptr<branch_sampler> branch_sampler::clone() const {
     c->p_ = p_;
     c->penalties_.reset(llama_sampler_clone(penalties_.get()));
     c->dry_.reset(llama_sampler_clone(dry_.get()));
-    c->penalty_last_n_ = penalty_last_n_;
-    c->dry_last_n_ = dry_last_n_;
     c->rest_.reserve(rest_.size());
     for (const auto & s : rest_) {
         c->rest_.emplace_back(llama_sampler_clone(s.get()));
@@ -92,8 +79,6 @@ void branch_sampler::set_params(const sampler_params & p, const std::vector<llam
     p_ = p;
     build(accepted);
 }
-
-void branch_sampler::set_grammar(sampler_ptr g) { grammar_ = std::move(g); }
 
 void branch_sampler::reseed(uint32_t seed) {
     p_.seed = seed;

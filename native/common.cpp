@@ -29,6 +29,11 @@ held_buffer::~held_buffer() {
     }
 }
 
+std::string log_reason_since(uint64_t mark, size_t max_lines) {
+    const std::string why = log_errors_since(mark, max_lines);
+    return why.empty() ? why : ": " + why;
+}
+
 bool index_to_ll(py::handle obj, long long & out, std::string * text) {
     py::object idx = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
     if (!idx) {

@@ -56,6 +56,8 @@ class held_buffer {
 // so that a failure can say why: log_mark() before the call, log_errors_since(mark) after it.
 uint64_t log_mark();
 std::string log_errors_since(uint64_t mark, size_t max_lines = 3);
+// log_errors_since as a suffix for a message: ": why", or "" when the log said nothing.
+std::string log_reason_since(uint64_t mark, size_t max_lines = 3);
 // Brackets a decode that our abort callback stopped, so its error lines are logged as debug.
 void log_abort_begin();
 void log_abort_end();

@@ -239,8 +239,7 @@ Context::Context(std::shared_ptr<Model> model, const py::dict & params) : model_
         ctx_ = llama_init_from_model(model_->get(), cp);
     }
     if (ctx_ == nullptr) {
-        const std::string why = log_errors_since(mark);
-        throw context_error("failed to create the llama context" + (why.empty() ? std::string() : ": " + why));
+        throw context_error("failed to create the llama context" + log_reason_since(mark));
     }
 
     // llama.cpp rounds the cache up to a multiple of 256 cells; the context still holds what was asked
@@ -257,15 +256,12 @@ Context::Context(std::shared_ptr<Model> model, const py::dict & params) : model_
     n_cells_ = llama_n_ctx(ctx_);
 
     batch_ = llama_batch_init(static_cast<int32_t>(n_batch_), 0, 1);
-    batch_allocated_ = true;
     llama_set_abort_callback(ctx_, &Context::abort_callback, this);
 }
 
 Context::~Context() {
     store_.reset();  // the branches' buffer exports, released while the GIL is held (it is, here)
-    if (batch_allocated_) {
-        llama_batch_free(batch_);
-    }
+    llama_batch_free(batch_);
     if (ctx_ != nullptr) {
         llama_free(ctx_);
     }
@@ -388,6 +384,15 @@ size_t Context::truncate_to(size_t n) {
     return n;
 }
 
+int32_t Context::decode_raw(int32_t n) {
+    batch_.n_tokens = n;
+    const int32_t ret = llama_decode(ctx_, batch_);
+    if (aborting_.exchange(false, std::memory_order_relaxed)) {
+        log_abort_end();
+    }
+    return ret;
+}
+
 bool Context::decode_tokens(const llama_token * toks, size_t n, bool want_logits) {
     if (n == 0) {
         return true;
@@ -403,7 +408,6 @@ bool Context::decode_tokens(const llama_token * toks, size_t n, bool want_logits
         const size_t chunk_end = (pos0 / n_batch_ + 1) * n_batch_;
         const size_t m = std::min<size_t>(n - i, chunk_end - pos0);
         const bool last_chunk = i + m == n;
-        batch_.n_tokens = static_cast<int32_t>(m);
         for (size_t j = 0; j < m; ++j) {
             batch_.token[j] = toks[i + j];
             batch_.pos[j] = static_cast<llama_pos>(pos0 + j);
@@ -411,10 +415,7 @@ bool Context::decode_tokens(const llama_token * toks, size_t n, bool want_logits
             batch_.seq_id[j][0] = 0;
             batch_.logits[j] = want_logits && last_chunk && j == m - 1;
         }
-        const int32_t ret = llama_decode(ctx_, batch_);
-        if (aborting_.exchange(false, std::memory_order_relaxed)) {
-            log_abort_end();
-        }
+        const int32_t ret = decode_raw(static_cast<int32_t>(m));
         if (ret == 0) {
             if (pos0 == fresh_upto_ && ubatch_floor(pos0) == pos0) {
                 // A complete chunk is exactly a fresh decode's; of a partial one only the full ubatches

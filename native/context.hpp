@@ -106,12 +106,16 @@ class Context {
     std::unique_ptr<branch> new_root(py::handle logits, const py::dict & params, py::handle grammar);
     void drop_branches();                    // reset(): every branch and detached sequence goes
     void free_branch(uint32_t handle);       // cells removed, seq and slot returned
+    // Out of the store and the tree (its children become roots); null when not live. The seq stays leased.
+    std::unique_ptr<branch> unlink_branch(uint32_t handle);
     void write_snapshot(branch & b, const float * src);
-    std::vector<branch *> branch_list(py::handle handles, bool need_logits);
-    std::vector<std::pair<llama_token, float>> produce_impl(const std::vector<branch *> & bs);
-    py::list produce_result(const std::vector<std::pair<llama_token, float>> & out);
+    std::vector<branch *> branch_list(py::handle handles);  // distinct, all with logits
+    std::vector<llama_token> produce_impl(const std::vector<branch *> & bs);
+    py::list produce_result(const std::vector<llama_token> & out);
     void commit_impl(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
     // llama_decode of batch_[0:n] with the abort bookkeeping; returns llama_decode's code.
+    int32_t decode_raw(int32_t n);
+    // decode_raw, its time added to decode_us_ (branch mode's calls; eval/generate time themselves).
     int32_t decode_batch(int32_t n);
     [[noreturn]] void throw_decode_failure(int32_t ret, size_t n_tokens, uint64_t log_mark_before) const;
     llama_seq_id seq_arg(py::handle seq) const;  // ValueError outside [0, n_seq_max)
@@ -138,8 +142,7 @@ class Context {
 
     std::shared_ptr<Model> model_;
     llama_context * ctx_ = nullptr;
-    llama_batch batch_{};
-    bool batch_allocated_ = false;
+    llama_batch batch_{};  // all null until llama_batch_init: llama_batch_free is a no-op on it
 
     uint32_t n_ctx_ = 0;
     uint32_t n_ctx_seq_ = 0;

@@ -3,6 +3,7 @@
 #include "branch.hpp"
 #include "sampling.hpp"
 
+#include "common.h"
 #include "json-schema-to-grammar.h"
 
 #include <cstdio>
@@ -105,29 +106,13 @@ llama_sampler * make_grammar_sampler(const Model & model, const std::string & gb
         throw grammar_error(std::string("invalid grammar: ") + e.what());
     }
     if (smpl == nullptr) {
-        std::string why = parse_error_reason(captured);
-        if (why.empty()) {
-            why = log_errors_since(mark, 1);
-        }
-        throw grammar_error("invalid grammar" + (why.empty() ? std::string() : ": " + why));
+        const std::string parsed = parse_error_reason(captured);
+        throw grammar_error("invalid grammar" + (parsed.empty() ? log_reason_since(mark, 1) : ": " + parsed));
     }
     return smpl;
 }
 
 namespace {
-
-// A literal word as a regex, the way llama.cpp's common code turns trigger words into patterns.
-std::string regex_escape(const std::string & s) {
-    static const std::string special = ".^$|()*+?[]{}\\";
-    std::string out;
-    for (char c : s) {
-        if (special.find(c) != std::string::npos) {
-            out += '\\';
-        }
-        out += c;
-    }
-    return out;
-}
 
 std::vector<std::string> spec_strings(const py::dict & d, const char * key) {
     std::vector<std::string> out;
@@ -187,7 +172,7 @@ grammar_spec parse_grammar_spec(const py::handle & spec, const Model & model) {
         g.lazy = d["lazy"].ptr() == Py_True;
     }
     for (const auto & w : spec_strings(d, "trigger_words")) {
-        g.trigger_patterns.push_back(regex_escape(w));
+        g.trigger_patterns.push_back(::regex_escape(w));  // llama.cpp common's, as its sampler does
     }
     for (auto & p : spec_strings(d, "trigger_patterns")) {
         g.trigger_patterns.push_back(std::move(p));

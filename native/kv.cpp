@@ -230,9 +230,9 @@ size_t Context::state_seq_set(py::handle seq_obj, py::handle data) {
         }
     }
     if (n == 0) {
-        const std::string why = log_errors_since(mark);
+        const std::string why = log_reason_since(mark);
         throw context_error("could not load the state into sequence " + std::to_string(seq) +
-                            (why.empty() ? std::string(" (not a state of this model, or too small a cache)") : ": " + why));
+                            (why.empty() ? " (not a state of this model, or too small a cache)" : why));
     }
     adopt_loaded(target, seq);
     return n;
@@ -256,9 +256,8 @@ size_t Context::state_seq_save_file(py::handle seq_obj, const std::string & path
         }
     }
     if (n == 0) {
-        const std::string why = log_errors_since(mark);
         throw context_error("could not write the state of sequence " + std::to_string(seq) + " to '" + path + "'" +
-                            (why.empty() ? std::string() : ": " + why));
+                            log_reason_since(mark));
     }
     return n;
 }
@@ -294,9 +293,8 @@ py::tuple Context::state_seq_load_file(py::handle seq_obj, const std::string & p
         }
     }
     if (n == 0) {
-        const std::string why = log_errors_since(mark);
         throw context_error("could not load the state file '" + path + "' into sequence " + std::to_string(seq) +
-                            (why.empty() ? std::string() : ": " + why));
+                            log_reason_since(mark));
     }
     adopt_loaded(target, seq);
     return py::make_tuple(toks, n);

@@ -97,8 +97,7 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
         if (pstate.cancelled) {
             throw model_load_error("model load cancelled by the progress callback: '" + path + "'");
         }
-        const std::string why = log_errors_since(mark);
-        throw model_load_error("failed to load model '" + path + "'" + (why.empty() ? "" : ": " + why));
+        throw model_load_error("failed to load model '" + path + "'" + log_reason_since(mark));
     }
 
     vocab_ = llama_model_get_vocab(model_);

@@ -386,6 +386,18 @@ chain_stages make_chain_stages(const sampler_params & p, const Model & model, ui
     return st;
 }
 
+void prime_window(llama_sampler * s, int32_t last_n, const std::vector<llama_token> & history, size_t n_history,
+                  const std::vector<llama_token> & appended) {
+    if (s == nullptr) {
+        return;
+    }
+    const size_t total = n_history + appended.size();
+    const size_t want = std::min<size_t>(total, static_cast<size_t>(last_n));
+    for (size_t i = total - want; i < total; ++i) {
+        llama_sampler_accept(s, i < n_history ? history[i] : appended[i - n_history]);
+    }
+}
+
 sampler_chain::sampler_chain(const gen_params & p, const Model & model, uint32_t n_ctx) : n_vocab_(model.n_vocab()) {
     // The grammar first: it is the one part that can fail, and it must fail before anything else
     // is allocated or the KV cache touched.
@@ -463,18 +475,8 @@ sampler_chain::~sampler_chain() {
 
 void sampler_chain::prime_penalties(const std::vector<llama_token> & history, size_t n_history_used,
                                     const std::vector<llama_token> & appended) {
-    const size_t total = n_history_used + appended.size();
-    auto prime = [&](llama_sampler * smpl, int32_t last_n) {
-        if (smpl == nullptr) {
-            return;
-        }
-        const size_t want = std::min<size_t>(total, static_cast<size_t>(last_n));
-        for (size_t i = total - want; i < total; ++i) {
-            llama_sampler_accept(smpl, i < n_history_used ? history[i] : appended[i - n_history_used]);
-        }
-    };
-    prime(penalties_, penalty_last_n_);
-    prime(dry_, dry_last_n_);
+    prime_window(penalties_, penalty_last_n_, history, n_history_used, appended);
+    prime_window(dry_, dry_last_n_, history, n_history_used, appended);
 }
 
 llama_token sampler_chain::argmax(const float * logits) const {

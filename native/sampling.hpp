@@ -77,6 +77,10 @@ struct chain_stages {
     bool rest_starts_with_top_k = false;
 };
 chain_stages make_chain_stages(const sampler_params & p, const Model & model, uint32_t n_ctx);
+// Feeds a penalty or DRY window (s; null: nothing to do) the last last_n tokens of history[:n_history]
+// followed by appended, so that it starts as if it had accepted them one by one.
+void prime_window(llama_sampler * s, int32_t last_n, const std::vector<llama_token> & history, size_t n_history,
+                  const std::vector<llama_token> & appended);
 // Just the part after DRY (stateless but for the PRNGs of XTC, dist and mirostat): what a reseed rebuilds.
 std::vector<sampler_ptr> make_rest_stages(const sampler_params & p, int32_t n_vocab, bool * starts_with_top_k);
 
