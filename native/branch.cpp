@@ -43,12 +43,9 @@ branch & branch_store::get(uint32_t handle) {
 }
 
 branch & branch_store::get(py::handle handle) {
-    if (PyBool_Check(handle.ptr()) || !PyIndex_Check(handle.ptr())) {
-        throw py::type_error("a branch handle must be an int");
-    }
     long long v = 0;
     std::string text;
-    if (!index_to_ll(handle, v, &text) || v <= 0 || v > 0xFFFFFFFFll) {
+    if (!strict_int(handle, "a branch handle", v, &text) || v <= 0 || v > 0xFFFFFFFFll) {
         throw stale_handle_error("branch handle " + text + " is not live (handles are positive u32)");
     }
     return get(static_cast<uint32_t>(v));
@@ -678,11 +675,7 @@ void Context::commit_impl(const std::vector<branch *> & bs, const std::vector<ll
         throw interrupted_error("interrupted before the decode: nothing was committed");
     }
     for (size_t i = 0; i < n; ++i) {
-        batch_.token[i] = toks[i];
-        batch_.pos[i] = bs[i]->position;
-        batch_.n_seq_id[i] = 1;
-        batch_.seq_id[i][0] = bs[i]->seq;
-        batch_.logits[i] = 1;
+        put(i, toks[i], bs[i]->position, bs[i]->seq, true);
     }
     llama_memory_t mem = llama_get_memory(ctx_);
     auto rollback = [&] {
@@ -856,11 +849,8 @@ void Context::prefill(py::handle items_obj, uint64_t request_id) {
         for (const piece & p : chunks[c]) {
             const item & it = items[p.item];
             for (size_t i = 0; i < p.n; ++i, ++j) {
-                batch_.token[j] = it.toks[p.off + i];
-                batch_.pos[j] = it.b->position + static_cast<llama_pos>(p.off + i);
-                batch_.n_seq_id[j] = 1;
-                batch_.seq_id[j][0] = it.b->seq;
-                batch_.logits[j] = p.off + i + 1 == it.toks.size();
+                put(static_cast<size_t>(j), it.toks[p.off + i], it.b->position + static_cast<llama_pos>(p.off + i),
+                    it.b->seq, p.off + i + 1 == it.toks.size());
             }
         }
         const uint64_t mark = log_mark();
@@ -957,11 +947,7 @@ void Context::clear_and_reseed(py::handle sinks_obj, py::handle tail_obj, uint64
         }
         const int32_t m = std::min<int32_t>(static_cast<int32_t>(n_batch_), n - i);
         for (int32_t j = 0; j < m; ++j) {
-            batch_.token[j] = toks[static_cast<size_t>(i + j)];
-            batch_.pos[j] = i + j;
-            batch_.n_seq_id[j] = 1;
-            batch_.seq_id[j][0] = b.seq;
-            batch_.logits[j] = i + j == n - 1;
+            put(static_cast<size_t>(j), toks[static_cast<size_t>(i + j)], i + j, b.seq, i + j == n - 1);
         }
         const uint64_t mark = log_mark();
         const int32_t ret = decode_batch(m);

@@ -66,16 +66,22 @@ void log_abort_end();
 // TypeError) as a long long. Returns false when it does not fit one; `text` gets its repr for messages.
 bool index_to_ll(py::handle obj, long long & out, std::string * text = nullptr);
 
+// index_to_ll for an argument that must be an int: a bool, a float or anything else without __index__
+// raises NotInt("<what> must be an int").
+template <class NotInt = py::type_error>
+bool strict_int(py::handle v, std::string_view what, long long & out, std::string * text = nullptr) {
+    if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) {
+        throw NotInt(std::string(what) + " must be an int");
+    }
+    return index_to_ll(v, out, text);
+}
+
 // A dict value that must be an int (bools refused, NotInt raised) in [lo, hi] (else OutOfRange).
 template <class NotInt, class OutOfRange>
 int64_t dict_int(const py::dict & d, const char * key, int64_t lo, int64_t hi, const std::string & what) {
-    py::handle v = d[key];
-    if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) {
-        throw NotInt(what + " must be an int");
-    }
     long long x = 0;
     std::string text;
-    if (!index_to_ll(v, x, &text) || x < lo || x > hi) {
+    if (!strict_int<NotInt>(d[key], what, x, &text) || x < lo || x > hi) {
         throw OutOfRange(std::string(key) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
                          "], got " + text);
     }

@@ -409,11 +409,7 @@ bool Context::decode_tokens(const llama_token * toks, size_t n, bool want_logits
         const size_t m = std::min<size_t>(n - i, chunk_end - pos0);
         const bool last_chunk = i + m == n;
         for (size_t j = 0; j < m; ++j) {
-            batch_.token[j] = toks[i + j];
-            batch_.pos[j] = static_cast<llama_pos>(pos0 + j);
-            batch_.n_seq_id[j] = 1;
-            batch_.seq_id[j][0] = 0;
-            batch_.logits[j] = want_logits && last_chunk && j == m - 1;
+            put(j, toks[i + j], static_cast<llama_pos>(pos0 + j), 0, want_logits && last_chunk && j == m - 1);
         }
         const int32_t ret = decode_raw(static_cast<int32_t>(m));
         if (ret == 0) {

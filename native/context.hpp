@@ -113,6 +113,14 @@ class Context {
     std::vector<llama_token> produce_impl(const std::vector<branch *> & bs);
     py::list produce_result(const std::vector<llama_token> & out);
     void commit_impl(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
+    // Entry j of batch_: one token of one sequence, with or without its output row.
+    void put(size_t j, llama_token tok, llama_pos pos, llama_seq_id seq, bool logits) {
+        batch_.token[j] = tok;
+        batch_.pos[j] = pos;
+        batch_.n_seq_id[j] = 1;
+        batch_.seq_id[j][0] = seq;
+        batch_.logits[j] = logits;
+    }
     // llama_decode of batch_[0:n] with the abort bookkeeping; returns llama_decode's code.
     int32_t decode_raw(int32_t n);
     // decode_raw, its time added to decode_us_ (branch mode's calls; eval/generate time themselves).

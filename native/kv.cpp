@@ -15,11 +15,8 @@ namespace lloyal {
 namespace {
 
 llama_pos pos_arg(py::handle v, const char * what) {
-    if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) {
-        throw py::type_error(std::string(what) + " must be an int");
-    }
     long long x = 0;
-    if (!index_to_ll(v, x) || x < std::numeric_limits<llama_pos>::min() || x > std::numeric_limits<llama_pos>::max()) {
+    if (!strict_int(v, what, x) || x < std::numeric_limits<llama_pos>::min() || x > std::numeric_limits<llama_pos>::max()) {
         throw std::invalid_argument(std::string(what) + " does not fit an int32 position");
     }
     return static_cast<llama_pos>(x);
@@ -28,12 +25,9 @@ llama_pos pos_arg(py::handle v, const char * what) {
 }  // namespace
 
 llama_seq_id Context::seq_arg(py::handle seq) const {
-    if (PyBool_Check(seq.ptr()) || !PyIndex_Check(seq.ptr())) {
-        throw py::type_error("a sequence id must be an int");
-    }
     long long s = 0;
     std::string text;
-    if (!index_to_ll(seq, s, &text) || s < 0 || s >= static_cast<long long>(n_seq_max_)) {
+    if (!strict_int(seq, "a sequence id", s, &text) || s < 0 || s >= static_cast<long long>(n_seq_max_)) {
         throw std::invalid_argument("sequence id " + text + " is outside [0, n_seq_max=" + std::to_string(n_seq_max_) +
                                     ")");
     }

@@ -243,11 +243,8 @@ bool sampler_params::operator==(const sampler_params & o) const {
 }
 
 uint32_t parse_seed(py::handle v, const std::string & what) {
-    if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) {
-        throw py::type_error(what + " must be an int");
-    }
     long long s = 0;
-    if (!index_to_ll(v, s) || s < 0 || static_cast<uint64_t>(s) > k_max_seed) {
+    if (!strict_int(v, what, s) || s < 0 || static_cast<uint64_t>(s) > k_max_seed) {
         throw std::invalid_argument("seed must be in [0, 2**32-2]");
     }
     return static_cast<uint32_t>(s);
