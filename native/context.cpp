@@ -221,6 +221,13 @@ Context::Context(std::shared_ptr<Model> model, const py::dict & params) : model_
     if (n_ctx_eff > static_cast<uint64_t>(i32_max)) {
         throw context_error("n_ctx " + std::to_string(n_ctx_eff) + " does not fit llama.cpp's int32 positions");
     }
+    // llama.cpp reserves one output row per sequence within n_batch (itself at most n_ctx) and aborts the
+    // process when they do not fit.
+    const uint64_t n_batch_eff = std::min<uint64_t>(cp.n_batch, n_ctx_eff);
+    if (cp.n_seq_max > n_batch_eff) {
+        throw context_error("n_seq_max " + std::to_string(cp.n_seq_max) + " needs n_batch >= n_seq_max (n_batch is " +
+                            std::to_string(n_batch_eff) + ")");
+    }
     if (std::string_view(LLOYAL_VARIANT_NAME) == "cpu") {
         const double need = kv_cache_bytes_estimate(lm, n_ctx_eff, cp.type_k, cp.type_v);
         const double have = physical_memory_bytes();

@@ -50,7 +50,8 @@ def test_truncated_gguf(pool: Pool, tiny: Model, tiny_model: Path, tmp_path: Pat
 
 
 @pytest.mark.parametrize("params", [{"n_ctx": -1}, {"n_batch": 0}, {"n_ubatch": -5}, {"n_seq_max": 0},
-                                    {"n_threads": -2}, {"type_k": "not-a-type"}])
+                                    {"n_threads": -2}, {"type_k": "not-a-type"},
+                                    {"n_batch": 2, "n_seq_max": 5}])
 def test_invalid_context_params(tiny: Model, params: dict[str, int]) -> None:
     with pytest.raises(ContextError):
         tiny.new_context(**params)
