@@ -73,7 +73,7 @@ def pool_round(model: Path, threads: int, seed: int) -> dict[str, float]:
             produced = ctx.branches.step(kids)
             step_s.append(time.perf_counter() - t1)
             # everything but llama_decode: produce, commit bookkeeping, the round trip
-            overhead_ms.append(step_s[-1] * 1000.0 - ctx.branches.last_decode_ms)
+            overhead_ms.append(step_s[-1] * 1000.0 - produced.decode_ms)
             n_tokens += sum(not p.is_stop for p in produced)
         gen_s = sum(step_s)
         best = min(kids, key=lambda b: b.perplexity)  # best-of-n by perplexity, outside the timing

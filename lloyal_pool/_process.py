@@ -1,6 +1,6 @@
 """One worker process as the client sees it: spawn, handshake, calls as futures, death, shutdown.
 
-    caller threads ──call()──▶ [write lock] ──requests pipe──▶ worker
+    caller threads ──call(req)──▶ [write lock] ──requests pipe──▶ worker
                      ◀─Future─ reader thread ◀──replies pipe── worker   (RESPONSE/ERROR resolve, EVENT calls back)
                                stderr thread ◀──stderr pipe─── worker   (ring buffer + Python logging)
 
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
@@ -41,7 +41,17 @@ from .errors import (
     describe_exit,
     rebuild,
 )
-from .protocol import PROTOCOL_VERSION, Kind, Op, PeerClosed, pack, read_frame, write_frame
+from .protocol import (
+    PROTOCOL_VERSION,
+    Kind,
+    PeerClosed,
+    Request,
+    pack,
+    parse_reply,
+    read_frame,
+    request_payload,
+    write_frame,
+)
 from .shm import DEFAULT_SIZE, Region
 
 log = logging.getLogger("lloyal_pool")
@@ -50,6 +60,7 @@ STDERR_TAIL_BYTES = 64 << 10
 _ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TMPDIR", "HOME", "USER", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
               "SYSTEMROOT")
 _ENV_ALLOW_PREFIX = ("LC_", "CUDA_", "GGML_", "LLAMA_", "LLOYAL_", "VK_", "HIP_", "ROCR_")
+R = TypeVar("R")
 _LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
 
 
@@ -70,6 +81,7 @@ class WorkerOptions:
 class _Pending:
     future: Future[Any]
     on_event: Callable[[dict[str, Any]], None] | None
+    request: type[Request[Any]]
 
 
 class _Spawner:
@@ -221,26 +233,34 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self._dead is None
 
-    def call(self, op: Op, args: dict[str, Any],
-             on_event: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, Future[Any]]:
-        fut: Future[Any] = Future()
-        with self._lock:
-            if self._dead is not None:
-                raise self._stale_error()
-            req_id = next(self._ids)
-            self._pending[req_id] = _Pending(fut, on_event)
-        try:
-            frame = pack(Kind.REQUEST, req_id, [op.value, args])
-        except BaseException:
+    def call(self, req: Request[R], on_event: Callable[[dict[str, Any]], None] | None = None,
+             on_id: Callable[[int], None] | None = None) -> Future[R]:
+        """Sends req; the future gets its reply, converted to the type req declares (protocol.py).
+
+        Request ids follow the order frames enter the pipe, which is the order the worker serves them.
+        on_id(id) runs just before the frame is written: the caller's bookkeeping of what is in flight,
+        never I/O. The pipe write itself can block (a frame larger than the pipe buffer while the
+        worker is busy), so nothing a caller holds across it may be needed to interrupt the worker."""
+        fut: Future[R] = Future()
+        with self._write_lock:
             with self._lock:
-                self._pending.pop(req_id, None)
-            raise
-        try:
-            with self._write_lock:
+                if self._dead is not None:
+                    raise self._stale_error()
+                req_id = next(self._ids)
+                self._pending[req_id] = _Pending(fut, on_event, type(req))
+            try:
+                frame = pack(Kind.REQUEST, req_id, request_payload(req))
+            except BaseException:
+                with self._lock:
+                    self._pending.pop(req_id, None)
+                raise
+            if on_id is not None:
+                on_id(req_id)
+            try:
                 write_frame(self._req_w, frame)
-        except OSError:
-            pass  # the worker is gone; the reader thread fails this call with the cause
-        return req_id, fut
+            except OSError:
+                pass  # the worker is gone; the reader thread fails this call with the cause
+        return fut
 
     def _stale_error(self) -> BaseException:
         dead = self._dead
@@ -285,7 +305,10 @@ class WorkerProcess:
             if pending is None:
                 continue
             if kind == Kind.RESPONSE:
-                pending.future.set_result(payload)
+                try:
+                    pending.future.set_result(parse_reply(pending.request, payload))
+                except ProtocolError as exc:
+                    pending.future.set_exception(exc)
             else:
                 pending.future.set_exception(
                     rebuild(payload.get("type", "Exception"), payload.get("message", ""), payload.get("traceback")))
@@ -379,9 +402,15 @@ class WorkerProcess:
             self._closing = self._dead is None
         deadline = time.monotonic() + timeout
         if self._req_w >= 0:
+            # A caller may be blocked writing a large frame to a worker that no longer reads. Then the
+            # SHUTDOWN frame is skipped and the worker killed first, which fails that write (EPIPE);
+            # the fd is closed only under the write lock, so no write can reach a reused fd number.
+            if not self._write_lock.acquire(timeout=timeout / 2):
+                log.warning("[shutdown] worker %d: a request is stuck in its pipe; killing it", self.worker_id)
+                self._kill_tree()
+                self._write_lock.acquire()
             try:
-                with self._write_lock:
-                    write_frame(self._req_w, pack(Kind.SHUTDOWN, 0, None))
+                write_frame(self._req_w, pack(Kind.SHUTDOWN, 0, None))
             except OSError:
                 pass
             try:
@@ -389,6 +418,7 @@ class WorkerProcess:
             except OSError:
                 pass
             self._req_w = -1
+            self._write_lock.release()
         try:
             self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

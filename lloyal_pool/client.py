@@ -19,19 +19,22 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from . import protocol as p
 from ._futures import mapped
+from ._link import ContextLink
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import PoolClosedError, StaleHandleError
 from .params import ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams
-from .protocol import Op
+from .protocol import Request
 from .shm import DEFAULT_SIZE
 
 ProgressCallback = Callable[[float], None]
+R = TypeVar("R")
 
 
 def _forward(key: str, fn: Callable[[Any], None] | None) -> Callable[[dict[str, Any]], None] | None:
@@ -82,14 +85,10 @@ class Instance:
         """What the handshake reported: llama.cpp build, system info, default threads."""
         return dict(self._proc.hello.get("build", {}))
 
-    def _call(self, op: Op, args: dict[str, Any],
-              on_event: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, Future[Any]]:
-        return self._proc.call(op, args, on_event)
-
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds."""
         t0 = time.perf_counter()
-        self._call(Op.PING, {})[1].result(timeout)
+        self._proc.call(p.Ping()).result(timeout)
         return time.perf_counter() - t0
 
     def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
@@ -100,17 +99,17 @@ class Instance:
     def load_model_async(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
                          vocab_only: bool = False, progress: ProgressCallback | None = None) -> Future[Model]:
         abspath = os.path.abspath(os.fspath(path))
-        args = {"path": abspath, "n_gpu_layers": int(n_gpu_layers),
-                "use_mmap": bool(use_mmap), "vocab_only": bool(vocab_only)}
-        _, fut = self._call(Op.LOAD_MODEL, args, _forward("progress", progress))
-        return mapped(fut, lambda r: Model(self, self._proc, int(r["model"]), ModelInfo.from_wire(r["info"]), abspath))
+        req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
+                          vocab_only=bool(vocab_only))
+        fut = self._proc.call(req, _forward("progress", progress))
+        return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath))
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
         import json
 
         text = schema if isinstance(schema, str) else json.dumps(schema)
-        return str(self._call(Op.JSON_SCHEMA_TO_GRAMMAR, {"schema": text})[1].result())
+        return self._proc.call(p.JsonSchemaToGrammar(schema=text)).result()
 
     def stats(self) -> dict[str, Any]:
         """RSS, CPU, threads and state of the worker process (psutil)."""
@@ -122,7 +121,7 @@ class Instance:
 
     def fault(self, kind: str, **args: Any) -> Future[Any]:
         """Test-only: ask the worker to crash in a given way (needs LLOYAL_POOL_TEST_FAULTS=1)."""
-        return self._call(Op.FAULT, {"kind": kind, **args})[1]
+        return self._proc.call(p.Fault(kind=kind, **args))
 
 
 class _Handle:
@@ -132,11 +131,10 @@ class _Handle:
         self._handle = handle
         self._closed = False
 
-    def _call(self, op: Op, args: dict[str, Any],
-              on_event: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, Future[Any]]:
+    def _call(self, req: Request[R]) -> R:
         if self._closed:
             raise StaleHandleError(f"{type(self).__name__} handle {self._handle} was closed")
-        return self._proc.call(op, args, on_event)
+        return self._proc.call(req).result()
 
 
 class Model(_Handle):
@@ -154,26 +152,33 @@ class Model(_Handle):
     def n_vocab(self) -> int:
         return self.info.n_vocab
 
+    @property
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token of the vocabulary (eos, eot, ...)."""
+        return list(self.info.eog_tokens)
+
+    def is_eog(self, token: int) -> bool:
+        """Whether token ends a generation (no round trip: the ids came with the model's info)."""
+        return int(token) in self.info.eog_tokens
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        args = {"model": self._handle, "text": text, "add_special": add_special, "parse_special": parse_special}
-        return list(self._call(Op.TOKENIZE, args)[1].result())
+        return self._call(p.Tokenize(model=self._handle, text=text, add_special=add_special,
+                                     parse_special=parse_special))
 
     def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False,
                    unparse_special: bool = False) -> str:
-        args = {"model": self._handle, "tokens": [int(t) for t in tokens], "remove_special": remove_special,
-                "unparse_special": unparse_special}
-        return str(self._call(Op.DETOKENIZE, args)[1].result())
+        return self._call(p.Detokenize(model=self._handle, tokens=[int(t) for t in tokens],
+                                       remove_special=remove_special, unparse_special=unparse_special))
 
     def token_to_piece(self, token: int, *, special: bool = True) -> bytes:
         """Raw bytes: one token may be part of a multi-byte UTF-8 character."""
-        args = {"model": self._handle, "token": int(token), "special": special}
-        return bytes(self._call(Op.TOKEN_TO_PIECE, args)[1].result())
+        return self._call(p.TokenToPiece(model=self._handle, token=int(token), special=special))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template: str | None = None,
                             add_assistant: bool = True) -> str:
-        pairs = [[m["role"], m["content"]] for m in messages]
-        args = {"model": self._handle, "messages": pairs, "template": template, "add_assistant": add_assistant}
-        return str(self._call(Op.APPLY_CHAT_TEMPLATE, args)[1].result())
+        pairs = [(m["role"], m["content"]) for m in messages]
+        return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
+                                              add_assistant=add_assistant))
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         if overrides:
@@ -181,8 +186,7 @@ class Model(_Handle):
 
             params = replace(params or ContextParams(), **overrides)
         params = params or ContextParams()
-        _, fut = self._call(Op.NEW_CONTEXT, {"model": self._handle, "params": params.to_wire()})
-        return Context(self, self._proc, fut.result())
+        return Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
 
     def close(self) -> None:
         """Frees the model and every context created from it. Idempotent; a dead worker has nothing to free."""
@@ -190,7 +194,7 @@ class Model(_Handle):
             return
         self._closed = True
         if self._proc.alive:
-            self._proc.call(Op.FREE_MODEL, {"model": self._handle})[1].result()
+            self._proc.call(p.FreeModel(model=self._handle)).result()
 
 
 class Stream:
@@ -222,50 +226,36 @@ class Stream:
 
     @property
     def result(self) -> Result:
+        """The whole generation's Result; blocks until the generation ends."""
         return self.future.result()
 
     def interrupt(self) -> None:
         self._context.interrupt()
 
 
-class Context(_Handle):
+class Context:
     """A context (KV cache) in one worker: generate, stream, evaluate, read logits, interrupt."""
 
-    def __init__(self, model: Model, proc: WorkerProcess, desc: dict[str, Any]) -> None:
-        super().__init__(model.instance, proc, int(desc["context"]))
+    def __init__(self, model: Model, desc: p.ContextCreated) -> None:
         self.model = model
-        self.n_ctx = int(desc["n_ctx"])
-        self.n_batch = int(desc["n_batch"])
-        self.n_ubatch = int(desc["n_ubatch"])
-        self.n_seq_max = int(desc["n_seq_max"])
-        self.n_threads = int(desc["n_threads"])
-        self._slot = int(desc["interrupt_slot"])
-        self._logits_offset = int(desc["logits_offset"])
-        self._n_vocab = int(desc["n_vocab"])
-        self._active: list[int] = []  # request ids of decodes in flight, oldest first
-        self._active_lock = threading.Lock()
-        self.branches = BranchStore(self)
-        self.kv = KV(self)
+        self.instance = model.instance
+        self.n_ctx = desc.n_ctx
+        self.n_batch = desc.n_batch
+        self.n_ubatch = desc.n_ubatch
+        self.n_seq_max = desc.n_seq_max
+        self.n_threads = desc.n_threads
+        self._proc = model._proc
+        self._logits_offset = desc.logits_offset
+        self._link = ContextLink(self._proc, desc.context, desc.interrupt_slot)
+        self.branches = BranchStore(self._link, model.n_vocab)
+        self.kv = KV(self._link, self.branches)
+
+    @property
+    def handle(self) -> int:
+        return self._link.handle
 
     def __repr__(self) -> str:
-        return f"<Context n_ctx={self.n_ctx} worker={self.instance.worker_id} handle={self._handle}>"
-
-    def _request(self, op: Op, /, **args: Any) -> Any:
-        """A request about this context, waited for."""
-        return self._call(op, {"context": self._handle, **args})[1].result()
-
-    def _decode_call(self, op: Op, args: dict[str, Any],
-                     on_event: Callable[[dict[str, Any]], None] | None = None) -> Future[Any]:
-        with self._active_lock:
-            req_id, fut = self._call(op, args, on_event)
-            self._active.append(req_id)
-
-        def finished(_: Future[Any]) -> None:
-            with self._active_lock:
-                self._active.remove(req_id)
-
-        fut.add_done_callback(finished)
-        return fut
+        return f"<Context n_ctx={self.n_ctx} worker={self.instance.worker_id} handle={self.handle}>"
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
@@ -275,24 +265,20 @@ class Context(_Handle):
 
     def generate_async(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                        on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Future[Result]:
-        p = GenerateParams.of(params, overrides)
-        fut = self._decode_call(Op.GENERATE, self._generate_args(prompt, p, stream=on_piece is not None),
-                                _forward("piece", on_piece))
-        return mapped(fut, Result.from_wire)
+        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=on_piece is not None)
+        return self._link.call(req, _forward("piece", on_piece))
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None,
                **overrides: Any) -> Stream:
         """Like generate, but returns at once with an iterator over the pieces."""
-        p = GenerateParams.of(params, overrides)
         s = Stream(self)
-        fut = self._decode_call(Op.GENERATE, self._generate_args(prompt, p, stream=True),
-                                _forward("piece", s._q.put))
-        s._attach(mapped(fut, Result.from_wire))
+        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=True)
+        s._attach(self._link.call(req, _forward("piece", s._q.put)))
         return s
 
-    def _generate_args(self, prompt: str | Sequence[int], p: GenerateParams, stream: bool) -> dict[str, Any]:
+    def _generate_request(self, prompt: str | Sequence[int], params: GenerateParams, stream: bool) -> p.Generate:
         wire_prompt: str | list[int] = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
-        return {"context": self._handle, "prompt": wire_prompt, "params": p.to_wire(), "stream": stream}
+        return p.Generate(context=self.handle, prompt=wire_prompt, params=params.to_wire(), stream=stream)
 
     def eval(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
              parse_special: bool = True) -> EvalResult:
@@ -302,39 +288,36 @@ class Context(_Handle):
 
     def eval_async(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
                    parse_special: bool = True) -> Future[EvalResult]:
-        args: dict[str, Any] = {"context": self._handle}
         if isinstance(prompt, str):
-            args.update(text=prompt, add_special=add_special, parse_special=parse_special)
+            req = p.Eval(context=self.handle, text=prompt, add_special=add_special, parse_special=parse_special)
         else:
-            args["tokens"] = [int(t) for t in prompt]
-        return mapped(self._decode_call(Op.EVAL, args), EvalResult.from_wire)
+            req = p.Eval(context=self.handle, tokens=[int(t) for t in prompt])
+        return self._link.call(req)
 
     def interrupt(self) -> None:
         """Stops the generation or prompt evaluation running on this context, from any thread, without a
         round trip: it writes the request's id into the context's word in shared memory, which the
         worker checks every token and inside each decode step. A no-op when nothing is running."""
-        with self._active_lock:
-            if self._active:
-                self._proc.interrupt(self._slot, self._active[0])
+        self._link.interrupt()
 
     def logits(self, *, copy: bool = False) -> np.ndarray:
         """Logits (n_vocab float32) of the last decoded position. Without copy, a read-only view of the
         worker's shared memory: valid until the next logits() call on this context."""
-        r = self._request(Op.LOGITS)
-        arr = self._proc.region.floats(int(r["offset"]), int(r["count"]))
+        at = self._link.call(p.Logits(context=self.handle)).result()
+        arr = self._proc.region.floats(at.offset, at.count)
         return arr.copy() if copy else arr
 
-    @property
     def n_past(self) -> int:
-        return len(self.tokens())
+        """How many tokens the context's history holds (sequence mode; 0 with branches)."""
+        return self._link.call(p.NPast(context=self.handle)).result()
 
     def tokens(self) -> list[int]:
         """The tokens in the KV cache, in order."""
-        return list(self._request(Op.TOKENS))
+        return self._link.call(p.Tokens(context=self.handle)).result()
 
     def reset(self) -> None:
         """Clears the KV cache: the next generation starts from nothing. Every branch is released."""
-        self._request(Op.RESET)
+        self._link.call(p.Reset(context=self.handle)).result()
         self.branches._forget_all()
 
     # -- branches -------------------------------------------------------------------------------------
@@ -345,20 +328,24 @@ class Context(_Handle):
         eval/generate history; forks need n_seq_max > 1."""
         return self.branches.create(prompt, params, grammar=grammar, **overrides)
 
-    def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> None:
+    def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> float:
         """Infinite context for a single branch (BlinkKV): clears the whole KV cache and decodes sinks at
         position 0, then tail, into the context's only branch, which keeps its handle, sampler, grammar
-        and perplexity; its position becomes len(sinks) + len(tail)."""
-        args = {"context": self._handle, "sinks": [int(t) for t in sinks], "tail": [int(t) for t in tail]}
-        self.branches._timed(self._decode_call(Op.CLEAR_AND_RESEED, args).result())
+        and perplexity; its position becomes len(sinks) + len(tail). Returns the ms spent decoding."""
+        return self.branches._decoded(self._link.call(p.ClearAndReseed(
+            context=self.handle, sinks=[int(t) for t in sinks], tail=[int(t) for t in tail])).result())
+
+    @property
+    def closed(self) -> bool:
+        return self._link.closed
 
     def close(self) -> None:
-        if self._closed:
+        if self._link.closed:
             return
-        self._closed = True
+        self._link.closed = True
         self.branches._forget_all()
         if self._proc.alive:
-            self._proc.call(Op.FREE_CONTEXT, {"context": self._handle})[1].result()
+            self._proc.call(p.FreeContext(context=self.handle)).result()
 
 
 def _close_procs(procs: list[WorkerProcess], timeout: float) -> None:

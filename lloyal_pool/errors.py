@@ -10,6 +10,7 @@
     ├── DecodeError               llama_decode failed (KV full, compute error)
     ├── StaleHandleError          a model/context handle whose worker died or which was closed
     ├── ProtocolError             a malformed frame or a protocol version mismatch
+    │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
     └── WorkerError
         ├── WorkerStartupError    the worker did not complete its handshake
@@ -79,6 +80,11 @@ class InterruptedByClient(LloyalError):
 
 class ProtocolError(LloyalError):
     pass
+
+
+class BadRequestError(ProtocolError, TypeError):
+    """A request the worker cannot take: an unknown operation, an unknown or missing field, or a field of
+    the wrong type (protocol.parse_request). It fails that request only; the worker goes on serving."""
 
 
 class PoolClosedError(LloyalError):
@@ -189,8 +195,8 @@ class _RemoteTraceback(Exception):
 
 
 __all__ = [
-    "ContextError", "ContextOverflowError", "DecodeError", "GrammarError", "InvalidTokenError",
-    "LloyalError", "ModelLoadError", "PoolClosedError", "ProtocolError", "RemoteError",
-    "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError", "describe_exit",
+    "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
+    "InterruptedByClient", "InvalidTokenError", "LloyalError", "ModelLoadError", "PoolClosedError", "ProtocolError",
+    "RemoteError", "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError", "describe_exit",
     "error_class", "rebuild",
 ]

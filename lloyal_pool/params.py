@@ -1,4 +1,5 @@
-"""Typed parameters and results of the public API.
+"""Typed parameters and results of the public API. Both sides of the process boundary import this
+module: the results are the reply types of protocol.py.
 
 GenerateParams follows go-llama's Params rule: every field means what it says. The defaults are the zero
 values, and a zero is a decision (temperature 0 is greedy, top_k 0 is no top-k, seed 0 is a fixed seed),
@@ -14,6 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
+
+import msgspec
 
 MAX_SEED = 0xFFFFFFFE  # llama.cpp reads 0xFFFFFFFF as "pick a random seed"
 
@@ -173,8 +176,11 @@ class ContextParams:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(msgspec.Struct, frozen=True):
+    """What a generate() produced. ``tokens`` are the generated tokens (an end-of-generation token that
+    ended it is not among them; the token that completed a stop string is); ``text`` is their text, cut
+    before a stop string. ``n_cached`` prompt tokens were reused from the cache (cache_prompt)."""
+
     text: str
     tokens: list[int]
     n_prompt: int
@@ -192,29 +198,20 @@ class Result:
     def decode_tokens_per_second(self) -> float:
         return self.n_decoded / (self.decode_ms / 1000.0) if self.decode_ms > 0 else 0.0
 
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Result:
-        return cls(text=d["text"], tokens=list(d["tokens"]), n_prompt=int(d["n_prompt"]),
-                   n_decoded=int(d["n_decoded"]), n_cached=int(d.get("n_cached", 0)),
-                   stop_reason=StopReason(d["stop_reason"]), prompt_ms=float(d.get("prompt_ms", 0.0)),
-                   decode_ms=float(d.get("decode_ms", 0.0)))
 
+class EvalResult(msgspec.Struct, frozen=True):
+    """What an eval() decoded: ``n_tokens`` of the prompt are in the cache now (fewer when interrupted),
+    which holds ``n_past`` tokens in all."""
 
-@dataclass(frozen=True)
-class EvalResult:
     n_tokens: int
     n_past: int
     interrupted: bool
     prompt_ms: float
 
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> EvalResult:
-        return cls(n_tokens=int(d["n_tokens"]), n_past=int(d["n_past"]),
-                   interrupted=bool(d.get("interrupted", False)), prompt_ms=float(d.get("prompt_ms", 0.0)))
 
+class ModelInfo(msgspec.Struct, frozen=True):
+    """A loaded model's metadata, as llama.cpp reports it. Token ids are -1 when the vocabulary has none."""
 
-@dataclass(frozen=True)
-class ModelInfo:
     desc: str
     n_params: int
     size: int
@@ -231,12 +228,35 @@ class ModelInfo:
     add_bos: bool
     chat_template: str | None
     n_swa: int = 0
-    meta: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> ModelInfo:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    eog_tokens: list[int] = []  # every end-of-generation token (eos, eot, ...)
+    meta: dict[str, str] = {}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
+
+
+class BranchInfo(msgspec.Struct, frozen=True):
+    """Everything the worker knows about one branch (Branch.info())."""
+
+    handle: int
+    seq: int
+    position: int
+    fork_head: int
+    parent: int  # 0: a root
+    children: list[int]
+    has_logits: bool
+    n_accepted: int
+    perplexity: float  # inf before the first committed token
+    sampling_perplexity: float
+    last_token: int
+
+
+class KVPressure(msgspec.Struct, frozen=True):
+    """How full a context's KV cache is (KV.pressure())."""
+
+    n_ctx: int
+    cells_used: int  # shared prefixes counted once
+    remaining: int
+    n_seq_max: int
+    seqs_leased: int  # by branches and detached sequences
+    seqs_free: int

@@ -1,17 +1,25 @@
 """The wire protocol between the client and a worker process. Both sides import this module.
 
     client                                   worker
-      │  REQUEST  [2, id, [op, {args}]]  ──────▶ │
+      │  REQUEST  [2, id, [op, {fields}]] ─────▶ │
       │  ◀────── EVENT    [5, id, {...}]         │  stream pieces, load progress (0..n per request)
-      │  ◀────── RESPONSE [3, id, result]        │  exactly one of RESPONSE / ERROR per request
+      │  ◀────── RESPONSE [3, id, reply]         │  exactly one of RESPONSE / ERROR per request
       │  ◀────── ERROR    [4, id, {type, message, traceback}]
       │  ◀────── HELLO    [1, 0, {...}]          │  once, after the native module loaded
       │  SHUTDOWN [6, 0, None]           ──────▶ │
 
 A frame is a little-endian u32 length followed by that many bytes of msgpack. Only msgpack's own types
 cross (nothing is ever unpickled); bulk data (logits) never rides in a frame but in the worker's shared
-memory region (shm.py), and a response names where. A frame longer than MAX_FRAME, or one that does not
+memory region (shm.py), and a reply names where. A frame longer than MAX_FRAME, or one that does not
 decode to [kind, id, payload], is a protocol violation: the client treats the worker as crashed.
+
+Every operation is declared once, below, as a request struct: its fields, its ``op``, whether it
+``decodes`` (then the client tracks it so that Context.interrupt() can stop it), and its reply type, the
+parameter of ``Request[...]``. The client builds these structs and gets the reply type back from the
+future (client._link); the worker's engine registers one handler per struct (worker/engine.py) and its
+loop dispatches by the struct's type. mypy checks both ends against the same declaration, and msgspec
+checks every field's type when a request arrives: a request with an unknown op, an unknown field or a
+field of the wrong type fails with BadRequestError, and the worker goes on serving.
 """
 
 from __future__ import annotations
@@ -19,15 +27,18 @@ from __future__ import annotations
 import enum
 import os
 import struct
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar, get_args
 
-import msgpack
+import msgspec
 
-from .errors import ProtocolError
+from .errors import BadRequestError, ProtocolError
+from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
 
 
 class Kind(enum.IntEnum):
@@ -40,7 +51,7 @@ class Kind(enum.IntEnum):
 
 
 class Op(str, enum.Enum):
-    """Request operations. The worker dispatches through an explicit table (worker/loop.py), never by name."""
+    """Request operations: the wire names of the request structs below."""
 
     PING = "ping"
     LOAD_MODEL = "load_model"
@@ -57,7 +68,8 @@ class Op(str, enum.Enum):
     LOGITS = "logits"
     RESET = "reset"
     TOKENS = "tokens"
-    # Branches (client.Branch / BranchStore), all on one context.
+    N_PAST = "n_past"
+    # Branches (branches.Branch / BranchStore), all on one context.
     BRANCH_CREATE = "branch_create"
     BRANCH_FORK = "branch_fork"
     BRANCH_ADOPT = "branch_adopt"
@@ -75,21 +87,459 @@ class Op(str, enum.Enum):
     COMMIT = "commit"
     PREFILL = "prefill"
     STEP = "step"
-    # Raw KV-cache sequences (client.KV).
-    KV_SEQ = "kv_seq"
+    CLEAR_AND_RESEED = "clear_and_reseed"
+    # Raw KV-cache sequences (branches.KV).
+    KV_COPY = "kv_copy"
+    KV_KEEP = "kv_keep"
+    KV_REMOVE = "kv_remove"
+    KV_POS_MIN = "kv_pos_min"
+    KV_POS_MAX = "kv_pos_max"
+    KV_FREE = "kv_free"
     KV_PRESSURE = "kv_pressure"
+    STATE_SEQ_SIZE = "state_seq_size"
     STATE_SEQ_GET = "state_seq_get"
     STATE_SEQ_SET = "state_seq_set"
     STATE_SEQ_SAVE_FILE = "state_seq_save_file"
     STATE_SEQ_LOAD_FILE = "state_seq_load_file"
-    CLEAR_AND_RESEED = "clear_and_reseed"
     FAULT = "_fault"  # test-only, refused unless the worker runs with LLOYAL_POOL_TEST_FAULTS=1
 
 
+R = TypeVar("R")
+
+
+class Request(msgspec.Struct, Generic[R], kw_only=True, forbid_unknown_fields=True):
+    """One operation's request; R is its reply type."""
+
+    op: ClassVar[Op]
+    decodes: ClassVar[bool] = False  # runs llama_decode: interruptible, tracked per context by the client
+
+
+class ContextRequest(Request[R]):
+    """A request about one context."""
+
+    context: int
+
+
+class BranchRequest(ContextRequest[R]):
+    """A request about one branch of a context."""
+
+    branch: int
+
+
+# -- replies that are not public result types ------------------------------------------------------------
+class Reply(msgspec.Struct):
+    """Base of the reply structs that only the client library reads."""
+
+
+class Pong(Reply):
+    pid: int
+
+
+class ModelLoaded(Reply):
+    model: int
+    info: ModelInfo
+
+
+class ContextCreated(Reply):
+    context: int
+    interrupt_slot: int
+    logits_offset: int
+    n_vocab: int
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+    n_threads: int
+
+
+class LogitsAt(Reply):
+    """n_vocab float32 at this offset of the worker's shared region."""
+
+    offset: int
+    count: int
+
+
+class BranchState(Reply):
+    """What a branch's client handle caches: sent back by every call that changes it."""
+
+    branch: int
+    position: int
+    n_accepted: int
+    perplexity: float
+    sampling_perplexity: float
+
+
+class BranchCreated(Reply):
+    logits_offset: int
+    state: BranchState
+    parent: int = 0  # 0: a root
+
+
+class Decoded(Reply):
+    """A decoding branch call: the time spent inside llama_decode, and the branches it changed."""
+
+    decode_ms: float
+    states: list[BranchState]
+
+
+class Stepped(Decoded):
+    produced: list[tuple[int, bytes, bool]]  # token, piece, is_stop (token -1: nothing allowed)
+
+
+class StateLoaded(Reply):
+    tokens: list[int]
+    n_bytes: int
+    states: list[BranchState]  # the branch that took the loaded cells, if one did
+
+
+# -- requests -------------------------------------------------------------------------------------------
+class Ping(Request[Pong]):
+    op = Op.PING
+
+
+class LoadModel(Request[ModelLoaded]):
+    """Progress events: {"progress": fraction}."""
+
+    op = Op.LOAD_MODEL
+    path: str
+    n_gpu_layers: int = 0
+    use_mmap: bool = True
+    vocab_only: bool = False
+
+
+class FreeModel(Request[None]):
+    op = Op.FREE_MODEL
+    model: int
+
+
+class Tokenize(Request[list[int]]):
+    op = Op.TOKENIZE
+    model: int
+    text: str
+    add_special: bool = True
+    parse_special: bool = False
+
+
+class Detokenize(Request[str]):
+    op = Op.DETOKENIZE
+    model: int
+    tokens: list[int]
+    remove_special: bool = False
+    unparse_special: bool = False
+
+
+class TokenToPiece(Request[bytes]):
+    op = Op.TOKEN_TO_PIECE
+    model: int
+    token: int
+    special: bool = True
+
+
+class ApplyChatTemplate(Request[str]):
+    op = Op.APPLY_CHAT_TEMPLATE
+    model: int
+    messages: list[tuple[str, str]]  # (role, content)
+    template: str | None = None
+    add_assistant: bool = True
+
+
+class JsonSchemaToGrammar(Request[str]):
+    op = Op.JSON_SCHEMA_TO_GRAMMAR
+    schema: str
+
+
+class NewContext(Request[ContextCreated]):
+    op = Op.NEW_CONTEXT
+    model: int
+    params: dict[str, Any]  # ContextParams.to_wire(); the native side validates (ContextError)
+
+
+class FreeContext(ContextRequest[None]):
+    op = Op.FREE_CONTEXT
+
+
+class Eval(ContextRequest[EvalResult]):
+    op = Op.EVAL
+    decodes = True
+    tokens: list[int] | None = None
+    text: str | None = None
+    add_special: bool | None = None  # text only; None: BOS when the context is empty
+    parse_special: bool = True
+
+
+class Generate(ContextRequest[Result]):
+    """Piece events when stream: {"piece": text}."""
+
+    op = Op.GENERATE
+    decodes = True
+    prompt: str | list[int]
+    params: dict[str, Any]  # GenerateParams.to_wire(); the native side validates
+    stream: bool = False
+
+
+class Logits(ContextRequest[LogitsAt]):
+    op = Op.LOGITS
+
+
+class Reset(ContextRequest[None]):
+    op = Op.RESET
+
+
+class Tokens(ContextRequest[list[int]]):
+    op = Op.TOKENS
+
+
+class NPast(ContextRequest[int]):
+    op = Op.N_PAST
+
+
+class BranchCreate(ContextRequest[BranchCreated]):
+    op = Op.BRANCH_CREATE
+    decodes = True  # prefills the prompt
+    params: dict[str, Any]  # SamplerParams.to_wire()
+    grammar: dict[str, Any] | None = None  # Grammar.to_wire()
+    prompt: str | list[int] = []
+
+
+class BranchFork(BranchRequest[BranchCreated]):
+    op = Op.BRANCH_FORK
+
+
+class BranchAdopt(ContextRequest[BranchCreated]):
+    op = Op.BRANCH_ADOPT
+    seq: int
+    params: dict[str, Any]
+    grammar: dict[str, Any] | None = None
+
+
+class BranchPrune(BranchRequest[list[int]]):
+    """Replies with the handles freed."""
+
+    op = Op.BRANCH_PRUNE
+    subtree: bool = False
+
+
+class BranchRetainOnly(BranchRequest[list[int]]):
+    op = Op.BRANCH_RETAIN_ONLY
+
+
+class BranchDetach(BranchRequest[int]):
+    """Replies with the detached sequence id."""
+
+    op = Op.BRANCH_DETACH
+
+
+class BranchInfoRequest(BranchRequest[BranchInfo]):
+    op = Op.BRANCH_INFO
+
+
+class BranchSetParams(BranchRequest[None]):
+    op = Op.BRANCH_SET_PARAMS
+    params: dict[str, Any]
+
+
+class BranchSetGrammar(BranchRequest[None]):
+    op = Op.BRANCH_SET_GRAMMAR
+    grammar: dict[str, Any] | None
+
+
+class BranchSetLogitBias(BranchRequest[None]):
+    op = Op.BRANCH_SET_LOGIT_BIAS
+    bias: list[tuple[int, float]] | None
+
+
+class BranchReseed(BranchRequest[None]):
+    op = Op.BRANCH_RESEED
+    seed: int
+
+
+class BranchSetLogits(BranchRequest[None]):
+    op = Op.BRANCH_SET_LOGITS
+    logits: bytes  # n_vocab float32
+
+
+class BranchMergeLogits(BranchRequest[None]):
+    op = Op.BRANCH_MERGE_LOGITS
+    experts: list[int]
+    alpha: float
+
+
+class Produce(ContextRequest[list[tuple[int, bytes, bool]]]):
+    op = Op.PRODUCE
+    branches: list[int]
+
+
+class Commit(ContextRequest[Decoded]):
+    op = Op.COMMIT
+    decodes = True
+    pairs: list[tuple[int, int]]  # (branch, token)
+
+
+class Prefill(ContextRequest[Decoded]):
+    op = Op.PREFILL
+    decodes = True
+    items: list[tuple[int, str | list[int]]]  # (branch, tokens or text without BOS)
+
+
+class Step(ContextRequest[Stepped]):
+    op = Op.STEP
+    decodes = True
+    branches: list[int]
+
+
+class ClearAndReseed(ContextRequest[Decoded]):
+    op = Op.CLEAR_AND_RESEED
+    decodes = True
+    sinks: list[int]
+    tail: list[int]
+
+
+class KvCopy(ContextRequest[None]):
+    op = Op.KV_COPY
+    src: int
+    dst: int
+    p0: int = 0
+    p1: int = -1
+
+
+class KvKeep(ContextRequest[None]):
+    op = Op.KV_KEEP
+    seq: int
+
+
+class KvRemove(ContextRequest[bool]):
+    op = Op.KV_REMOVE
+    seq: int
+    p0: int = 0
+    p1: int = -1
+
+
+class KvPosMin(ContextRequest[int]):
+    op = Op.KV_POS_MIN
+    seq: int
+
+
+class KvPosMax(ContextRequest[int]):
+    op = Op.KV_POS_MAX
+    seq: int
+
+
+class KvFree(ContextRequest[None]):
+    op = Op.KV_FREE
+    seq: int
+
+
+class KvPressureRequest(ContextRequest[KVPressure]):
+    op = Op.KV_PRESSURE
+
+
+class StateSeqSize(ContextRequest[int]):
+    op = Op.STATE_SEQ_SIZE
+    seq: int
+
+
+class StateSeqGet(ContextRequest[bytes]):
+    op = Op.STATE_SEQ_GET
+    seq: int
+
+
+class StateSeqSet(ContextRequest[StateLoaded]):
+    op = Op.STATE_SEQ_SET
+    seq: int
+    data: bytes
+
+
+class StateSeqSaveFile(ContextRequest[int]):
+    """Replies with the bytes written."""
+
+    op = Op.STATE_SEQ_SAVE_FILE
+    seq: int
+    path: str
+    tokens: list[int] = []
+
+
+class StateSeqLoadFile(ContextRequest[StateLoaded]):
+    op = Op.STATE_SEQ_LOAD_FILE
+    seq: int
+    path: str
+
+
+class Fault(Request[Any]):
+    """Test-only crash kit (worker/loop.py)."""
+
+    op = Op.FAULT
+    kind: str
+    code: int = 3
+    seconds: float = 3600.0
+
+
+def _request_types() -> dict[Op, type[Request[Any]]]:
+    found: dict[Op, type[Request[Any]]] = {}
+    todo: list[type[Any]] = [Request]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "op" in vars(cls):
+            if cls.op in found:
+                raise TypeError(f"{cls.__name__} and {found[cls.op].__name__} both declare {cls.op}")
+            found[cls.op] = cls
+    return found
+
+
+REQUESTS: dict[Op, type[Request[Any]]] = _request_types()
+
+
+def reply_type(request: type[Request[R]]) -> Any:
+    """The R of the Request[R] that ``request`` derives from."""
+    for cls in request.__mro__:
+        for base in getattr(cls, "__orig_bases__", ()):
+            args = get_args(base)
+            if args and not isinstance(args[0], TypeVar):
+                return args[0]
+    raise TypeError(f"{request.__name__} does not name its reply type")
+
+
+REPLIES: dict[type[Request[Any]], Any] = {cls: reply_type(cls) for cls in REQUESTS.values()}
+
+
+def parse_request(payload: Any) -> Request[Any]:
+    """A REQUEST frame's payload, [op, {fields}], as its request struct. BadRequestError for an unknown
+    op, an unknown field, a missing one, or one of the wrong type."""
+    if not (isinstance(payload, list) and len(payload) == 2 and isinstance(payload[1], dict)):
+        raise BadRequestError("a request payload must be [operation, {fields}]")
+    try:
+        cls = REQUESTS[Op(payload[0])]
+    except ValueError:
+        raise BadRequestError(f"unknown operation {payload[0]!r}") from None
+    try:
+        req: Request[Any] = msgspec.convert(payload[1], cls)
+        return req
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"{cls.op.value}: {exc}") from None
+
+
+def parse_reply(request: type[Request[R]], payload: Any) -> R:
+    """A RESPONSE payload as the reply type of ``request``; ProtocolError when it is not one."""
+    typ = REPLIES[request]
+    if typ is Any:
+        return payload  # type: ignore[no-any-return]
+    try:
+        return msgspec.convert(payload, typ)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"reply to {request.op.value} does not match its declaration: {exc}") from None
+
+
+def request_payload(req: Request[Any]) -> list[Any]:
+    return [req.op.value, req]
+
+
 def pack(kind: Kind, req_id: int, payload: Any) -> bytes:
-    """ProtocolError for a frame over MAX_FRAME: refused by the side that would send it, since the
-    receiving side must treat such a frame as a broken peer."""
-    body: bytes = msgpack.packb([int(kind), req_id, payload], use_bin_type=True)
+    """ProtocolError for a frame over MAX_FRAME, or for a payload msgpack cannot carry: refused by the
+    side that would send it, since the receiving side must treat such a frame as a broken peer."""
+    try:
+        body = _encoder.encode([int(kind), req_id, payload])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"a {kind.name} frame cannot be encoded: {exc}") from None
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"a {kind.name} frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
     return _LEN.pack(len(body)) + body
@@ -97,8 +547,7 @@ def pack(kind: Kind, req_id: int, payload: Any) -> bytes:
 
 def unpack(body: bytes) -> tuple[Kind, int, Any]:
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
-        kind, req_id, payload = msg
+        kind, req_id, payload = _decoder.decode(body)
         return Kind(kind), int(req_id), payload
     except Exception as exc:  # any malformed frame is the same protocol violation
         raise ProtocolError(f"malformed frame ({len(body)} bytes): {exc}") from None

@@ -1,6 +1,6 @@
 // Branches: forkable generation state inside one Context (lloyal.node's Branch/BranchStore, done over
-// our worker). The contract the Python engine (lloyal_pool/worker/engine.py) relies on is the list of
-// bound methods at the end of this file; docs/BRANCHES.md explains the semantics for users.
+// our worker). The contract of the bound methods is the stub, lloyal_pool/worker/_native_cpu.pyi (see
+// the end of this file); docs/BRANCHES.md explains the semantics for users.
 //
 // A branch owns one sequence id of its context's (unified) KV cache, leased from [0, n_seq_max), and
 // its own machinery: sampler stages (PRNG and penalty history included), grammar, logit bias, a logits
@@ -221,93 +221,8 @@ class branch_store {
 
 }  // namespace lloyal
 
-// Methods bound on the native Context (branch.cpp and kv.cpp register them). Handles are u32
-// (generation << 16 | slot), never 0; a handle that is not live raises StaleHandleError. Every method
-// takes the context's busy guard; the ones that decode release the GIL and honour the interrupt word
-// like eval does (checked before every llama_decode and inside it, through the abort callback).
-//
-//  branch_create(logits: writable buffer of >= n_vocab*4 bytes, params: dict, grammar: dict|None) -> int
-//      A root at position 0 with no logits yet (produce raises BranchError until prefill/commit).
-//      Leases a seq id (BranchError "no free sequence: n_seq_max N, all leased" when none). ContextError
-//      when the context holds a sequence-mode history, or its KV cache cannot roll back (see the top).
-//  branch_adopt(seq: int, logits: writable buffer, params: dict, grammar: dict|None) -> int
-//      A root over a detached seq (a detached branch's, or one loaded with state_seq_set/_load_file),
-//      continuing at pos_max + 1, no logits until its next prefill/commit; the seq is the branch's now.
-//      BranchError for a seq that is free or a branch's; ValueError outside [0, n_seq_max).
-//  branch_fork(src: int, logits: writable buffer) -> int
-//      Child at the parent's position: seq_cp(parent, child, 0, -1); clones sampler, grammar, bias,
-//      accepted tokens, perplexity sums, last sample, and copies the snapshot (memcpy into the new
-//      buffer, when the parent has logits). BranchError as above when no seq is free.
-//  branch_prune(h: int, subtree: bool) -> list[int]      handles freed (h last; leaves first)
-//      Without subtree, a branch with live children raises BranchError. Removes the seq's cells
-//      (llama_memory_seq_rm(seq, 0, -1)) and returns the seq id to the free list.
-//  branch_retain_only(h: int) -> list[int]                handles freed (creation order)
-//      llama_memory_seq_keep(h.seq); every other branch and detached seq goes; h becomes a root
-//      (parent 0, fork_head 0).
-//  branch_detach(h: int) -> int                           the seq id, kept with its cells
-//      The branch is freed (its children lose their parent and become roots), its seq stays leased as a
-//      raw sequence until free_seq(seq). Raw KV methods below work on it.
-//  free_seq(seq: int) -> None                              cells removed, seq returned to the free list
-//      Only a detached seq: a branch's seq raises BranchError, a free one ValueError.
-//  branch_info(h) -> dict: handle, seq, position, fork_head, parent (0 = none), children [int],
-//      has_logits, n_accepted, perplexity (inf before the first accepted token),
-//      sampling_perplexity (inf when nothing counted), last_token (-1 none: the last produced token)
-//  branches() -> list[int]                                 live handles, creation order
-//  branch_set_params(h, params: dict) / branch_set_grammar(h, grammar: dict|None) /
-//  branch_set_logit_bias(h, bias: dict|list[(int, float)]|None) / branch_reseed(h, seed: int)
-//      Params: exactly the sampler keys of sampling.hpp (anything else is a ValueError); equal params
-//      are a no-op. A grammar starts fresh (it has accepted nothing). Bias replaces the old one.
-//  branch_set_logits(h, src: buffer of exactly n_vocab float32)    snapshot := src, has_logits = True
-//  branch_merge_logits(dst: int, experts: list[int], alpha: float)
-//      dst.snapshot[t] += alpha * sum_e experts[e].snapshot[t]; every branch needs logits (dst may be
-//      one of the experts). After set_logits/merge_logits a produced-but-uncommitted sample no longer
-//      counts for the sampling perplexity.
-//
-//  produce(handles: list[int]) -> list[(token: int, piece: bytes, is_stop: bool)]
-//      Samples each branch from its snapshot; no KV, grammar, penalty or perplexity change. The piece is
-//      token_to_piece(special=True) bytes; is_stop: end-of-generation token, or token -1 (piece b"")
-//      when nothing is allowed. Duplicate handles raise BranchError; a branch without logits too.
-//  commit(pairs: list[(h, token)], request_id: int) -> None
-//      One llama_decode for all (at most n_batch pairs, else ValueError; duplicates -> BranchError;
-//      no logits yet -> BranchError). Per branch, before the decode: grammar accepts token on a clone
-//      (GrammarError leaves everything unchanged); model surprisal under the pre-decode snapshot
-//      (max(0, lse - z[token]); skipped when not finite). After a successful decode: grammar clone
-//      swapped in, chain accept, perplexity sums (the sampling surprisal counts when token is the one
-//      just produced from this snapshot), snapshot := the branch's row, position += 1. On any failure
-//      (KV full -> DecodeError, interrupt -> InterruptedByClient) every branch is exactly as before:
-//      positions, KV (seq_rm of the new cells), sampler, grammar, perplexity, snapshot.
-//  prefill(items: list[(h, tokens: list[int])], request_id: int) -> None
-//      Tokens decoded into each branch, packed first-fit into n_batch chunks (an item longer than
-//      n_batch is split into chunks of its own, in order); logits on each item's last token only.
-//      No grammar/penalty/perplexity accept (prefill is context, not a choice). All-or-nothing like
-//      commit. Empty items are skipped; duplicates -> BranchError.
-//  step(handles: list[int], request_id: int) -> list[(token, piece, is_stop)]
-//      produce, then one commit of every branch whose token is not a stop: one round trip per step.
-//      More than n_batch handles (ValueError) or an interrupt already requested fail before sampling,
-//      so a step that commits nothing has drawn nothing from the PRNGs.
-//
-//  kv_seq_cp(src, dst, p0, p1) / kv_seq_keep(seq) / kv_seq_rm(seq, p0, p1) -> bool /
-//  kv_seq_pos_min(seq) / kv_seq_pos_max(seq) (-1 when empty)
-//      Raw sequence operations. Writing to a seq that a branch owns raises BranchError (detach it
-//      first), as does writing to a free seq (a vacant seq carries no cells) and kv_seq_keep while any
-//      branch lives (it would empty the branches' seqs); reading is allowed. seq outside
-//      [0, n_seq_max) -> ValueError. Writes in sequence mode (a plain history) raise ContextError.
-//  kv_pressure() -> dict: n_ctx, cells_used, remaining, n_seq_max, seqs_leased, seqs_free
-//      In branch mode n_ctx is the cells the cache really has (llama.cpp pads to 256: that is where a
-//      decode runs out of room); cells_used is exact for a tree of forks (shared prefixes counted once),
-//      pos_max + 1 for raw seqs. Cells a raw seq, or a branch adopted from one, shares with another
-//      sequence count once for each (see kv_segment): an upper bound then. In sequence mode: the
-//      context's n_ctx and the history length.
-//  state_seq_get(seq) -> bytes / state_seq_set(seq, data: bytes) -> int (bytes read)
-//  state_seq_save_file(seq, path, tokens: list[int]) -> int / state_seq_load_file(seq, path) -> (tokens, int)
-//      Per-sequence state (llama_state_seq_*): never a silent fall back to the whole context. Errors
-//      (empty seq, unreadable file, too small n_ctx) raise ContextError. Loading goes into a detached
-//      seq, or into a branch that has nothing yet (position 0, no children): that branch takes the
-//      loaded cells (position = pos_max + 1, no logits until its next prefill/commit). Loading into any
-//      other branch's seq raises BranchError, into a free seq BranchError too.
-//  clear_and_reseed(sinks: list[int], tail: list[int], request_id) -> None
-//      With exactly one live branch (and no detached seqs): clears the whole KV cache, decodes sinks at
-//      position 0 then tail into the branch's seq; the branch keeps its handle, sampler, grammar and
-//      perplexity; position = len(sinks) + len(tail); snapshot := logits of the last token decoded.
-//      Otherwise BranchError. Both empty -> ValueError. All-or-nothing: on a failure or interrupt the
-//      branch's cells are restored from a copy of its state taken before the clear.
+// The methods of Context that branch.cpp and kv.cpp bind, and their exact semantics (errors, all or
+// nothing, what each call changes), are documented once: lloyal_pool/worker/_native_cpu.pyi, the stub
+// the engine is type-checked against and stubtest checks this module against. Every one takes the
+// context's busy guard; the ones that decode release the GIL and honour the interrupt word like eval
+// does (checked before every llama_decode and inside it, through the abort callback).

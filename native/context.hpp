@@ -66,6 +66,7 @@ class Context {
     int32_t kv_seq_pos_min(py::handle seq);
     int32_t kv_seq_pos_max(py::handle seq);
     py::dict kv_pressure();
+    size_t state_seq_size(py::handle seq);
     py::bytes state_seq_get(py::handle seq);
     size_t state_seq_set(py::handle seq, py::handle data);
     size_t state_seq_save_file(py::handle seq, const std::string & path, py::handle tokens);

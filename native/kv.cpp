@@ -153,6 +153,11 @@ py::dict Context::kv_pressure() {
     return d;
 }
 
+size_t Context::state_seq_size(py::handle seq_obj) {
+    busy_guard busy(*this);
+    return llama_state_seq_get_size(ctx_, seq_arg(seq_obj));
+}
+
 py::bytes Context::state_seq_get(py::handle seq_obj) {
     busy_guard busy(*this);
     const llama_seq_id seq = seq_arg(seq_obj);
@@ -302,6 +307,7 @@ void register_kv(py::class_<Context, std::shared_ptr<Context>> & cls) {
         .def("kv_seq_pos_min", &Context::kv_seq_pos_min, py::arg("seq"))
         .def("kv_seq_pos_max", &Context::kv_seq_pos_max, py::arg("seq"))
         .def("kv_pressure", &Context::kv_pressure)
+        .def("state_seq_size", &Context::state_seq_size, py::arg("seq"))
         .def("state_seq_get", &Context::state_seq_get, py::arg("seq"))
         .def("state_seq_set", &Context::state_seq_set, py::arg("seq"), py::arg("data"))
         .def("state_seq_save_file", &Context::state_seq_save_file, py::arg("seq"), py::arg("path"),

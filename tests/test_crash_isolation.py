@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lloyal_pool import Pool, StaleHandleError, WorkerCrashedError, WorkerStartupError
+from lloyal_pool import Pool, ProtocolError, StaleHandleError, WorkerCrashedError, WorkerStartupError
 
 
 def _memfds() -> int:
@@ -91,7 +91,7 @@ def test_unexpected_worker_exception_keeps_the_worker(fresh_pool: Pool) -> None:
     assert "an unexpected error inside the worker" in (info.value.remote_traceback or "")
     assert fresh_pool[0].alive and fresh_pool[0].ping(timeout=5) < 1.0
     # A result that cannot be sent (not msgpack, or over the frame limit) fails its request only.
-    with pytest.raises(TypeError, match="serialize"):
+    with pytest.raises(ProtocolError, match="cannot be encoded"):
         fresh_pool[0].fault("unpackable").result(timeout=10)
     assert fresh_pool[0].alive and fresh_pool[0].ping(timeout=5) < 1.0
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
-from lloyal_pool import Model, StopReason
+import pytest
+
+from lloyal_pool import ContextOverflowError, EvalResult, Model, StopReason
 
 
 def test_interrupt_stops_generation_within_one_step(gemma: Model) -> None:
@@ -86,3 +89,35 @@ def test_interrupt_one_context_leaves_another_running(gemma: Model, tiny: Model)
     finally:
         a.close()
         b.close()
+
+
+def test_interrupt_is_not_held_up_by_a_large_request_stuck_behind_a_generate(gemma: Model) -> None:
+    """A request larger than the pipe's buffer, sent while a generate runs on the same context, blocks
+    its sender until the worker reads it. interrupt() must still stop the generate at once (it writes
+    shared memory, not the pipe), and the large request is served after it."""
+    ctx = gemma.new_context(n_ctx=4096)
+    order: list[str] = []
+    try:
+        stream = ctx.stream("Count from one to one thousand:", n_predict=0, ignore_eos=True)
+        next(iter(stream))  # generating: the worker reads no frame until this ends (about a minute)
+        stream.future.add_done_callback(lambda _: order.append("generate"))
+        big = [gemma.info.bos] * (6 << 20)  # about 6 MiB of msgpack, far past a pipe's 64 KiB
+        sent: list[Future[EvalResult]] = []
+        sender = threading.Thread(target=lambda: sent.append(ctx.eval_async(big)), daemon=True)
+        sender.start()
+        time.sleep(1.0)
+        assert sender.is_alive(), "the large request should be stuck in the pipe"
+        interrupted = threading.Event()
+        t0 = time.perf_counter()
+        threading.Thread(target=lambda: (ctx.interrupt(), interrupted.set()), daemon=True).start()
+        assert interrupted.wait(5.0), "interrupt() was blocked by the request stuck in the pipe"
+        assert stream.future.result(timeout=30).stop_reason is StopReason.INTERRUPTED
+        assert time.perf_counter() - t0 < 5.0
+        sender.join(timeout=60)
+        with pytest.raises(ContextOverflowError):
+            sent[0].result(timeout=60)
+        order.append("eval")
+        assert order == ["generate", "eval"]
+        assert ctx.generate("Hi", n_predict=2).n_decoded == 2  # and the context still serves
+    finally:
+        ctx.close()

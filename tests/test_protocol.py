@@ -119,11 +119,12 @@ def test_block_allocator_reuses_and_reports_exhaustion() -> None:
     assert alloc.alloc(PAGE) == b
 
 
-def test_worker_refuses_malformed_requests_as_protocol_errors() -> None:
-    from lloyal_pool.protocol import Op
-    from lloyal_pool.worker.loop import _parse_request
+def test_worker_refuses_malformed_requests_as_bad_requests() -> None:
+    from lloyal_pool import protocol as p
 
-    assert _parse_request(["ping", {}]) == (Op.PING, {})
-    for bad in (["no_such_op", {}], ["ping", [1]], "ping", ["ping"]):
-        with pytest.raises(errors.ProtocolError):
-            _parse_request(bad)
+    assert p.parse_request(["ping", {}]) == p.Ping()
+    assert p.parse_request(["tokenize", {"model": 1, "text": "hi"}]) == p.Tokenize(model=1, text="hi")
+    for bad in (["no_such_op", {}], ["ping", [1]], "ping", ["ping"], ["ping", {"extra": 1}],
+                ["tokenize", {"model": "1", "text": "hi"}], ["tokenize", {"text": "hi"}]):
+        with pytest.raises(errors.BadRequestError):
+            p.parse_request(bad)

@@ -169,7 +169,9 @@ class Context:
           - Also in the result: n_past (the history length afterwards).
           - ValueError for an empty prompt on an empty context."""
 
-    # -- branches (native/branch.hpp has the contract; docs/BRANCHES.md the semantics) ------------------
+    # -- branches: this stub is their contract (docs/BRANCHES.md explains them to users) -----------------
+    # Every method takes the context's busy guard; those that decode release the GIL and honour the
+    # interrupt word (checked before every llama_decode and inside it, through the abort callback).
     # Handles are u32 (generation << 16 | slot), never 0; a handle that is not live raises
     # StaleHandleError. Sampler params of a branch: exactly the sampler keys of generate() (temperature,
     # top_k, top_p, min_p, typical_p, top_n_sigma, xtc_probability, xtc_threshold, dry_multiplier,
@@ -218,17 +220,27 @@ class Context:
     def branch_set_logits(self, branch: int, logits: Any) -> None:
         """snapshot := logits (a buffer of exactly n_vocab float32)."""
     def branch_merge_logits(self, dst: int, experts: Sequence[int], alpha: float) -> None:
-        """dst.snapshot += alpha * sum(expert snapshots); every branch needs logits (BranchError)."""
+        """dst.snapshot += alpha * sum(expert snapshots); every branch needs logits (BranchError; dst may be
+        one of the experts). After set_logits/merge_logits a produced-but-uncommitted sample no longer
+        counts for the sampling perplexity."""
     def produce(self, branches: Sequence[int]) -> list[tuple[int, bytes, bool]]:
         """(token, piece, is_stop) per branch, sampled from its snapshot; nothing but the PRNGs changes.
         Token -1 (piece b"", is_stop True) when nothing is allowed. BranchError: duplicates, no logits."""
     def commit(self, pairs: Sequence[tuple[int, int]], request_id: int = 0) -> None:
         """One llama_decode for every (branch, token) (at most n_batch, else ValueError). All or nothing:
         GrammarError (a token the grammar refuses), DecodeError (KV full), InterruptedByClient leave every
-        branch exactly as it was. BranchError: duplicates, no logits yet."""
+        branch exactly as it was. BranchError: duplicates, no logits yet.
+
+        Per branch, before the decode: the grammar accepts the token on a clone; the model surprisal is
+        max(0, lse - z[token]) under the pre-decode snapshot (skipped when not finite). After a successful
+        decode: the grammar clone is swapped in, the chain accepts, the perplexity sums grow (the sampling
+        surprisal counts when the token is the one just produced from this snapshot), snapshot := the
+        branch's row, position += 1. A failed decode removes the cells it added (seq_rm)."""
     def prefill(self, items: Sequence[tuple[int, Sequence[int]]], request_id: int = 0) -> None:
-        """Tokens into each branch, packed into n_batch chunks; logits for each item's last token; no
-        grammar/penalty/perplexity accept. All or nothing like commit."""
+        """Tokens into each branch, packed first-fit into n_batch chunks (an item longer than n_batch gets
+        chunks of its own, in order); logits for each item's last token; no grammar/penalty/perplexity
+        accept (prefill is context, not a choice). All or nothing like commit. Empty items are skipped;
+        duplicates raise BranchError."""
     def step(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool]]:
         """produce, then one commit of every branch whose token is not a stop. More than n_batch branches
         (ValueError) or an interrupt already requested (InterruptedByClient) fail before sampling: a step
@@ -254,6 +266,8 @@ class Context:
         sequence mode they are the context's n_ctx and the history length. Cells a detached sequence or a
         branch adopted from one (branch_adopt, a state load) still shares with other sequences count once
         for each of them: an upper bound then, exact for a tree of forks."""
+    def state_seq_size(self, seq: int) -> int:
+        """Bytes state_seq_get(seq) would return (llama_state_seq_get_size)."""
     def state_seq_get(self, seq: int) -> bytes:
         """The sequence's cells (llama_state_seq_get_data). ContextError when it is empty."""
     def state_seq_set(self, seq: int, data: bytes) -> int:

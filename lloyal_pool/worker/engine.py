@@ -1,9 +1,9 @@
 """The engine of one worker: models and contexts over the native module, addressed by integer handles.
 
 It knows nothing of pipes or frames (worker/loop.py does), so it runs the same in-process, which is how
-the tests exercise the request logic without a subprocess. Every method takes and returns plain
-msgpack-able values; bulk results are written into the shared-memory region and returned as
-(offset, count) descriptors.
+the tests exercise the request logic without a subprocess. Each method handles one request struct of
+protocol.py and returns its declared reply; ``@handles`` registers it, and Engine.handle() dispatches by
+the request's type. Bulk results are written into the shared-memory region and returned as descriptors.
 """
 
 from __future__ import annotations
@@ -12,22 +12,51 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
+
+from .. import protocol as p
 from ..errors import BranchError, ContextError, LloyalError, ModelLoadError, StaleHandleError
-from ..protocol import MAX_FRAME
+from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result
+from ..protocol import MAX_FRAME, Request
 from ..shm import INTERRUPT_OFFSET, INTERRUPT_SLOTS, BlockAllocator, Region
 
+if TYPE_CHECKING:  # the stub is the native module's contract: mypy checks the engine's calls against it
+    from . import _native_cpu as native_api
+
 EventSink = Callable[[dict[str, Any]], None]
-# Context.kv's operations -> the native Context methods that do them.
-_KV_OPS = {"cp": "kv_seq_cp", "keep": "kv_seq_keep", "rm": "kv_seq_rm", "pos_min": "kv_seq_pos_min",
-           "pos_max": "kv_seq_pos_max", "free": "free_seq"}
 _GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a handler knows about the request it serves besides its fields."""
+
+    request_id: int = 0  # the id the interrupt word is compared with (0: never interrupted)
+    emit: EventSink | None = None  # EVENT frames for this request
+
+
+Q = TypeVar("Q", bound=Request[Any])
+Handler = Callable[["Engine", Any, Call], Any]
+HANDLERS: dict[type[Request[Any]], Handler] = {}
+
+
+def handles(request: type[Q]) -> Callable[[Callable[[Engine, Q, Call], Any]], Callable[[Engine, Q, Call], Any]]:
+    """Registers the decorated method as the handler of one request struct."""
+
+    def register(fn: Callable[[Engine, Q, Call], Any]) -> Callable[[Engine, Q, Call], Any]:
+        if request in HANDLERS:
+            raise TypeError(f"two handlers for {request.__name__}")
+        HANDLERS[request] = fn
+        return fn
+
+    return register
 
 
 @dataclass
 class _ModelEntry:
-    native: Any
+    native: native_api.Model
     path: str
     n_vocab: int
     contexts: set[int]
@@ -35,7 +64,7 @@ class _ModelEntry:
 
 @dataclass
 class _ContextEntry:
-    native: Any
+    native: native_api.Context
     model_id: int
     slot: int  # interrupt word index
     logits_offset: int
@@ -53,6 +82,10 @@ class Engine:
         self._contexts: dict[int, _ContextEntry] = {}
         self._free_slots = list(range(INTERRUPT_SLOTS - 1, -1, -1))
         self._next_id = 1
+
+    def handle(self, req: Request[Any], request_id: int = 0, emit: EventSink | None = None) -> Any:
+        """Runs one request through its registered handler."""
+        return HANDLERS[type(req)](self, req, Call(request_id, emit))
 
     def _new_id(self) -> int:
         handle = self._next_id
@@ -72,10 +105,15 @@ class Engine:
             raise StaleHandleError(f"context handle {context_id} does not exist in this worker") from None
 
     # -- models ---------------------------------------------------------------------------------------
-    def load_model(self, path: str, n_gpu_layers: int = 0, use_mmap: bool = True, vocab_only: bool = False,
-                   emit: EventSink | None = None) -> dict[str, Any]:
-        _check_gguf_file(path)
+    @handles(p.Ping)
+    def ping(self, req: p.Ping, call: Call) -> p.Pong:
+        return p.Pong(pid=os.getpid())
+
+    @handles(p.LoadModel)
+    def load_model(self, req: p.LoadModel, call: Call) -> p.ModelLoaded:
+        _check_gguf_file(req.path)
         last = [-1.0]
+        emit = call.emit
 
         def progress(fraction: float) -> bool:
             # llama.cpp reports hundreds of steps; a percent is enough for a progress bar.
@@ -84,43 +122,52 @@ class Engine:
                 emit({"progress": fraction})
             return True
 
-        native = self.native.Model(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
-                                   vocab_only=vocab_only, progress=progress)
+        native = self.native.Model(req.path, n_gpu_layers=req.n_gpu_layers, use_mmap=req.use_mmap,
+                                   vocab_only=req.vocab_only, progress=progress)
         model_id = self._new_id()
-        self._models[model_id] = _ModelEntry(native, path, int(native.n_vocab), set())
-        return {"model": model_id, "info": native.info()}
+        self._models[model_id] = _ModelEntry(native, req.path, int(native.n_vocab), set())
+        return p.ModelLoaded(model=model_id, info=msgspec.convert(native.info(), ModelInfo))
 
-    def free_model(self, model: int) -> None:
-        entry = self._model(model)
+    @handles(p.FreeModel)
+    def free_model(self, req: p.FreeModel, call: Call) -> None:
+        entry = self._model(req.model)
         for ctx in list(entry.contexts):
-            self.free_context(ctx)
-        del self._models[model]
+            self._free_context(ctx)
+        del self._models[req.model]
 
-    def tokenize(self, model: int, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def _tokenize(self, model: int, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return list(self._model(model).native.tokenize(text, add_special, parse_special))
 
-    def detokenize(self, model: int, tokens: Sequence[int], remove_special: bool = False,
-                   unparse_special: bool = False) -> str:
-        return str(self._model(model).native.detokenize(tokens, remove_special, unparse_special))
+    @handles(p.Tokenize)
+    def tokenize(self, req: p.Tokenize, call: Call) -> list[int]:
+        return self._tokenize(req.model, req.text, req.add_special, req.parse_special)
 
-    def token_to_piece(self, model: int, token: int, special: bool = True) -> bytes:
-        return bytes(self._model(model).native.token_to_piece(token, special))
+    @handles(p.Detokenize)
+    def detokenize(self, req: p.Detokenize, call: Call) -> str:
+        return str(self._model(req.model).native.detokenize(req.tokens, req.remove_special, req.unparse_special))
 
-    def apply_chat_template(self, model: int, messages: Sequence[Sequence[str]], template: str | None = None,
-                            add_assistant: bool = True) -> str:
-        pairs = [(str(m[0]), str(m[1])) for m in messages]
-        return str(self._model(model).native.apply_chat_template(pairs, template, add_assistant))
+    @handles(p.TokenToPiece)
+    def token_to_piece(self, req: p.TokenToPiece, call: Call) -> bytes:
+        return bytes(self._model(req.model).native.token_to_piece(req.token, req.special))
 
-    def json_schema_to_grammar(self, schema: str) -> str:
-        return str(self.native.json_schema_to_grammar(schema))
+    @handles(p.ApplyChatTemplate)
+    def apply_chat_template(self, req: p.ApplyChatTemplate, call: Call) -> str:
+        native = self._model(req.model).native
+        return str(native.apply_chat_template(req.messages, req.template, req.add_assistant))
+
+    @handles(p.JsonSchemaToGrammar)
+    def json_schema_to_grammar(self, req: p.JsonSchemaToGrammar, call: Call) -> str:
+        return str(self.native.json_schema_to_grammar(req.schema))
 
     # -- contexts -------------------------------------------------------------------------------------
-    def new_context(self, model: int, params: dict[str, Any]) -> dict[str, Any]:
-        entry = self._model(model)
+    @handles(p.NewContext)
+    def new_context(self, req: p.NewContext, call: Call) -> p.ContextCreated:
+        entry = self._model(req.model)
         if not self._free_slots:
             raise ContextError(f"a worker holds at most {INTERRUPT_SLOTS} contexts")
         logits_bytes = entry.n_vocab * 4
         offset = self._alloc.alloc(logits_bytes)
+        params = req.params
         if self.default_threads and params.get("n_threads") is None:
             params = {**params, "n_threads": self.default_threads}
         try:
@@ -133,15 +180,18 @@ class Engine:
         # The native side indexes u64 words from the start of the region.
         native.set_interrupt_word(self.region.view, INTERRUPT_OFFSET // 8 + slot)
         context_id = self._new_id()
-        self._contexts[context_id] = _ContextEntry(native, model, slot, offset, logits_bytes)
+        self._contexts[context_id] = _ContextEntry(native, req.model, slot, offset, logits_bytes)
         entry.contexts.add(context_id)
-        return {
-            "context": context_id, "interrupt_slot": slot, "logits_offset": offset, "n_vocab": entry.n_vocab,
-            "n_ctx": native.n_ctx, "n_batch": native.n_batch, "n_ubatch": native.n_ubatch,
-            "n_seq_max": native.n_seq_max, "n_threads": native.n_threads,
-        }
+        return p.ContextCreated(
+            context=context_id, interrupt_slot=slot, logits_offset=offset, n_vocab=entry.n_vocab,
+            n_ctx=native.n_ctx, n_batch=native.n_batch, n_ubatch=native.n_ubatch, n_seq_max=native.n_seq_max,
+            n_threads=native.n_threads)
 
-    def free_context(self, context: int) -> None:
+    @handles(p.FreeContext)
+    def free_context(self, req: p.FreeContext, call: Call) -> None:
+        self._free_context(req.context)
+
+    def _free_context(self, context: int) -> None:
         entry = self._context(context)
         del self._contexts[context]
         self._models[entry.model_id].contexts.discard(context)
@@ -149,37 +199,45 @@ class Engine:
         self._alloc.free(entry.logits_offset, entry.logits_bytes)
         self._free_slots.append(entry.slot)
 
-    def eval(self, context: int, tokens: Sequence[int] | None = None, text: str | None = None,
-             add_special: bool | None = None, parse_special: bool = True, request_id: int = 0) -> dict[str, Any]:
-        entry = self._context(context)
-        if text is not None:
-            if add_special is None:
-                add_special = entry.native.n_past() == 0
-            tokens = self.tokenize(entry.model_id, text, add_special, parse_special)
+    @handles(p.Eval)
+    def eval(self, req: p.Eval, call: Call) -> EvalResult:
+        entry = self._context(req.context)
+        tokens = req.tokens or []
+        if req.text is not None:
+            add_special = entry.native.n_past() == 0 if req.add_special is None else req.add_special
+            tokens = self._tokenize(entry.model_id, req.text, add_special, req.parse_special)
         # Token ids are checked (InvalidTokenError) by the native side, before anything is decoded.
-        return dict(entry.native.eval(tokens or [], request_id))
+        return msgspec.convert(entry.native.eval(tokens, call.request_id), EvalResult)
 
-    def generate(self, context: int, prompt: str | Sequence[int], params: dict[str, Any], request_id: int = 0,
-                 stream: bool = False, emit: EventSink | None = None) -> dict[str, Any]:
-        entry = self._context(context)
+    @handles(p.Generate)
+    def generate(self, req: p.Generate, call: Call) -> Result:
+        entry = self._context(req.context)
         on_piece = None
-        if stream and emit is not None:
+        emit = call.emit
+        if req.stream and emit is not None:
             def on_piece(piece: str) -> None:
                 emit({"piece": piece})
-        return dict(entry.native.generate(prompt, params, request_id, on_piece))
+        return msgspec.convert(entry.native.generate(req.prompt, req.params, call.request_id, on_piece), Result)
 
-    def logits(self, context: int) -> dict[str, int]:
-        entry = self._context(context)
+    @handles(p.Logits)
+    def logits(self, req: p.Logits, call: Call) -> p.LogitsAt:
+        entry = self._context(req.context)
         entry.native.logits_into(self.region.writable(entry.logits_offset, entry.logits_bytes))
-        return {"offset": entry.logits_offset, "count": entry.logits_bytes // 4}
+        return p.LogitsAt(offset=entry.logits_offset, count=entry.logits_bytes // 4)
 
-    def reset(self, context: int) -> None:
-        entry = self._context(context)
+    @handles(p.Reset)
+    def reset(self, req: p.Reset, call: Call) -> None:
+        entry = self._context(req.context)
         entry.native.reset()  # drops every branch and detached sequence too
         self._free_blocks(entry, list(entry.branches))
 
-    def tokens(self, context: int) -> list[int]:
-        return list(self._context(context).native.tokens())
+    @handles(p.Tokens)
+    def tokens(self, req: p.Tokens, call: Call) -> list[int]:
+        return list(self._context(req.context).native.tokens())
+
+    @handles(p.NPast)
+    def n_past(self, req: p.NPast, call: Call) -> int:
+        return int(self._context(req.context).native.n_past())
 
     # -- branches -------------------------------------------------------------------------------------
     # A branch's logits snapshot is a block of the shared region: the native side writes it on every
@@ -193,13 +251,14 @@ class Engine:
                               "there)") from None
         return offset, self.region.writable(offset, entry.logits_bytes)
 
-    def _free_blocks(self, entry: _ContextEntry, handles: Sequence[int]) -> None:
+    def _free_blocks(self, entry: _ContextEntry, handles: Sequence[int]) -> list[int]:
         for h in handles:
             offset = entry.branches.pop(int(h), None)
             if offset is not None:
                 self._alloc.free(offset, entry.logits_bytes)
+        return [int(h) for h in handles]
 
-    def _new_branch(self, entry: _ContextEntry, make: Callable[[memoryview], int]) -> dict[str, int]:
+    def _new_branch(self, entry: _ContextEntry, make: Callable[[memoryview], int]) -> tuple[int, int]:
         offset, block = self._new_block(entry)
         try:
             handle = int(make(block))
@@ -207,7 +266,17 @@ class Engine:
             self._alloc.free(offset, entry.logits_bytes)
             raise
         entry.branches[handle] = offset
-        return {"branch": handle, "logits_offset": offset}
+        return handle, offset
+
+    @staticmethod
+    def _state(entry: _ContextEntry, handle: int, info: dict[str, Any] | None = None) -> p.BranchState:
+        d = entry.native.branch_info(handle) if info is None else info
+        return p.BranchState(branch=handle, position=d["position"], n_accepted=d["n_accepted"],
+                             perplexity=d["perplexity"], sampling_perplexity=d["sampling_perplexity"])
+
+    def _created(self, entry: _ContextEntry, handle: int, offset: int) -> p.BranchCreated:
+        info = entry.native.branch_info(handle)
+        return p.BranchCreated(logits_offset=offset, state=self._state(entry, handle, info), parent=info["parent"])
 
     def _grammar(self, grammar: dict[str, Any] | None) -> dict[str, Any] | None:
         if grammar is None:
@@ -215,135 +284,190 @@ class Engine:
         grammar = dict(grammar)
         schema = grammar.pop("json_schema", None)
         if schema is not None:
-            grammar["gbnf"] = self.json_schema_to_grammar(schema)
+            grammar["gbnf"] = str(self.native.json_schema_to_grammar(schema))
         return grammar
 
     def _prompt_tokens(self, entry: _ContextEntry, prompt: str | Sequence[int], bos: bool) -> list[int]:
         """Token ids, or text tokenized with special tokens parsed (BOS only for a root's prompt)."""
         if isinstance(prompt, str):
-            return self.tokenize(entry.model_id, prompt, add_special=bos, parse_special=True)
+            return self._tokenize(entry.model_id, prompt, bos, True)
         return list(prompt)
 
-    def branch_create(self, context: int, params: dict[str, Any], grammar: dict[str, Any] | None = None,
-                      prompt: str | Sequence[int] = (), request_id: int = 0) -> dict[str, int]:
-        entry = self._context(context)
-        spec = self._grammar(grammar)
-        tokens = self._prompt_tokens(entry, prompt, bos=True)
-        out = self._new_branch(entry, lambda block: entry.native.branch_create(block, params, spec))
+    @handles(p.BranchCreate)
+    def branch_create(self, req: p.BranchCreate, call: Call) -> p.BranchCreated:
+        entry = self._context(req.context)
+        spec = self._grammar(req.grammar)
+        tokens = self._prompt_tokens(entry, req.prompt, bos=True)
+        handle, offset = self._new_branch(entry, lambda block: entry.native.branch_create(block, req.params, spec))
         if tokens:
             try:
-                entry.native.prefill([(out["branch"], list(tokens))], request_id)
+                entry.native.prefill([(handle, tokens)], call.request_id)
             except BaseException:
-                self._free_blocks(entry, entry.native.branch_prune(out["branch"], True))
+                self._free_blocks(entry, entry.native.branch_prune(handle, True))
                 raise
-        return out
+        return self._created(entry, handle, offset)
 
-    def branch_fork(self, context: int, branch: int) -> dict[str, int]:
-        entry = self._context(context)
-        return self._new_branch(entry, lambda block: entry.native.branch_fork(branch, block))
+    @handles(p.BranchFork)
+    def branch_fork(self, req: p.BranchFork, call: Call) -> p.BranchCreated:
+        entry = self._context(req.context)
+        handle, offset = self._new_branch(entry, lambda block: entry.native.branch_fork(req.branch, block))
+        return self._created(entry, handle, offset)
 
-    def branch_adopt(self, context: int, seq: int, params: dict[str, Any],
-                     grammar: dict[str, Any] | None = None) -> dict[str, int]:
-        entry = self._context(context)
-        spec = self._grammar(grammar)
-        return self._new_branch(entry, lambda block: entry.native.branch_adopt(seq, block, params, spec))
+    @handles(p.BranchAdopt)
+    def branch_adopt(self, req: p.BranchAdopt, call: Call) -> p.BranchCreated:
+        entry = self._context(req.context)
+        spec = self._grammar(req.grammar)
+        handle, offset = self._new_branch(
+            entry, lambda block: entry.native.branch_adopt(req.seq, block, req.params, spec))
+        return self._created(entry, handle, offset)
 
-    def branch_prune(self, context: int, branch: int, subtree: bool = False) -> list[int]:
-        entry = self._context(context)
-        freed = [int(h) for h in entry.native.branch_prune(branch, subtree)]
-        self._free_blocks(entry, freed)
-        return freed
+    @handles(p.BranchPrune)
+    def branch_prune(self, req: p.BranchPrune, call: Call) -> list[int]:
+        entry = self._context(req.context)
+        return self._free_blocks(entry, entry.native.branch_prune(req.branch, req.subtree))
 
-    def branch_retain_only(self, context: int, branch: int) -> list[int]:
-        entry = self._context(context)
-        freed = [int(h) for h in entry.native.branch_retain_only(branch)]
-        self._free_blocks(entry, freed)
-        return freed
+    @handles(p.BranchRetainOnly)
+    def branch_retain_only(self, req: p.BranchRetainOnly, call: Call) -> list[int]:
+        entry = self._context(req.context)
+        return self._free_blocks(entry, entry.native.branch_retain_only(req.branch))
 
-    def branch_detach(self, context: int, branch: int) -> int:
-        entry = self._context(context)
-        seq = int(entry.native.branch_detach(branch))
-        self._free_blocks(entry, [branch])
+    @handles(p.BranchDetach)
+    def branch_detach(self, req: p.BranchDetach, call: Call) -> int:
+        entry = self._context(req.context)
+        seq = int(entry.native.branch_detach(req.branch))
+        self._free_blocks(entry, [req.branch])
         return seq
 
-    def branch_info(self, context: int, branch: int) -> dict[str, Any]:
-        return dict(self._context(context).native.branch_info(branch))
+    @handles(p.BranchInfoRequest)
+    def branch_info(self, req: p.BranchInfoRequest, call: Call) -> BranchInfo:
+        return msgspec.convert(self._context(req.context).native.branch_info(req.branch), BranchInfo)
 
-    def branch_set_params(self, context: int, branch: int, params: dict[str, Any]) -> None:
-        self._context(context).native.branch_set_params(branch, params)
+    @handles(p.BranchSetParams)
+    def branch_set_params(self, req: p.BranchSetParams, call: Call) -> None:
+        self._context(req.context).native.branch_set_params(req.branch, req.params)
 
-    def branch_set_grammar(self, context: int, branch: int, grammar: dict[str, Any] | None) -> None:
-        self._context(context).native.branch_set_grammar(branch, self._grammar(grammar))
+    @handles(p.BranchSetGrammar)
+    def branch_set_grammar(self, req: p.BranchSetGrammar, call: Call) -> None:
+        self._context(req.context).native.branch_set_grammar(req.branch, self._grammar(req.grammar))
 
-    def branch_set_logit_bias(self, context: int, branch: int, bias: Sequence[Sequence[float]] | None) -> None:
-        pairs = None if bias is None else [(int(t), float(b)) for t, b in bias]
-        self._context(context).native.branch_set_logit_bias(branch, pairs)
+    @handles(p.BranchSetLogitBias)
+    def branch_set_logit_bias(self, req: p.BranchSetLogitBias, call: Call) -> None:
+        self._context(req.context).native.branch_set_logit_bias(req.branch, req.bias)
 
-    def branch_reseed(self, context: int, branch: int, seed: int) -> None:
-        self._context(context).native.branch_reseed(branch, seed)
+    @handles(p.BranchReseed)
+    def branch_reseed(self, req: p.BranchReseed, call: Call) -> None:
+        self._context(req.context).native.branch_reseed(req.branch, req.seed)
 
-    def branch_set_logits(self, context: int, branch: int, logits: bytes) -> None:
-        self._context(context).native.branch_set_logits(branch, logits)
+    @handles(p.BranchSetLogits)
+    def branch_set_logits(self, req: p.BranchSetLogits, call: Call) -> None:
+        self._context(req.context).native.branch_set_logits(req.branch, req.logits)
 
-    def branch_merge_logits(self, context: int, branch: int, experts: Sequence[int], alpha: float) -> None:
-        self._context(context).native.branch_merge_logits(branch, list(experts), float(alpha))
+    @handles(p.BranchMergeLogits)
+    def branch_merge_logits(self, req: p.BranchMergeLogits, call: Call) -> None:
+        self._context(req.context).native.branch_merge_logits(req.branch, req.experts, req.alpha)
 
-    def produce(self, context: int, branches: Sequence[int]) -> list[Any]:
-        return list(self._context(context).native.produce(list(branches)))
+    @handles(p.Produce)
+    def produce(self, req: p.Produce, call: Call) -> list[tuple[int, bytes, bool]]:
+        return list(self._context(req.context).native.produce(req.branches))
 
-    # The decoding calls report the time spent inside llama_decode, so a caller can tell its overhead.
-    def commit(self, context: int, pairs: Sequence[Sequence[int]], request_id: int = 0) -> dict[str, float]:
-        native = self._context(context).native
-        native.commit([(int(h), int(t)) for h, t in pairs], request_id)
-        return {"decode_ms": native.last_decode_ms}
+    # The decoding calls report the time spent inside llama_decode, so a caller can tell its overhead,
+    # and the state of every branch they changed, which the client's handles cache.
+    def _decoded(self, entry: _ContextEntry, handles: Sequence[int]) -> p.Decoded:
+        return p.Decoded(decode_ms=entry.native.last_decode_ms, states=[self._state(entry, h) for h in handles])
 
-    def prefill(self, context: int, items: Sequence[Sequence[Any]], request_id: int = 0) -> dict[str, float]:
-        entry = self._context(context)
-        native = entry.native
-        native.prefill([(int(h), self._prompt_tokens(entry, p, bos=False)) for h, p in items], request_id)
-        return {"decode_ms": native.last_decode_ms}
+    @handles(p.Commit)
+    def commit(self, req: p.Commit, call: Call) -> p.Decoded:
+        entry = self._context(req.context)
+        entry.native.commit(req.pairs, call.request_id)
+        return self._decoded(entry, [h for h, _ in req.pairs])
 
-    def step(self, context: int, branches: Sequence[int], request_id: int = 0) -> dict[str, Any]:
-        native = self._context(context).native
-        produced = list(native.step(list(branches), request_id))
-        return {"produced": produced, "decode_ms": native.last_decode_ms}
+    @handles(p.Prefill)
+    def prefill(self, req: p.Prefill, call: Call) -> p.Decoded:
+        entry = self._context(req.context)
+        entry.native.prefill([(h, self._prompt_tokens(entry, toks, bos=False)) for h, toks in req.items],
+                             call.request_id)
+        return self._decoded(entry, [h for h, _ in req.items])
+
+    @handles(p.Step)
+    def step(self, req: p.Step, call: Call) -> p.Stepped:
+        entry = self._context(req.context)
+        produced = list(entry.native.step(req.branches, call.request_id))
+        committed = [h for h, (_, _, stop) in zip(req.branches, produced, strict=True) if not stop]
+        done = self._decoded(entry, committed)
+        return p.Stepped(decode_ms=done.decode_ms, states=done.states, produced=produced)
+
+    @handles(p.ClearAndReseed)
+    def clear_and_reseed(self, req: p.ClearAndReseed, call: Call) -> p.Decoded:
+        entry = self._context(req.context)
+        entry.native.clear_and_reseed(req.sinks, req.tail, call.request_id)
+        return self._decoded(entry, entry.native.branches())
 
     # -- raw KV sequences -----------------------------------------------------------------------------
-    def kv_seq(self, context: int, op: str, args: Sequence[int]) -> Any:
-        name = _KV_OPS.get(op)
-        if name is None:
-            raise ValueError(f"unknown KV operation {op!r} (one of {', '.join(_KV_OPS)})")
-        return getattr(self._context(context).native, name)(*[int(a) for a in args])
+    @handles(p.KvCopy)
+    def kv_copy(self, req: p.KvCopy, call: Call) -> None:
+        self._context(req.context).native.kv_seq_cp(req.src, req.dst, req.p0, req.p1)
 
-    def kv_pressure(self, context: int) -> dict[str, int]:
-        return dict(self._context(context).native.kv_pressure())
+    @handles(p.KvKeep)
+    def kv_keep(self, req: p.KvKeep, call: Call) -> None:
+        self._context(req.context).native.kv_seq_keep(req.seq)
 
-    def state_seq_get(self, context: int, seq: int) -> bytes:
-        data = bytes(self._context(context).native.state_seq_get(seq))
+    @handles(p.KvRemove)
+    def kv_remove(self, req: p.KvRemove, call: Call) -> bool:
+        return bool(self._context(req.context).native.kv_seq_rm(req.seq, req.p0, req.p1))
+
+    @handles(p.KvPosMin)
+    def kv_pos_min(self, req: p.KvPosMin, call: Call) -> int:
+        return int(self._context(req.context).native.kv_seq_pos_min(req.seq))
+
+    @handles(p.KvPosMax)
+    def kv_pos_max(self, req: p.KvPosMax, call: Call) -> int:
+        return int(self._context(req.context).native.kv_seq_pos_max(req.seq))
+
+    @handles(p.KvFree)
+    def kv_free(self, req: p.KvFree, call: Call) -> None:
+        self._context(req.context).native.free_seq(req.seq)
+
+    @handles(p.KvPressureRequest)
+    def kv_pressure(self, req: p.KvPressureRequest, call: Call) -> KVPressure:
+        return msgspec.convert(self._context(req.context).native.kv_pressure(), KVPressure)
+
+    @handles(p.StateSeqSize)
+    def state_seq_size(self, req: p.StateSeqSize, call: Call) -> int:
+        return int(self._context(req.context).native.state_seq_size(req.seq))
+
+    @handles(p.StateSeqGet)
+    def state_seq_get(self, req: p.StateSeqGet, call: Call) -> bytes:
+        data = bytes(self._context(req.context).native.state_seq_get(req.seq))
         if len(data) > MAX_FRAME - 4096:
-            raise ContextError(f"the state of sequence {seq} is {len(data)} bytes, more than one protocol frame "
+            raise ContextError(f"the state of sequence {req.seq} is {len(data)} bytes, more than one protocol frame "
                                f"carries ({MAX_FRAME}): save it to a file with kv.save_file instead")
         return data
 
-    def state_seq_set(self, context: int, seq: int, data: bytes) -> int:
-        return int(self._context(context).native.state_seq_set(seq, data))
+    def _loaded(self, entry: _ContextEntry, seq: int, tokens: list[int], n_bytes: int) -> p.StateLoaded:
+        # A load into a branch's (empty) sequence moves that branch: its handle's cache needs the news.
+        owners = [h for h in entry.native.branches() if entry.native.branch_info(h)["seq"] == seq]
+        return p.StateLoaded(tokens=tokens, n_bytes=n_bytes, states=[self._state(entry, h) for h in owners])
 
-    def state_seq_save_file(self, context: int, seq: int, path: str, tokens: Sequence[int] = ()) -> int:
-        return int(self._context(context).native.state_seq_save_file(seq, path, list(tokens)))
+    @handles(p.StateSeqSet)
+    def state_seq_set(self, req: p.StateSeqSet, call: Call) -> p.StateLoaded:
+        entry = self._context(req.context)
+        n = int(entry.native.state_seq_set(req.seq, req.data))
+        return self._loaded(entry, req.seq, [], n)
 
-    def state_seq_load_file(self, context: int, seq: int, path: str) -> dict[str, Any]:
-        tokens, n = self._context(context).native.state_seq_load_file(seq, path)
-        return {"tokens": list(tokens), "bytes": int(n)}
+    @handles(p.StateSeqSaveFile)
+    def state_seq_save_file(self, req: p.StateSeqSaveFile, call: Call) -> int:
+        return int(self._context(req.context).native.state_seq_save_file(req.seq, req.path, req.tokens))
 
-    def clear_and_reseed(self, context: int, sinks: Sequence[int], tail: Sequence[int],
-                         request_id: int = 0) -> dict[str, float]:
-        native = self._context(context).native
-        native.clear_and_reseed(list(sinks), list(tail), request_id)
-        return {"decode_ms": native.last_decode_ms}
+    @handles(p.StateSeqLoadFile)
+    def state_seq_load_file(self, req: p.StateSeqLoadFile, call: Call) -> p.StateLoaded:
+        entry = self._context(req.context)
+        tokens, n = entry.native.state_seq_load_file(req.seq, req.path)
+        return self._loaded(entry, req.seq, [int(t) for t in tokens], int(n))
 
     def close(self) -> None:
         for model in list(self._models):
-            self.free_model(model)
+            self.free_model(p.FreeModel(model=model), Call())
+
 
 
 def _check_gguf_file(path: str) -> None:
@@ -361,4 +485,4 @@ def _check_gguf_file(path: str) -> None:
         raise ModelLoadError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
 
 
-__all__ = ["Engine", "EventSink", "LloyalError"]
+__all__ = ["HANDLERS", "Call", "Engine", "EventSink", "handles"]

@@ -1,6 +1,6 @@
-"""The worker's request loop: read a frame, dispatch through an explicit table, reply.
+"""The worker's request loop: read a frame, parse it into its request struct, run its handler, reply.
 
-    parent ──requests──▶ [read_frame] ─▶ HANDLERS[op](engine, args, ctx) ─▶ [write_frame] ──replies──▶ parent
+    parent ──requests──▶ [read_frame] ─▶ parse_request ─▶ engine.handle(req) ─▶ [write_frame] ──replies──▶ parent
                                                      │ emit(EVENT) for stream pieces / load progress
 
 One request runs at a time, on the main thread, like one engine instance in go-llama: calls on a context
@@ -16,92 +16,39 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
+from .. import protocol as p
 from ..errors import LloyalError, ProtocolError
-from ..protocol import Kind, Op, PeerClosed, error_payload, pack, read_frame, write_frame
-from .engine import Engine, EventSink
+from ..protocol import Kind, PeerClosed, error_payload, pack, parse_request, read_frame, write_frame
+from .engine import Call, Engine, handles
 
-Handler = Callable[[Engine, dict[str, Any], int, EventSink], Any]
 FAULTS_ENV = "LLOYAL_POOL_TEST_FAULTS"
 
 
-def _fault(engine: Engine, args: dict[str, Any], req_id: int, emit: EventSink) -> Any:
+@handles(p.Fault)
+def _fault(engine: Engine, req: p.Fault, call: Call) -> Any:
     """Test-only crash kit: how a worker can die, on demand."""
     if os.environ.get(FAULTS_ENV) != "1":
         raise LloyalError(f"fault injection is disabled (set {FAULTS_ENV}=1 in the worker's environment)")
-    kind = args.get("kind")
+    kind = req.kind
     if kind == "segv":
         faulthandler._sigsegv()  # type: ignore[attr-defined]
     elif kind == "abort":
         os.abort()
     elif kind == "exit":
-        os._exit(int(args.get("code", 3)))
+        os._exit(req.code)
     elif kind == "hang":
-        time.sleep(float(args.get("seconds", 3600)))
+        time.sleep(req.seconds)
     elif kind == "stdout":
         os.write(1, b"garbage on stdout must not reach the protocol\n" * 100)
         print("print() too", flush=True)
         return "ok"
     elif kind == "unpackable":
-        return {"a set is not msgpack": {1, 2}}
+        return {"an object is not msgpack": object()}
     elif kind == "raise":
         raise RuntimeError("an unexpected error inside the worker")
     raise ValueError(f"unknown fault kind {kind!r}")
-
-
-HANDLERS: dict[Op, Handler] = {
-    Op.PING: lambda e, a, r, emit: {"pid": os.getpid()},
-    Op.LOAD_MODEL: lambda e, a, r, emit: e.load_model(**a, emit=emit),
-    Op.FREE_MODEL: lambda e, a, r, emit: e.free_model(**a),
-    Op.TOKENIZE: lambda e, a, r, emit: e.tokenize(**a),
-    Op.DETOKENIZE: lambda e, a, r, emit: e.detokenize(**a),
-    Op.TOKEN_TO_PIECE: lambda e, a, r, emit: e.token_to_piece(**a),
-    Op.APPLY_CHAT_TEMPLATE: lambda e, a, r, emit: e.apply_chat_template(**a),
-    Op.JSON_SCHEMA_TO_GRAMMAR: lambda e, a, r, emit: e.json_schema_to_grammar(**a),
-    Op.NEW_CONTEXT: lambda e, a, r, emit: e.new_context(**a),
-    Op.FREE_CONTEXT: lambda e, a, r, emit: e.free_context(**a),
-    Op.EVAL: lambda e, a, r, emit: e.eval(**a, request_id=r),
-    Op.GENERATE: lambda e, a, r, emit: e.generate(**a, request_id=r, emit=emit),
-    Op.LOGITS: lambda e, a, r, emit: e.logits(**a),
-    Op.RESET: lambda e, a, r, emit: e.reset(**a),
-    Op.TOKENS: lambda e, a, r, emit: e.tokens(**a),
-    Op.BRANCH_CREATE: lambda e, a, r, emit: e.branch_create(**a, request_id=r),
-    Op.BRANCH_FORK: lambda e, a, r, emit: e.branch_fork(**a),
-    Op.BRANCH_ADOPT: lambda e, a, r, emit: e.branch_adopt(**a),
-    Op.BRANCH_PRUNE: lambda e, a, r, emit: e.branch_prune(**a),
-    Op.BRANCH_RETAIN_ONLY: lambda e, a, r, emit: e.branch_retain_only(**a),
-    Op.BRANCH_DETACH: lambda e, a, r, emit: e.branch_detach(**a),
-    Op.BRANCH_INFO: lambda e, a, r, emit: e.branch_info(**a),
-    Op.BRANCH_SET_PARAMS: lambda e, a, r, emit: e.branch_set_params(**a),
-    Op.BRANCH_SET_GRAMMAR: lambda e, a, r, emit: e.branch_set_grammar(**a),
-    Op.BRANCH_SET_LOGIT_BIAS: lambda e, a, r, emit: e.branch_set_logit_bias(**a),
-    Op.BRANCH_RESEED: lambda e, a, r, emit: e.branch_reseed(**a),
-    Op.BRANCH_SET_LOGITS: lambda e, a, r, emit: e.branch_set_logits(**a),
-    Op.BRANCH_MERGE_LOGITS: lambda e, a, r, emit: e.branch_merge_logits(**a),
-    Op.PRODUCE: lambda e, a, r, emit: e.produce(**a),
-    Op.COMMIT: lambda e, a, r, emit: e.commit(**a, request_id=r),
-    Op.PREFILL: lambda e, a, r, emit: e.prefill(**a, request_id=r),
-    Op.STEP: lambda e, a, r, emit: e.step(**a, request_id=r),
-    Op.KV_SEQ: lambda e, a, r, emit: e.kv_seq(**a),
-    Op.KV_PRESSURE: lambda e, a, r, emit: e.kv_pressure(**a),
-    Op.STATE_SEQ_GET: lambda e, a, r, emit: e.state_seq_get(**a),
-    Op.STATE_SEQ_SET: lambda e, a, r, emit: e.state_seq_set(**a),
-    Op.STATE_SEQ_SAVE_FILE: lambda e, a, r, emit: e.state_seq_save_file(**a),
-    Op.STATE_SEQ_LOAD_FILE: lambda e, a, r, emit: e.state_seq_load_file(**a),
-    Op.CLEAR_AND_RESEED: lambda e, a, r, emit: e.clear_and_reseed(**a, request_id=r),
-    Op.FAULT: _fault,
-}
-
-
-def _parse_request(payload: Any) -> tuple[Op, dict[str, Any]]:
-    if not (isinstance(payload, list) and len(payload) == 2 and isinstance(payload[1], dict)):
-        raise ProtocolError("a request payload must be [operation, {arguments}]")
-    try:
-        return Op(payload[0]), payload[1]
-    except ValueError:
-        raise ProtocolError(f"unknown operation {payload[0]!r}") from None
 
 
 class WorkerLoop:
@@ -134,8 +81,7 @@ class WorkerLoop:
             self.send(Kind.EVENT, req_id, event)
 
         try:
-            op, args = _parse_request(payload)
-            result = HANDLERS[op](self.engine, args, req_id, emit)
+            result = self.engine.handle(parse_request(payload), req_id, emit)
             # Packed here, so that a result too big for one frame (or not msgpack-able) fails this
             # request instead of the worker.
             frame = pack(Kind.RESPONSE, req_id, result)
