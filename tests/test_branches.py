@@ -237,7 +237,7 @@ def test_state_save_and_load(ctx: Context, tmp_path: Path) -> None:
     ref.prune()
     seq = root.fork().detach()
     data = ctx.kv.save(seq)
-    assert len(data) > 0
+    assert len(data) > 0 and ctx.kv.state_size(seq) == len(data)
     path = tmp_path / "state.bin"
     n = ctx.kv.save_file(seq, path, tokens=[1, 2, 3])
     assert n > 0 and path.stat().st_size > 0
@@ -256,6 +256,12 @@ def test_state_save_and_load(ctx: Context, tmp_path: Path) -> None:
         assert again.position == n_prompt
         again.prefill([1000])
         np.testing.assert_allclose(again.logits, expected, rtol=0, atol=1e-3)
+    # Into a fresh branch's own (empty) sequence: the branch takes the cells, and its handle knows it.
+    ctx.reset()
+    fresh = ctx.branch()
+    assert fresh.position == 0
+    ctx.kv.load(fresh.info().seq, data)
+    assert fresh.position == n_prompt == fresh.info().position
     ctx.reset()
 
 

@@ -133,5 +133,6 @@ def test_model_info_and_tokenizer(gemma: Model) -> None:
     assert "gemma" in info.desc.lower()
     toks = gemma.tokenize("Hello world")
     assert toks[0] == info.bos and info.add_bos
+    assert info.eos in gemma.eog_tokens and gemma.is_eog(info.eos) and not gemma.is_eog(info.bos)
     assert gemma.detokenize(toks[1:]) == "Hello world"
     assert b"".join(gemma.token_to_piece(t) for t in toks[1:]) == b"Hello world"
