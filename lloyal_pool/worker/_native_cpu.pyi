@@ -29,8 +29,10 @@ def json_schema_to_grammar(schema_json: str) -> str:
     """llama.cpp's own JSON-schema -> GBNF converter. Raises GrammarError on an invalid schema."""
 
 class Model:
-    n_vocab: int
-    path: str
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def path(self) -> str: ...
     def __init__(
         self,
         path: str,
@@ -63,14 +65,26 @@ class Model:
         has no template (llama.cpp itself would silently use chatml there)."""
 
 class Context:
-    n_ctx: int  # as asked (0: n_ctx_train), although llama.cpp allocates cells to a multiple of 256
-    n_batch: int  # as llama.cpp applies it (at most its 256-padded n_ctx)
-    n_ubatch: int  # at most n_batch
-    n_seq_max: int
-    n_threads: int
-    n_threads_batch: int
-    last_decode_ms: float  # time inside llama_decode during the last commit/prefill/step/clear_and_reseed
-    model: Model
+    @property
+    def n_ctx(self) -> int:
+        """As asked (0: n_ctx_train), although llama.cpp allocates cells to a multiple of 256."""
+    @property
+    def n_batch(self) -> int:
+        """As llama.cpp applies it (at most its 256-padded n_ctx)."""
+    @property
+    def n_ubatch(self) -> int:
+        """At most n_batch."""
+    @property
+    def n_seq_max(self) -> int: ...
+    @property
+    def n_threads(self) -> int: ...
+    @property
+    def n_threads_batch(self) -> int: ...
+    @property
+    def last_decode_ms(self) -> float:
+        """Time inside llama_decode during the last commit/prefill/step/clear_and_reseed."""
+    @property
+    def model(self) -> Model: ...
     def __init__(self, model: Model, params: dict[str, Any]) -> None:
         """params keys (all optional): n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch, n_seq_max,
         embeddings, rope_freq_base, rope_freq_scale, type_k, type_v (ggml type names, e.g. "f16", "q8_0"),
