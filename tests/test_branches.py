@@ -371,7 +371,7 @@ def test_async_commit_and_kv_clear(ctx: Context) -> None:
     kid = root.fork()
     token = kid.produce().token
     fut = ctx.branches.commit_async([(kid, token)])
-    assert fut.result(timeout=60) is None
+    assert fut.result(timeout=60) > 0  # the ms spent inside llama_decode
     assert kid.position == root.position + 1
     ctx.branches.prefill_async([(root, [token])]).result(timeout=60)
     assert root.logits.tobytes() == kid.logits.tobytes()  # commit(t) and prefill([t]) decode the same row
