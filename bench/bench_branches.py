@@ -107,20 +107,19 @@ def pool_round(model: Path, threads: int, seed: int) -> dict[str, float]:
 
 def fork_worker_ms(model: Path, threads: int) -> float:
     """The worker's share of a fork: the native fork timed in-process, median of 200."""
-    import numpy as np
-
     import lloyal_pool.worker._native_cpu as native
+    from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
 
     m = native.Model(str(model))
-    n_vocab = int(m.n_vocab)
-    ctx = native.Context(m, {"n_ctx": 1024, "n_seq_max": 4, "n_threads": threads})
-    keep = [np.zeros(n_vocab, np.float32) for _ in range(2)]
-    root = ctx.branch_create(keep[0], dict(SAMPLING, seed=1), None)
+    region = Region.anonymous(16 << 20)
+    ctx = native.Context(m, {"n_ctx": 1024, "n_seq_max": 4, "n_threads": threads},
+                         native.Arena(region.view, BULK_OFFSET, PAGE))
+    root, _ = ctx.branch_create(dict(SAMPLING, seed=1), None)
     ctx.prefill([(root, [int(m.info()["bos"])] + list(range(100, 163)))], 0)
     times = []
     for _ in range(200):
         t0 = time.perf_counter()
-        child = ctx.branch_fork(root, keep[1])
+        child, _ = ctx.branch_fork(root)
         times.append(time.perf_counter() - t0)
         ctx.branch_prune(child, False)
     return 1000.0 * statistics.median(times)

@@ -138,14 +138,17 @@ class InProcessRunner(Runner):
 
     def __init__(self, model_path: Path, threads: int) -> None:
         import lloyal_pool.worker._native_cpu as native
+        from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
 
         self.model = native.Model(str(model_path))
         info = self.model.info()
         self.bos = int(info["bos"])
         self.prompt = _prompt_tokens(int(info["n_vocab"]), self.bos)
+        self.region = Region.anonymous(8 << 20)
+        arena = native.Arena(self.region.view, BULK_OFFSET, PAGE)
         self.pp_ctx = native.Context(self.model, {"n_ctx": N_PROMPT, "n_batch": 2048, "n_ubatch": 512,
-                                                  "n_threads": threads})
-        self.tg_ctx = native.Context(self.model, {"n_ctx": N_GEN + 1, "n_threads": threads})
+                                                  "n_threads": threads}, arena)
+        self.tg_ctx = native.Context(self.model, {"n_ctx": N_GEN + 1, "n_threads": threads}, arena)
 
     def prefill(self) -> None:
         self.pp_ctx.eval(self.prompt)

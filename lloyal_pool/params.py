@@ -63,18 +63,14 @@ class SamplerParams:
     mirostat_eta: float = 0.0  # 0: 0.1
 
     def __post_init__(self) -> None:
+        # The worker's native code checks every value (ranges included: sampling.hpp declares the fields
+        # and their rules once); here only what is cheaper to refuse before a request is sent.
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
-        if self.mirostat not in (0, 1, 2):
-            raise ValueError(f"mirostat must be 0, 1 or 2, got {self.mirostat}")
-        if self.top_k < 0 or self.repeat_last_n < -1 or self.dry_allowed_length < 0 or self.dry_penalty_last_n < -1:
-            raise ValueError("top_k and dry_allowed_length must be >= 0, repeat_last_n and dry_penalty_last_n >= -1")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
-        if self.repeat_penalty < 0:
-            raise ValueError("repeat_penalty must be >= 0")
         if isinstance(self.dry_sequence_breakers, str):
             raise TypeError("dry_sequence_breakers must be a sequence of strings, not a string")
 
@@ -91,7 +87,7 @@ class SamplerParams:
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
-        base = asdict(params) if params is not None else {}
+        base = {f.name: getattr(params, f.name) for f in fields(params)} if params is not None else {}
         return cls(**{**base, **overrides})
 
 
@@ -100,7 +96,7 @@ class GenerateParams(SamplerParams):
     n_predict: int = 0  # <= 0: until the context is full
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
-    grammar: str = ""  # GBNF; "" none
+    grammar: Grammar | str = ""  # GBNF text or a Grammar (JSON schema, lazy triggers); "" none
     stop: Sequence[str] = ()
     cache_prompt: bool = False
 
@@ -115,6 +111,7 @@ class GenerateParams(SamplerParams):
         out = super().to_wire()
         out["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         out["stop"] = list(self.stop)
+        out["grammar"] = self.grammar.to_wire() if isinstance(self.grammar, Grammar) else self.grammar
         return out
 
 

@@ -7,7 +7,8 @@ reads it back as numpy arrays, with no serialization.
     offset 0      header      magic, layout version, size
     offset 4096   interrupt   INTERRUPT_SLOTS u64 words, one per context: the client stores the id of the
                               request to stop; the native loop compares it with the request it runs
-    offset 8192   bulk        page-aligned blocks the worker hands out (one logits row per context)
+    offset 8192   bulk        page-aligned blocks the worker's native arena hands out: a logits row per
+                              context, a snapshot per branch, each freed with its owner
 
 On Linux the region is a memfd, fully allocated up front (posix_fallocate: a full tmpfs becomes an
 ENOSPC here instead of a SIGBUS later) and sealed against shrinking and growing, so a misbehaving worker
@@ -191,38 +192,6 @@ class Region:
                 self._buf.close()
             except BufferError:
                 pass
-
-
-class BlockAllocator:
-    """Hands out page-aligned blocks of the bulk area (worker side; one owner, no locking)."""
-
-    def __init__(self, size: int) -> None:
-        self._free: list[tuple[int, int]] = [(BULK_OFFSET, size - BULK_OFFSET)]
-
-    def alloc(self, nbytes: int) -> int:
-        nbytes = _round_up(nbytes, PAGE)
-        for i, (off, length) in enumerate(self._free):
-            if length >= nbytes:
-                if length == nbytes:
-                    del self._free[i]
-                else:
-                    self._free[i] = (off + nbytes, length - nbytes)
-                return off
-        raise LloyalError(
-            f"the worker's shared-memory region has no room for {nbytes} more bytes; "
-            "create the Pool with a larger shm_bytes")
-
-    def free(self, offset: int, nbytes: int) -> None:
-        nbytes = _round_up(nbytes, PAGE)
-        self._free.append((offset, nbytes))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for off, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((off, length))
-        self._free = merged
 
 
 def _round_up(n: int, m: int) -> int:

@@ -1,11 +1,14 @@
-// Branches: forkable generation state inside one Context (lloyal.node's Branch/BranchStore, done over
-// our worker). The contract of the bound methods is the stub, lloyal_pool/worker/_native_cpu.pyi (see
-// the end of this file); docs/BRANCHES.md explains the semantics for users.
+// The branch driver: forkable generation state inside one context (lloyal.node's Branch/BranchStore, done
+// over our worker), and the context's raw KV sequences. The exact contract of each operation is the
+// stub, lloyal_pool/worker/_native_cpu.pyi (bind_branch.cpp binds these methods there);
+// docs/BRANCHES.md explains the semantics for users. Files: branch_store.cpp (handles and leases),
+// branch.cpp (the tree, sampling state, produce), branch_decode.cpp (commit, prefill, step,
+// clear_and_reseed), kv.cpp (raw sequences, pressure, per-sequence state).
 //
 // A branch owns one sequence id of its context's (unified) KV cache, leased from [0, n_seq_max), and
-// its own machinery: sampler stages (PRNG and penalty history included), grammar, logit bias, a logits
-// snapshot (n_vocab float32 in the worker's shared memory, so the client reads it with no copy and
-// no round trip), and perplexity sums. A fork shares the KV prefix with llama_memory_seq_cp (cells get
+// its own machinery: a chain_sampler (PRNG and penalty history included, grammar, logit bias), a logits
+// snapshot (n_vocab float32 in a block of the worker's shared memory that the branch owns, so the
+// client reads it with no copy and no round trip), and perplexity sums. A fork shares the KV prefix with llama_memory_seq_cp (cells get
 // one more tag, no tensor copy) and clones everything else; the snapshot copy is one memcpy.
 //
 // Sequence mode (Context::eval/generate on sequence 0) and branch mode exclude each other: a context
@@ -19,113 +22,20 @@
 // ContextError.
 #pragma once
 
+#include "arena.hpp"
 #include "common.hpp"
-#include "model.hpp"
+#include "context_core.hpp"
 #include "sampling.hpp"
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
 namespace lloyal {
 
-class Context;
-
-// Grammar spec of a branch (a Python dict on the wire):
-//   {"gbnf": str, "root": str = "root",
-//    "lazy": bool = False, "trigger_words": [str], "trigger_patterns": [str], "trigger_tokens": [int]}
-// A lazy grammar samples unconstrained (at no extra cost) until a trigger fires: llama.cpp's
-// llama_sampler_init_grammar_lazy_patterns (words are regex-escaped into patterns). An invalid grammar,
-// pattern or token raises GrammarError / InvalidTokenError when it is set, never later; triggers
-// without lazy=True, or lazy=True without a trigger, are a ValueError, as is an unknown key.
-// (grammar.cpp)
-struct grammar_spec {
-    std::string gbnf;
-    std::string root = "root";
-    bool lazy = false;
-    std::vector<std::string> trigger_patterns;  // words already escaped
-    std::vector<llama_token> trigger_tokens;
-};
-
-grammar_spec parse_grammar_spec(const py::handle & spec, const Model & model);
-llama_sampler * make_grammar_sampler(const Model & model, const grammar_spec & g);
-
-// A logits row with what the samplers and the perplexity need of it, computed once when it is written.
-struct logits_row {
-    const float * z = nullptr;
-    float max = 0.0f;  // the row's maximum
-    float lse = 0.0f;  // log(sum(exp(z)))
-};
-
-// How a branch samples (branch_sampler.cpp): the stages of sampling.hpp's make_chain_stages, the
-// grammar in front of them, the logit bias between the two. Sampling reads a logits row (the
-// branch's snapshot) and never touches a llama_context.
-//
-// The grammar is applied the way llama.cpp's common sampler does it: the token is chosen without it
-// and checked against it; only when the grammar refuses that token is the whole vocabulary masked
-// (tens of ms at 262k tokens) and the token chosen again, with the chain's PRNGs drawn once more.
-// The fast paths need no candidate array at all: greedy without penalties or DRY is the snapshot's
-// first argmax (found from the maximum cached when the snapshot was written; a logit bias is folded in
-// unless it falls on that argmax); a chain that starts with top_k (no penalties, DRY, top_n_sigma or
-// mirostat) gets its top k straight from the snapshot in one pass, then the rest of the chain. Other
-// chains fill the store's candidate array and run llama.cpp's samplers over the whole vocabulary,
-// as generate() does (pure temperature, top_p, typical, top_n_sigma and mirostat cost 2-20 ms a
-// token at 262k tokens, llama.cpp's own cost).
-class branch_sampler {
-  public:
-    branch_sampler(const sampler_params & p, const Model & model, uint32_t n_ctx);
-    ~branch_sampler();
-    branch_sampler(const branch_sampler &) = delete;
-    branch_sampler & operator=(const branch_sampler &) = delete;
-    std::unique_ptr<branch_sampler> clone() const;  // PRNGs, penalty and DRY windows, grammar state included
-
-    const sampler_params & params() const { return p_; }
-    // A new chain: the PRNGs restart from p.seed, the penalty and DRY windows are re-primed from the
-    // branch's accepted tokens. Params equal to the current ones change nothing (no PRNG restart).
-    void set_params(const sampler_params & p, const std::vector<llama_token> & accepted);
-    void set_grammar(sampler_ptr g) { grammar_ = std::move(g); }  // null removes it
-    // Sorted by token, one entry per token (biases of a token summed; -inf bans it).
-    void set_logit_bias(std::vector<std::pair<llama_token, float>> bias) { bias_ = std::move(bias); }
-    // Every sampler that draws (XTC, dist, mirostat, whose mu restarts) starts again from seed;
-    // greedy has none. The penalty and DRY windows are kept.
-    void reseed(uint32_t seed);
-
-    struct sample_result {
-        llama_token token = LLAMA_TOKEN_NULL;  // NULL: nothing allowed (grammar complete, all banned)
-        float sampling_surprisal = 0.0f;      // -log p(token) over the candidates the chain kept (nats)
-    };
-    // Grammar -> logit bias -> stages applied to row; advances the PRNGs (and mirostat's mu) like
-    // llama.cpp's samplers do; accepts nothing. scratch: the store's one candidate array.
-    sample_result sample(const logits_row & row, std::vector<llama_token_data> & scratch);
-
-    // The grammar after accepting token, as a new sampler, or GrammarError (this one unchanged). Null
-    // when there is no grammar. Checks the token with the grammar's own mask first: accepting an
-    // end-of-generation token the grammar cannot end at would GGML_ABORT inside llama.cpp.
-    sampler_ptr grammar_after(llama_token token) const;
-    void accept(llama_token token);  // penalty and DRY windows; the grammar is swapped in by the caller
-
-  private:
-    branch_sampler(const Model & model, uint32_t n_ctx) : model_(&model), n_ctx_(n_ctx) {}
-    void build(const std::vector<llama_token> & accepted);
-    sample_result sample_free(const logits_row & row, std::vector<llama_token_data> & scratch);
-    sample_result sample_masked(const logits_row & row, std::vector<llama_token_data> & scratch);
-    sample_result finish(llama_token_data_array & cur, bool greedy);
-    void fill(const float * z, std::vector<llama_token_data> & scratch) const;
-
-    const Model * model_;
-    uint32_t n_ctx_;
-    sampler_params p_;
-    sampler_ptr penalties_;
-    sampler_ptr dry_;
-    std::vector<sampler_ptr> rest_;
-    bool rest_starts_with_top_k_ = false;
-    sampler_ptr grammar_;
-    std::vector<std::pair<llama_token, float>> bias_;
-};
-
-// The sum of each token's biases, sorted by token: what branch_sampler::set_logit_bias takes.
-// Raises InvalidTokenError for a bad id, ValueError for +inf or NaN.
-std::vector<std::pair<llama_token, float>> parse_logit_bias(const py::handle & bias, const Model & model);
+class sequence_driver;
 
 // One piece of a sequence's KV cells: positions [p0, p1) of the cells some branch decoded itself
 // (origin). A branch's cells are its lineage: the segments it shares with its ancestors (capped at the
@@ -148,8 +58,8 @@ struct branch {
     std::vector<uint32_t> children;
     std::vector<kv_segment> lineage;  // the last one is the branch's own
 
-    std::unique_ptr<branch_sampler> sampler;
-    std::unique_ptr<held_buffer> buffer;  // the snapshot's memory, pinned while the branch lives
+    std::unique_ptr<chain_sampler> sampler;
+    region_arena::block block;  // the snapshot's memory in the shared region
     float * snapshot = nullptr;
     bool has_logits = false;
     float snap_max = 0.0f;
@@ -176,8 +86,7 @@ class branch_store {
     explicit branch_store(uint32_t n_seq_max);
 
     branch * find(uint32_t handle);
-    branch & get(py::handle handle);  // StaleHandleError unless live; TypeError for a non-int
-    branch & get(uint32_t handle);
+    branch & get(uint32_t handle);  // StaleHandleError unless live
 
     branch & add(std::unique_ptr<branch> b);  // assigns handle and serial; b->seq already leased
     std::unique_ptr<branch> remove(uint32_t handle);  // the slot is freed; the lease stays with the caller
@@ -219,10 +128,116 @@ class branch_store {
     std::vector<llama_token_data> scratch_;
 };
 
+// What the driver's calls return.
+struct branch_created {
+    uint32_t handle = 0;
+    size_t logits_offset = 0;  // of its snapshot, in the region
+};
+
+struct branch_info {
+    uint32_t handle = 0;
+    llama_seq_id seq = -1;
+    llama_pos position = 0;
+    llama_pos fork_head = 0;
+    uint32_t parent = 0;
+    std::vector<uint32_t> children;
+    bool has_logits = false;
+    size_t n_accepted = 0;
+    double perplexity = 0.0;           // inf before the first accepted token
+    double sampling_perplexity = 0.0;  // inf when nothing counted
+    llama_token last_token = LLAMA_TOKEN_NULL;
+};
+
+struct produced_token {
+    llama_token token = LLAMA_TOKEN_NULL;  // NULL: nothing allowed
+    std::string piece;                     // token_to_piece(special=true)
+    bool is_stop = true;                   // end of generation, or NULL
+};
+
+struct kv_pressure {
+    uint32_t n_ctx = 0;
+    uint64_t cells_used = 0;
+    uint32_t remaining = 0;
+    uint32_t n_seq_max = 0;
+    uint32_t seqs_leased = 0;
+    uint32_t seqs_free = 0;
+};
+
+// Branches and raw sequences of one context. Every method takes the context's busy guard; those that
+// decode honour the interrupt word (checked before every llama_decode and inside it, through the abort
+// callback). None touches Python: the bindings call them without the GIL.
+class branch_driver {
+  public:
+    explicit branch_driver(context_core & core);
+    ~branch_driver();
+    void set_sequence(const sequence_driver * sequence) { sequence_ = sequence; }
+    bool active() const { return store_.active(); }  // branches or detached sequences exist
+    void clear();  // every branch and detached sequence goes; the caller clears the KV memory
+
+    // branch.cpp
+    branch_created create(const sampler_params & p, const std::optional<grammar_spec> & grammar);
+    branch_created adopt(int64_t seq, const sampler_params & p, const std::optional<grammar_spec> & grammar);
+    branch_created fork(uint32_t src);
+    std::vector<uint32_t> prune(uint32_t h, bool subtree);
+    std::vector<uint32_t> retain_only(uint32_t h);
+    llama_seq_id detach(uint32_t h);
+    branch_info info(uint32_t h);
+    std::vector<uint32_t> handles();
+    void set_params(uint32_t h, const sampler_params & p);
+    void set_grammar(uint32_t h, const std::optional<grammar_spec> & grammar);
+    void set_logit_bias(uint32_t h, std::vector<std::pair<llama_token, float>> bias);
+    void reseed(uint32_t h, uint32_t seed);
+    void set_logits(uint32_t h, const float * z);  // n_vocab floats
+    void merge_logits(uint32_t dst, const std::vector<uint32_t> & experts, double alpha);
+    std::vector<produced_token> produce(const std::vector<uint32_t> & handles);
+
+    // branch_decode.cpp
+    void commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id);
+    void prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items, uint64_t request_id);
+    std::vector<produced_token> step(const std::vector<uint32_t> & handles, uint64_t request_id);
+    void clear_and_reseed(std::vector<llama_token> sinks, const std::vector<llama_token> & tail, uint64_t request_id);
+    // Time inside llama_decode during the last commit, prefill, step or clear_and_reseed.
+    double last_decode_ms() const { return core_.decode_ms(); }
+
+    // kv.cpp
+    void free_seq(int64_t seq);
+    void seq_cp(int64_t src, int64_t dst, llama_pos p0, llama_pos p1);
+    void seq_keep(int64_t seq);
+    bool seq_rm(int64_t seq, llama_pos p0, llama_pos p1);
+    llama_pos seq_pos_min(int64_t seq);
+    llama_pos seq_pos_max(int64_t seq);
+    kv_pressure pressure();
+    size_t state_size(int64_t seq);
+    std::vector<uint8_t> state_get(int64_t seq);
+    size_t state_set(int64_t seq, const uint8_t * data, size_t size);
+    size_t state_save_file(int64_t seq, const std::string & path, const std::vector<llama_token> & tokens);
+    std::pair<std::vector<llama_token>, size_t> state_load_file(int64_t seq, const std::string & path);
+
+  private:
+    void check_branch_capable() const;  // ContextError: a history, or a cache that cannot roll back
+    llama_seq_id lease_or_throw();
+    // A branch record without a seq yet: sampler, grammar and snapshot block, all validated.
+    std::unique_ptr<branch> new_root(const sampler_params & p, const std::optional<grammar_spec> & grammar);
+    region_arena::block new_block() const;
+    void free_branch(uint32_t handle);  // cells removed, seq and slot returned
+    // Out of the store and the tree (its children become roots); null when not live. The seq stays leased.
+    std::unique_ptr<branch> unlink_branch(uint32_t handle);
+    void write_snapshot(branch & b, const float * src) const;
+    std::vector<branch *> with_logits(const std::vector<uint32_t> & handles, const char * call);
+    std::vector<llama_token> produce_tokens(const std::vector<branch *> & bs);
+    std::vector<produced_token> produced(const std::vector<llama_token> & toks) const;
+    void commit_tokens(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
+    llama_seq_id seq_arg(int64_t seq) const;  // ValueError outside [0, n_seq_max)
+    void check_raw_write(llama_seq_id seq);
+    branch * load_target(llama_seq_id seq);  // the branch that adopts loaded state, or null (detached)
+    void adopt_loaded(branch * b, llama_seq_id seq);
+
+    context_core & core_;
+    const sequence_driver * sequence_ = nullptr;
+    branch_store store_;
+};
+
 }  // namespace lloyal
 
-// The methods of Context that branch.cpp and kv.cpp bind, and their exact semantics (errors, all or
-// nothing, what each call changes), are documented once: lloyal_pool/worker/_native_cpu.pyi, the stub
-// the engine is type-checked against and stubtest checks this module against. Every one takes the
-// context's busy guard; the ones that decode release the GIL and honour the interrupt word like eval
-// does (checked before every llama_decode and inside it, through the abort callback).
+// The methods' contract, for Python and C++ readers alike, is the stub lloyal_pool/worker/_native_cpu.pyi,
+// which the engine is type-checked against and stubtest checks this module against.

@@ -180,18 +180,13 @@ std::string log_errors_since(uint64_t mark, size_t max_lines) {
     return {};
 }
 
-void register_logging(py::module_ & m) {
-    llama_log_set(log_callback, nullptr);
-    m.def(
-        "set_log_level",
-        [](int level) {
-            if (level < k_level_debug || level > k_level_none) {
-                throw std::invalid_argument("log level must be in [0, 4] (0 debug, 1 info, 2 warn, 3 error, 4 none)");
-            }
-            g_min_level.store(level, std::memory_order_relaxed);
-        },
-        py::arg("level"),
-        "Minimum llama.cpp log level written to fd 2 (0 debug, 1 info, 2 warn, 3 error, 4 none).");
+void install_log_callback() { llama_log_set(log_callback, nullptr); }
+
+void set_log_level(int level) {
+    if (level < k_level_debug || level > k_level_none) {
+        throw std::invalid_argument("log level must be in [0, 4] (0 debug, 1 info, 2 warn, 3 error, 4 none)");
+    }
+    g_min_level.store(level, std::memory_order_relaxed);
 }
 
 }  // namespace lloyal

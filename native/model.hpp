@@ -2,6 +2,7 @@
 
 #include "common.hpp"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,7 +12,10 @@ namespace lloyal {
 
 class Model {
   public:
-    Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, const py::object & progress);
+    // progress(fraction) runs on the loading thread; false cancels the load, and an exception from it
+    // cancels the load and propagates.
+    using progress_fn = std::function<bool(float)>;
+    Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, progress_fn progress);
     ~Model();
     Model(const Model &) = delete;
     Model & operator=(const Model &) = delete;
@@ -32,7 +36,9 @@ class Model {
     std::string detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
     std::string token_to_piece(llama_token token, bool special) const;
 
-    py::dict info() const;
+    std::string desc() const;
+    // The GGUF metadata as (key, value) strings; array values are left out.
+    std::vector<std::pair<std::string, std::string>> meta() const;
     std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
                                     const std::optional<std::string> & tmpl, bool add_assistant) const;
 
@@ -44,10 +50,5 @@ class Model {
     bool vocab_only_ = false;
     std::vector<llama_token> eog_tokens_;
 };
-
-// Token ids from any Python sequence of ints, each checked against [0, n_vocab).
-// Raises TypeError for a non-integer item and InvalidTokenError for an id out of range.
-std::vector<llama_token> tokens_from_py(py::handle seq, const Model & model);
-llama_token token_from_py(py::handle obj, const Model & model);
 
 }  // namespace lloyal

@@ -1,13 +1,11 @@
-// The module only wires the concerns together; each lives in its own file.
-#include "common.hpp"
+// The module only wires the concerns together; each lives in its own bind_*.cpp over plain C++ code.
+#include "bind.hpp"
 
 PYBIND11_MODULE(LLOYAL_MODULE_NAME, m) {
     m.doc() = "lloyal_pool's native llama.cpp binding (worker processes only)";
     // Errors first: everything after may already need to raise them.
     lloyal::register_errors(m);
-    lloyal::register_logging(m);
     lloyal::register_backend(m);
     lloyal::register_model(m);
     lloyal::register_context(m);
-    lloyal::register_grammar(m);
 }

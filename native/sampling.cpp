@@ -1,3 +1,5 @@
+// Sampling: the sampler fields, the stages of llama.cpp's common order built from them, and
+// chain_sampler, the one sampler generate() and branches share (see sampling.hpp).
 #include "common.hpp"
 #include "errors.hpp"
 #include "logits.hpp"
@@ -5,224 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <limits>
-#include <set>
 
 namespace lloyal {
-
-namespace {
-
-// llama.cpp reads LLAMA_DEFAULT_SEED (0xFFFFFFFF) as "pick a random seed"; here every seed is a seed.
-constexpr uint64_t k_max_seed = 0xFFFFFFFEull;
-// llama.cpp truncates longer DRY sequence breakers (with a log line); here they are refused.
-constexpr size_t k_max_breaker_bytes = 40;
-
-const std::set<std::string> & sampler_keys() {
-    static const std::set<std::string> keys = {
-        "temperature",     "top_k",          "top_p",           "min_p",
-        "typical_p",       "top_n_sigma",    "xtc_probability", "xtc_threshold",
-        "dry_multiplier",  "dry_base",       "dry_allowed_length", "dry_penalty_last_n",
-        "dry_sequence_breakers", "repeat_penalty", "repeat_last_n", "presence_penalty",
-        "frequency_penalty", "seed",         "mirostat",        "mirostat_tau",
-        "mirostat_eta",
-    };
-    return keys;
-}
-
-const std::set<std::string> & generate_only_keys() {
-    static const std::set<std::string> keys = {"n_predict", "ignore_eos", "logit_bias", "grammar", "stop",
-                                               "cache_prompt"};
-    return keys;
-}
-
-// Reads one dict with the messages naming it `what` ("generate param", "sampler param").
-class param_reader {
-  public:
-    param_reader(const py::dict & d, std::string what) : d_(d), what_(std::move(what)) {}
-
-    // A key that is present but None means the same as a missing one: the zero value.
-    bool has(const char * key) const { return d_.contains(key) && !d_[key].is_none(); }
-
-    int64_t get_int(const char * key, int64_t lo, int64_t hi) const {
-        return dict_int<py::type_error, std::invalid_argument>(d_, key, lo, hi, name(key));
-    }
-
-    float get_float(const char * key) const {
-        py::object v = d_[key];
-        if (PyBool_Check(v.ptr()) || PyUnicode_Check(v.ptr())) {
-            throw py::type_error(name(key) + " must be a number");
-        }
-        const double x = PyFloat_AsDouble(v.ptr());
-        if (x == -1.0 && PyErr_Occurred()) {
-            throw py::error_already_set();
-        }
-        if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<float>::max()) {
-            throw std::invalid_argument(std::string(key) + " must be a finite float");
-        }
-        return static_cast<float>(x);
-    }
-
-    float get_float_in(const char * key, float lo, float hi) const {
-        const float x = get_float(key);
-        if (x < lo || x > hi) {
-            throw std::invalid_argument(std::string(key) + " must be in [" + fmt(lo) + ", " + fmt(hi) + "]");
-        }
-        return x;
-    }
-
-    float get_non_negative(const char * key) const {
-        const float x = get_float(key);
-        if (x < 0.0f) {
-            throw std::invalid_argument(std::string(key) + " must be >= 0");
-        }
-        return x;
-    }
-
-    bool get_bool(const char * key) const {
-        py::object v = d_[key];
-        if (!PyBool_Check(v.ptr())) {
-            throw py::type_error(name(key) + " must be a bool");
-        }
-        return v.ptr() == Py_True;
-    }
-
-    // A list of str; a bare str is one item (iterating it would make every character an item).
-    std::vector<std::string> get_strings(const char * key) const {
-        py::object s = d_[key];
-        std::vector<py::object> items;
-        if (PyUnicode_Check(s.ptr())) {
-            items.push_back(s);
-        } else {
-            if (!py::isinstance<py::iterable>(s)) {
-                throw py::type_error(name(key) + " must be a list of str");
-            }
-            for (auto it : py::iter(s)) {
-                items.push_back(py::reinterpret_borrow<py::object>(it));
-            }
-        }
-        std::vector<std::string> out;
-        for (const auto & it : items) {
-            if (!PyUnicode_Check(it.ptr())) {
-                throw py::type_error(name(key) + " must be a list of str");
-            }
-            out.push_back(it.cast<std::string>());
-        }
-        return out;
-    }
-
-    const py::dict & dict() const { return d_; }
-    std::string name(const char * key) const { return what_ + " '" + key + "'"; }
-
-  private:
-    static std::string fmt(float x) {
-        char buf[32];
-        std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(x));
-        return buf;
-    }
-
-    const py::dict & d_;
-    std::string what_;
-};
-
-void check_keys(const py::dict & d, const std::string & what, bool allow_generate_only) {
-    for (auto item : d) {
-        if (!PyUnicode_Check(item.first.ptr())) {
-            throw py::type_error(what + " keys must be str");
-        }
-        const std::string key = item.first.cast<std::string>();
-        if (sampler_keys().count(key) != 0) {
-            continue;
-        }
-        if (generate_only_keys().count(key) != 0) {
-            if (allow_generate_only) {
-                continue;
-            }
-            throw std::invalid_argument("'" + key + "' is a generate() param, not a sampler param");
-        }
-        throw std::invalid_argument("unknown " + what + " '" + key + "'");
-    }
-}
-
-void read_sampler_fields(const param_reader & r, sampler_params & p) {
-    constexpr int64_t i32_max = std::numeric_limits<int32_t>::max();
-    if (r.has("temperature")) {
-        p.temperature = r.get_float("temperature");
-    }
-    if (r.has("top_k")) {
-        p.top_k = static_cast<int32_t>(r.get_int("top_k", 0, i32_max));
-    }
-    if (r.has("top_p")) {
-        p.top_p = r.get_non_negative("top_p");
-    }
-    if (r.has("min_p")) {
-        p.min_p = r.get_float_in("min_p", 0.0f, 1.0f);
-    }
-    if (r.has("typical_p")) {
-        p.typical_p = r.get_non_negative("typical_p");
-    }
-    if (r.has("top_n_sigma")) {
-        p.top_n_sigma = r.get_non_negative("top_n_sigma");
-    }
-    if (r.has("xtc_probability")) {
-        p.xtc_probability = r.get_float_in("xtc_probability", 0.0f, 1.0f);
-    }
-    if (r.has("xtc_threshold")) {
-        p.xtc_threshold = r.get_float_in("xtc_threshold", 0.0f, 1.0f);
-    }
-    if (r.has("dry_multiplier")) {
-        p.dry_multiplier = r.get_non_negative("dry_multiplier");
-    }
-    if (r.has("dry_base")) {
-        p.dry_base = r.get_float("dry_base");
-        // Below 1 the penalty would shrink as the repetition grows (llama.cpp silently turns DRY off).
-        if (p.dry_base != 0.0f && p.dry_base < 1.0f) {
-            throw std::invalid_argument("dry_base must be 0 (1.75) or >= 1");
-        }
-    }
-    if (r.has("dry_allowed_length")) {
-        p.dry_allowed_length = static_cast<int32_t>(r.get_int("dry_allowed_length", 0, i32_max));
-    }
-    if (r.has("dry_penalty_last_n")) {
-        p.dry_penalty_last_n = static_cast<int32_t>(r.get_int("dry_penalty_last_n", -1, i32_max));
-    }
-    if (r.has("dry_sequence_breakers")) {
-        p.dry_sequence_breakers = r.get_strings("dry_sequence_breakers");
-        for (const auto & b : p.dry_sequence_breakers) {
-            if (b.empty() || b.size() > k_max_breaker_bytes) {
-                throw std::invalid_argument("dry_sequence_breakers must be non-empty strings of at most " +
-                                            std::to_string(k_max_breaker_bytes) + " bytes");
-            }
-        }
-    }
-    if (r.has("repeat_penalty")) {
-        p.repeat_penalty = r.get_non_negative("repeat_penalty");
-    }
-    if (r.has("repeat_last_n")) {
-        // -1: the whole context, as in llama.cpp.
-        p.repeat_last_n = static_cast<int32_t>(r.get_int("repeat_last_n", -1, i32_max));
-    }
-    if (r.has("presence_penalty")) {
-        p.presence_penalty = r.get_float("presence_penalty");
-    }
-    if (r.has("frequency_penalty")) {
-        p.frequency_penalty = r.get_float("frequency_penalty");
-    }
-    if (r.has("seed")) {
-        p.seed = parse_seed(r.dict()["seed"], r.name("seed"));
-    }
-    if (r.has("mirostat")) {
-        p.mirostat = static_cast<int32_t>(r.get_int("mirostat", 0, 2));
-    }
-    if (r.has("mirostat_tau")) {
-        p.mirostat_tau = r.get_non_negative("mirostat_tau");
-    }
-    if (r.has("mirostat_eta")) {
-        p.mirostat_eta = r.get_non_negative("mirostat_eta");
-    }
-}
-
-}  // namespace
 
 bool sampler_params::penalties_on() const {
     const bool repeat_on = repeat_penalty != 0.0f && repeat_penalty != 1.0f;
@@ -232,89 +19,30 @@ bool sampler_params::penalties_on() const {
 bool sampler_params::dry_on() const { return dry_multiplier > 0.0f && dry_penalty_last_n != 0; }
 
 bool sampler_params::operator==(const sampler_params & o) const {
-    return temperature == o.temperature && top_k == o.top_k && top_p == o.top_p && min_p == o.min_p &&
-           typical_p == o.typical_p && top_n_sigma == o.top_n_sigma && xtc_probability == o.xtc_probability &&
-           xtc_threshold == o.xtc_threshold && dry_multiplier == o.dry_multiplier && dry_base == o.dry_base &&
-           dry_allowed_length == o.dry_allowed_length && dry_penalty_last_n == o.dry_penalty_last_n &&
-           dry_sequence_breakers == o.dry_sequence_breakers && repeat_penalty == o.repeat_penalty &&
-           repeat_last_n == o.repeat_last_n && presence_penalty == o.presence_penalty &&
-           frequency_penalty == o.frequency_penalty && seed == o.seed && mirostat == o.mirostat &&
-           mirostat_tau == o.mirostat_tau && mirostat_eta == o.mirostat_eta;
+#define LLOYAL_SAMPLER_EQ(type, name, rule) &&name == o.name
+    return true LLOYAL_SAMPLER_FIELDS(LLOYAL_SAMPLER_EQ);
+#undef LLOYAL_SAMPLER_EQ
 }
 
-uint32_t parse_seed(py::handle v, const std::string & what) {
-    long long s = 0;
-    if (!strict_int(v, what, s) || s < 0 || static_cast<uint64_t>(s) > k_max_seed) {
-        throw std::invalid_argument("seed must be in [0, 2**32-2]");
-    }
-    return static_cast<uint32_t>(s);
+const std::vector<std::string> & sampler_field_names() {
+#define LLOYAL_SAMPLER_NAME(type, name, rule) #name,
+    static const std::vector<std::string> names = {LLOYAL_SAMPLER_FIELDS(LLOYAL_SAMPLER_NAME)};
+#undef LLOYAL_SAMPLER_NAME
+    return names;
 }
 
-sampler_params parse_sampler_params(const py::dict & d) {
-    check_keys(d, "sampler param", false);
-    sampler_params p;
-    read_sampler_fields(param_reader(d, "sampler param"), p);
-    return p;
-}
+namespace {
 
-gen_params parse_gen_params(const py::dict & d, const Model & model) {
-    check_keys(d, "generate param", true);
-    const param_reader r(d, "generate param");
-    gen_params p;
-    read_sampler_fields(r, p);
-    if (r.has("n_predict")) {
-        // Anything <= 0 means "until the context is full"; clamp the rest into int32.
-        const int64_t n = r.get_int("n_predict", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
-        p.n_predict = static_cast<int32_t>(std::clamp<int64_t>(n, -1, std::numeric_limits<int32_t>::max()));
-    }
-    if (r.has("ignore_eos")) {
-        p.ignore_eos = r.get_bool("ignore_eos");
-    }
-    if (r.has("cache_prompt")) {
-        p.cache_prompt = r.get_bool("cache_prompt");
-    }
-    if (r.has("grammar")) {
-        py::object g = d["grammar"];
-        if (!PyUnicode_Check(g.ptr())) {
-            throw py::type_error("generate param 'grammar' must be a str");
-        }
-        p.grammar = g.cast<std::string>();
-    }
-    if (r.has("stop")) {
-        p.stop = r.get_strings("stop");
-        for (const auto & s : p.stop) {
-            if (s.empty()) {
-                throw std::invalid_argument("stop strings must not be empty");
-            }
-        }
-    }
-    if (r.has("logit_bias")) {
-        py::object lb = d["logit_bias"];
-        py::object items;
-        if (PyDict_Check(lb.ptr())) {
-            items = lb.attr("items")();
-        } else {
-            items = lb;  // also accept an iterable of (token, bias) pairs
-        }
-        for (auto it : py::iter(items)) {
-            py::tuple pair = py::reinterpret_borrow<py::object>(it).cast<py::tuple>();
-            if (pair.size() != 2) {
-                throw py::type_error("logit_bias must map token ids to floats");
-            }
-            const llama_token tok = token_from_py(pair[0], model);
-            const double b = PyFloat_AsDouble(pair[1].ptr());
-            if (b == -1.0 && PyErr_Occurred()) {
-                throw py::error_already_set();
-            }
-            // -inf forbids a token; +inf or NaN would turn the softmax into NaNs.
-            if (std::isnan(b) || b == std::numeric_limits<double>::infinity()) {
-                throw std::invalid_argument("logit_bias values must be finite or -inf");
-            }
-            p.logit_bias.push_back({tok, static_cast<float>(b)});
-        }
-    }
-    return p;
-}
+// The stages of one chain: penalties and DRY apart (their windows are primed with past tokens), then
+// the rest. Samplers that are off are left out, so an all-zero params gives an empty list.
+struct chain_stages {
+    sampler_ptr penalties;
+    sampler_ptr dry;
+    std::vector<sampler_ptr> rest;
+    int32_t penalty_last_n = 0;  // window sizes, -1 resolved to n_ctx
+    int32_t dry_last_n = 0;
+    bool rest_starts_with_top_k = false;
+};
 
 std::vector<sampler_ptr> make_rest_stages(const sampler_params & p, int32_t n_vocab, bool * starts_with_top_k) {
     std::vector<sampler_ptr> rest;
@@ -383,194 +111,285 @@ chain_stages make_chain_stages(const sampler_params & p, const Model & model, ui
     return st;
 }
 
-void prime_window(llama_sampler * s, int32_t last_n, const std::vector<llama_token> & history, size_t n_history,
-                  const std::vector<llama_token> & appended) {
+// Feeds a penalty or DRY window (s; null: nothing to do) the last last_n tokens of seen, so that it
+// starts as if it had accepted them one by one.
+void prime_window(llama_sampler * s, int32_t last_n, const std::vector<llama_token> & seen) {
     if (s == nullptr) {
         return;
     }
-    const size_t total = n_history + appended.size();
-    const size_t want = std::min<size_t>(total, static_cast<size_t>(last_n));
-    for (size_t i = total - want; i < total; ++i) {
-        llama_sampler_accept(s, i < n_history ? history[i] : appended[i - n_history]);
+    const size_t want = std::min<size_t>(seen.size(), static_cast<size_t>(last_n));
+    for (size_t i = seen.size() - want; i < seen.size(); ++i) {
+        llama_sampler_accept(s, seen[i]);
     }
 }
 
-sampler_chain::sampler_chain(const gen_params & p, const Model & model, uint32_t n_ctx) : n_vocab_(model.n_vocab()) {
-    // The grammar first: it is the one part that can fail, and it must fail before anything else
-    // is allocated or the KV cache touched.
-    sampler_ptr grammar;
-    if (!p.grammar.empty()) {
-        grammar.reset(make_grammar_sampler(model, p.grammar));
-        has_grammar_ = true;
-    }
-    chain_stages st = make_chain_stages(p, model, n_ctx);
 
-    llama_sampler_chain_params cp = llama_sampler_chain_default_params();
-    cp.no_perf = true;
-    chain_ = llama_sampler_chain_init(cp);
 
-    std::vector<llama_logit_bias> bias = p.logit_bias;
-    if (p.ignore_eos) {
-        for (llama_token t : model.eog_tokens()) {
-            bias.push_back({t, -std::numeric_limits<float>::infinity()});
-        }
-    }
-    if (!bias.empty()) {
-        llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab_, static_cast<int32_t>(bias.size()),
-                                                                      bias.data()));
-    }
-    penalty_last_n_ = st.penalty_last_n;
-    dry_last_n_ = st.dry_last_n;
-    if (st.penalties) {
-        penalties_ = st.penalties.release();
-        llama_sampler_chain_add(chain_, penalties_);
-    }
-    if (st.dry) {
-        dry_ = st.dry.release();
-        llama_sampler_chain_add(chain_, dry_);
-    }
+constexpr float k_neg_inf = -std::numeric_limits<float>::infinity();
 
-    if (grammar) {
-        if (p.greedy()) {
-            grammar_ = grammar.release();  // checked after the argmax instead: see sample()
-        } else {
-            llama_sampler_chain_add(chain_, grammar.release());
-        }
-    }
+// Past this the top-k selection is no cheaper than llama.cpp's own partial sort of all candidates.
+constexpr int32_t k_max_direct_top_k = 4096;
 
-    if (p.greedy()) {
-        // Greedy: no truncation samplers, no RNG. With nothing else enabled the chain is [greedy],
-        // exactly what llama.cpp's examples/simple runs.
-        llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
-        if (penalties_ == nullptr && dry_ == nullptr) {
-            // The chain is [logit_bias?, greedy]: stateless, so its choice can be computed directly.
-            // Filling a 262k-entry candidate array per token costs ~0.5 ms, 4% of a Gemma 270M step.
-            direct_argmax_ = true;
-            bias_ = bias;
-            if (!bias_.empty()) {
-                biased_.assign(static_cast<size_t>(n_vocab_), 0);
-                for (const auto & b : bias_) {
-                    biased_[static_cast<size_t>(b.token)] = 1;
-                }
-            }
-        }
-        return;
+bool banned(float logit) { return std::isinf(logit) && logit < 0.0f; }
+
+// log(sum(exp(logit))) over candidates: gathered into a flat row for the vectorised kernel (a scalar
+// exp over 262k candidates would cost more than the argmax it accompanies).
+double candidates_lse(const llama_token_data * d, size_t n) {
+    thread_local std::vector<float> z;
+    z.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+        z[i] = d[i].logit;
     }
-    for (auto & s : st.rest) {
-        llama_sampler_chain_add(chain_, s.release());
-    }
+    return log_sum_exp(z.data(), n, max_of(z.data(), n));
 }
 
-sampler_chain::~sampler_chain() {
-    if (chain_ != nullptr) {
-        llama_sampler_free(chain_);
-    }
-    if (grammar_ != nullptr) {
-        llama_sampler_free(grammar_);
-    }
-}
-
-void sampler_chain::prime_penalties(const std::vector<llama_token> & history, size_t n_history_used,
-                                    const std::vector<llama_token> & appended) {
-    prime_window(penalties_, penalty_last_n_, history, n_history_used, appended);
-    prime_window(dry_, dry_last_n_, history, n_history_used, appended);
-}
-
-llama_token sampler_chain::argmax(const float * logits) const {
-    // The same choice as llama.cpp's logit_bias + greedy samplers: biases add up per token (a token
-    // may appear more than once), and the first maximum wins; -inf everywhere means nothing allowed.
-    llama_token best = first_argmax(logits, n_vocab_);
-    float best_v = best == LLAMA_TOKEN_NULL ? -std::numeric_limits<float>::infinity() : logits[best];
-    if (best != LLAMA_TOKEN_NULL && !biased_.empty() && biased_[static_cast<size_t>(best)]) {
-        // The raw winner carries a bias (typically a banned EOG): find the best unbiased token.
-        best = LLAMA_TOKEN_NULL;
-        best_v = -std::numeric_limits<float>::infinity();
-        for (llama_token t = 0; t < n_vocab_; ++t) {
-            if (!biased_[static_cast<size_t>(t)] && logits[t] > best_v) {
-                best_v = logits[t];
-                best = t;
-            }
-        }
-    }
-    for (size_t i = 0; i < bias_.size(); ++i) {
-        const llama_token t = bias_[i].token;
-        bool first = true;  // sum each token's biases once, at its first entry
-        for (size_t j = 0; j < i; ++j) {
-            first = first && bias_[j].token != t;
-        }
-        if (!first) {
-            continue;
-        }
-        float v = logits[t];
-        for (size_t j = i; j < bias_.size(); ++j) {
-            if (bias_[j].token == t) {
-                v += bias_[j].bias;
-            }
-        }
-        if (v > best_v || (v == best_v && best != LLAMA_TOKEN_NULL && t < best)) {
-            best_v = v;
-            best = t;
-        }
-    }
-    return best_v == -std::numeric_limits<float>::infinity() ? LLAMA_TOKEN_NULL : best;
-}
-
-llama_token sampler_chain::sample(llama_context * ctx) {
-    // llama_sampler_sample() does this too, but GGML_ASSERTs (aborting the process) where we
-    // would rather report, and it cannot tell "nothing allowed" from a real choice.
-    const float * logits = llama_get_logits_ith(ctx, -1);
-    if (logits == nullptr) {
-        throw lloyal_error("no logits to sample from");
-    }
-    if (direct_argmax_ && grammar_ == nullptr) {
-        return argmax(logits);  // stateless chain: nothing to accept
-    }
-    auto fill = [&] {
-        cur_.resize(static_cast<size_t>(n_vocab_));
-        for (llama_token t = 0; t < n_vocab_; ++t) {
-            cur_[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
-        }
-        return llama_token_data_array{cur_.data(), cur_.size(), -1, false};
-    };
-    auto is_banned = [](const llama_token_data & d) { return std::isinf(d.logit) && d.logit < 0.0f; };
-    llama_token_data_array cur_p = fill();
+void apply(llama_sampler * s, llama_token_data_array & cur) {
     try {
-        llama_sampler_apply(chain_, &cur_p);
-        if (grammar_ != nullptr && cur_p.selected >= 0 && static_cast<size_t>(cur_p.selected) < cur_p.size) {
-            // Greedy with a grammar: masking the whole vocabulary costs a grammar walk per token, tens
-            // of ms for a 262k vocabulary, while the argmax is usually allowed. Checking that one token
-            // first gives the same answer (the argmax of the allowed tokens is the overall argmax when
-            // that one is allowed; bias, penalties and the mask commute), so only mask on a miss.
-            llama_token_data one = cur_p.data[cur_p.selected];
-            llama_token_data_array one_p = {&one, 1, -1, false};
-            llama_sampler_apply(grammar_, &one_p);
-            if (is_banned(one) && !is_banned(cur_p.data[cur_p.selected])) {
-                cur_p = fill();
-                llama_sampler_apply(grammar_, &cur_p);
-                llama_sampler_apply(chain_, &cur_p);
-            }
-        }
+        llama_sampler_apply(s, &cur);
     } catch (const std::exception & e) {
         throw lloyal_error(std::string("sampling failed: ") + e.what());
     }
-    if (cur_p.selected < 0 || static_cast<size_t>(cur_p.selected) >= cur_p.size) {
-        return LLAMA_TOKEN_NULL;
-    }
-    const llama_token_data & chosen = cur_p.data[cur_p.selected];
-    if (is_banned(chosen)) {
-        return LLAMA_TOKEN_NULL;
-    }
-    const llama_token id = chosen.id;
-    try {
-        llama_sampler_accept(chain_, id);
-        if (grammar_ != nullptr) {
-            llama_sampler_accept(grammar_, id);
-        }
-    } catch (const std::exception & e) {
-        // The grammar refuses a token it did not mask out: a grammar llama.cpp cannot follow.
-        throw grammar_error(std::string("grammar rejected the sampled token: ") + e.what());
-    }
-    return id;
 }
+
+}  // namespace
+
+chain_sampler::chain_sampler(const sampler_params & p, const Model & model, uint32_t n_ctx,
+                             const std::vector<llama_token> & seen)
+    : model_(&model), n_ctx_(n_ctx), p_(p) {
+    build(seen);
+}
+
+chain_sampler::~chain_sampler() = default;
+
+void chain_sampler::build(const std::vector<llama_token> & seen) {
+    chain_stages st = make_chain_stages(p_, *model_, n_ctx_);
+    penalties_ = std::move(st.penalties);
+    dry_ = std::move(st.dry);
+    rest_ = std::move(st.rest);
+    penalty_last_n_ = st.penalty_last_n;
+    dry_last_n_ = st.dry_last_n;
+    rest_starts_with_top_k_ = st.rest_starts_with_top_k;
+    prime_window(penalties_.get(), penalty_last_n_, seen);
+    prime_window(dry_.get(), dry_last_n_, seen);
+}
+
+std::unique_ptr<chain_sampler> chain_sampler::clone() const {
+    std::unique_ptr<chain_sampler> c(new chain_sampler(*model_, n_ctx_));
+    c->p_ = p_;
+    c->penalties_.reset(llama_sampler_clone(penalties_.get()));
+    c->dry_.reset(llama_sampler_clone(dry_.get()));
+    c->rest_.reserve(rest_.size());
+    for (const auto & s : rest_) {
+        c->rest_.emplace_back(llama_sampler_clone(s.get()));
+    }
+    c->penalty_last_n_ = penalty_last_n_;
+    c->dry_last_n_ = dry_last_n_;
+    c->rest_starts_with_top_k_ = rest_starts_with_top_k_;
+    c->grammar_.reset(llama_sampler_clone(grammar_.get()));
+    c->bias_ = bias_;
+    return c;
+}
+
+void chain_sampler::set_params(const sampler_params & p, const std::vector<llama_token> & seen) {
+    if (p == p_) {
+        return;
+    }
+    p_ = p;
+    build(seen);
+}
+
+void chain_sampler::reseed(uint32_t seed) {
+    p_.seed = seed;
+    // Only XTC, dist and mirostat hold state besides the windows, and all three are seeded.
+    rest_ = make_rest_stages(p_, model_->n_vocab(), &rest_starts_with_top_k_);
+}
+
+void chain_sampler::fill(const float * z, std::vector<llama_token_data> & scratch) const {
+    const int32_t n = model_->n_vocab();
+    scratch.resize(static_cast<size_t>(n));
+    llama_token_data * d = scratch.data();
+    for (int32_t t = 0; t < n; ++t) {
+        d[t] = llama_token_data{t, z[t], 0.0f};
+    }
+    for (const auto & b : bias_) {
+        d[b.first].logit += b.second;
+    }
+}
+
+chain_sampler::sample_result chain_sampler::finish(llama_token_data_array & cur, bool greedy) {
+    sample_result r;
+    if (greedy) {
+        // llama.cpp's greedy sampler: the first maximum.
+        size_t best = 0;
+        for (size_t i = 1; i < cur.size; ++i) {
+            if (cur.data[i].logit > cur.data[best].logit) {
+                best = i;
+            }
+        }
+        if (cur.size == 0 || banned(cur.data[best].logit) || std::isnan(cur.data[best].logit)) {
+            return r;
+        }
+        r.token = cur.data[best].id;
+        const double lse = candidates_lse(cur.data, cur.size);
+        r.sampling_surprisal = static_cast<float>(std::max(0.0, lse - cur.data[best].logit));
+        return r;
+    }
+    if (cur.size == 0) {
+        return r;
+    }
+    // Everything banned (bias, penalties): no sampler that draws may see it (dist would divide 0 by 0).
+    bool any = cur.sorted ? !banned(cur.data[0].logit) : false;
+    for (size_t i = 0; i < cur.size && !any; ++i) {
+        any = !banned(cur.data[i].logit) && !std::isnan(cur.data[i].logit);
+    }
+    if (!any) {
+        return r;
+    }
+    for (auto & s : rest_) {
+        apply(s.get(), cur);
+    }
+    if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) {
+        return r;
+    }
+    const llama_token_data & chosen = cur.data[cur.selected];
+    if (banned(chosen.logit)) {
+        return r;
+    }
+    r.token = chosen.id;
+    r.sampling_surprisal = chosen.p > 0.0f ? -std::log(chosen.p) : std::numeric_limits<float>::infinity();
+    return r;
+}
+
+chain_sampler::sample_result chain_sampler::sample_free(const logits_row & row, std::vector<llama_token_data> & scratch) {
+    const int32_t n = model_->n_vocab();
+    const bool plain = penalties_ == nullptr && dry_ == nullptr;
+    if (p_.greedy() && plain) {
+        sample_result r;
+        if (bias_.empty()) {
+            if (banned(row.max)) {
+                return r;
+            }
+            r.token = first_index_of(row.z, n, row.max);
+            if (r.token == LLAMA_TOKEN_NULL) {
+                // The row changed under its cached maximum (the snapshot is shared memory): scan it all.
+                r.token = first_argmax(row.z, n);
+                return r.token == LLAMA_TOKEN_NULL || banned(row.z[r.token]) ? sample_result{} : r;
+            }
+            r.sampling_surprisal = std::isfinite(row.lse) ? std::max(0.0f, row.lse - row.max) : 0.0f;
+            return r;
+        }
+        // The raw winner, unless it carries a bias; then (rarely) the full scan.
+        const llama_token raw = first_index_of(row.z, n, row.max);
+        auto is_biased = [&](llama_token t) {
+            auto it = std::lower_bound(bias_.begin(), bias_.end(), t,
+                                       [](const std::pair<llama_token, float> & b, llama_token v) { return b.first < v; });
+            return it != bias_.end() && it->first == t;
+        };
+        if (raw == LLAMA_TOKEN_NULL || is_biased(raw)) {
+            fill(row.z, scratch);
+            llama_token_data_array cur{scratch.data(), scratch.size(), -1, false};
+            return finish(cur, true);
+        }
+        llama_token best = raw;
+        float best_v = row.z[raw];
+        for (const auto & b : bias_) {
+            const float v = row.z[b.first] + b.second;
+            if (v > best_v || (v == best_v && b.first < best)) {
+                best_v = v;
+                best = b.first;
+            }
+        }
+        if (banned(best_v)) {
+            return r;
+        }
+        r.token = best;
+        // lse of the biased row from the cached one: only the biased terms change.
+        double s = std::exp(static_cast<double>(row.lse) - row.max);
+        for (const auto & b : bias_) {
+            s -= std::exp(static_cast<double>(row.z[b.first]) - row.max);
+            s += std::exp(static_cast<double>(row.z[b.first]) + b.second - row.max);
+        }
+        const double lse = s > 0.0 ? row.max + std::log(s) : static_cast<double>(best_v);
+        r.sampling_surprisal = std::isfinite(lse) ? static_cast<float>(std::max(0.0, lse - best_v)) : 0.0f;
+        return r;
+    }
+    if (!p_.greedy() && plain && rest_starts_with_top_k_ && p_.top_k <= k_max_direct_top_k && p_.top_k < n) {
+        top_k_select(row.z, n, p_.top_k, bias_, scratch);
+        if (scratch.empty() || banned(scratch.front().logit)) {
+            return {};
+        }
+        llama_token_data_array cur{scratch.data(), scratch.size(), -1, true};
+        return finish(cur, false);  // the top_k stage sees k sorted candidates: it only truncates
+    }
+    fill(row.z, scratch);
+    llama_token_data_array cur{scratch.data(), scratch.size(), -1, false};
+    if (penalties_) {
+        apply(penalties_.get(), cur);
+    }
+    if (dry_) {
+        apply(dry_.get(), cur);
+    }
+    return finish(cur, p_.greedy());
+}
+
+chain_sampler::sample_result chain_sampler::sample_masked(const logits_row & row, std::vector<llama_token_data> & scratch) {
+    fill(row.z, scratch);
+    llama_token_data_array cur{scratch.data(), scratch.size(), -1, false};
+    apply(grammar_.get(), cur);
+    if (penalties_) {
+        apply(penalties_.get(), cur);
+    }
+    if (dry_) {
+        apply(dry_.get(), cur);
+    }
+    return finish(cur, p_.greedy());
+}
+
+chain_sampler::sample_result chain_sampler::sample(const logits_row & row, std::vector<llama_token_data> & scratch) {
+    sample_result r = sample_free(row, scratch);
+    if (grammar_ == nullptr || r.token == LLAMA_TOKEN_NULL) {
+        return r;
+    }
+    llama_token_data one{r.token, 0.0f, 0.0f};
+    llama_token_data_array one_p{&one, 1, -1, false};
+    apply(grammar_.get(), one_p);
+    if (!banned(one.logit)) {
+        return r;  // the grammar allows the free choice (a lazy grammar awaiting its trigger: always)
+    }
+    return sample_masked(row, scratch);
+}
+
+sampler_ptr chain_sampler::grammar_after(llama_token token) const {
+    if (grammar_ == nullptr) {
+        return nullptr;
+    }
+    sampler_ptr g(llama_sampler_clone(grammar_.get()));
+    llama_token_data one{token, 0.0f, 0.0f};
+    llama_token_data_array one_p{&one, 1, -1, false};
+    apply(g.get(), one_p);
+    if (banned(one.logit)) {
+        throw grammar_error("token " + std::to_string(token) + " (" + model_->token_to_piece(token, true) +
+                            ") is not allowed by the grammar here");
+    }
+    try {
+        llama_sampler_accept(g.get(), token);
+    } catch (const std::exception & e) {
+        throw grammar_error("token " + std::to_string(token) + " is not allowed by the grammar here: " + e.what());
+    }
+    return g;
+}
+
+void chain_sampler::accept(llama_token token) {
+    if (penalties_) {
+        llama_sampler_accept(penalties_.get(), token);
+    }
+    if (dry_) {
+        llama_sampler_accept(dry_.get(), token);
+    }
+    for (auto & s : rest_) {
+        llama_sampler_accept(s.get(), token);
+    }
+}
+
 
 }  // namespace lloyal

@@ -1,39 +1,51 @@
+// How tokens are chosen, for generate() and for branches alike: the sampler fields, the chain of
+// llama.cpp samplers built from them, grammars, and chain_sampler, which applies all of it to a logits
+// row (sampler.cpp).
 #pragma once
 
 #include "common.hpp"
 #include "model.hpp"
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lloyal {
 
-// How tokens are chosen: every llama.cpp sampler, shared by generate() and branches. Every field starts
-// at its zero value, which is what a missing key means, and a zero means what it says (see
-// lloyal_pool/params.py): temperature 0 is greedy, top_k 0 no top-k, seed 0 a fixed seed.
+// Every sampler field, declared once: (C++ type, name, the rule its value must follow; bind_params.cpp
+// reads and checks each one by its rule). Every field starts at its zero value, which is what a missing
+// key means, and a zero means what it says (see lloyal_pool/params.py, whose SamplerParams has these
+// fields in this order; a test compares the two): temperature 0 is greedy, top_k 0 no top-k, seed 0 a
+// fixed seed.
+#define LLOYAL_SAMPLER_FIELDS(X)                                                                                 \
+    X(float, temperature, any_float)       /* <= 0: greedy (penalties and DRY still apply before the argmax) */  \
+    X(int32_t, top_k, count)                                                                                     \
+    X(float, top_p, non_negative)          /* 0 or >= 1: off */                                                  \
+    X(float, min_p, unit)                                                                                        \
+    X(float, typical_p, non_negative)      /* 0 or >= 1: off */                                                  \
+    X(float, top_n_sigma, non_negative)                                                                          \
+    X(float, xtc_probability, unit)                                                                              \
+    X(float, xtc_threshold, unit)          /* > 0.5: XTC can never act (llama.cpp then leaves it out) */         \
+    X(float, dry_multiplier, non_negative)                                                                       \
+    X(float, dry_base, dry_base)           /* 0: 1.75 */                                                         \
+    X(int32_t, dry_allowed_length, count)                                                                        \
+    X(int32_t, dry_penalty_last_n, window) /* -1: the context size, 0: off */                                    \
+    X(std::vector<std::string>, dry_sequence_breakers, breakers)                                                 \
+    X(float, repeat_penalty, non_negative) /* 0 or 1: off */                                                     \
+    X(int32_t, repeat_last_n, window)      /* -1: the context size */                                            \
+    X(float, presence_penalty, any_float)                                                                        \
+    X(float, frequency_penalty, any_float)                                                                       \
+    X(uint32_t, seed, seed)                                                                                      \
+    X(int32_t, mirostat, mirostat)         /* 1 or 2 replace the truncation samplers (temp -> mirostat) */       \
+    X(float, mirostat_tau, non_negative)   /* 0: 5.0 */                                                          \
+    X(float, mirostat_eta, non_negative)   /* 0: 0.1 */
+
 struct sampler_params {
-    float temperature = 0.0f;  // <= 0: greedy (penalties and DRY still apply before the argmax)
-    int32_t top_k = 0;
-    float top_p = 0.0f;      // 0 or >= 1: off
-    float min_p = 0.0f;
-    float typical_p = 0.0f;  // 0 or >= 1: off
-    float top_n_sigma = 0.0f;
-    float xtc_probability = 0.0f;
-    float xtc_threshold = 0.0f;  // > 0.5: XTC can never act (llama.cpp then leaves it out)
-    float dry_multiplier = 0.0f;
-    float dry_base = 0.0f;  // 0: 1.75
-    int32_t dry_allowed_length = 0;
-    int32_t dry_penalty_last_n = 0;  // -1: the context size, 0: off
-    std::vector<std::string> dry_sequence_breakers;
-    float repeat_penalty = 0.0f;  // 0 or 1: off
-    int32_t repeat_last_n = 0;    // -1: the context size
-    float presence_penalty = 0.0f;
-    float frequency_penalty = 0.0f;
-    uint32_t seed = 0;
-    int32_t mirostat = 0;  // 1 or 2 replace the truncation samplers (temp -> mirostat)
-    float mirostat_tau = 0.0f;  // 0: 5.0
-    float mirostat_eta = 0.0f;  // 0: 0.1
+#define LLOYAL_SAMPLER_MEMBER(type, name, rule) type name{};
+    LLOYAL_SAMPLER_FIELDS(LLOYAL_SAMPLER_MEMBER)
+#undef LLOYAL_SAMPLER_MEMBER
 
     bool greedy() const { return temperature <= 0.0f; }
     bool penalties_on() const;
@@ -42,92 +54,118 @@ struct sampler_params {
     bool operator!=(const sampler_params & o) const { return !(*this == o); }
 };
 
+// The sampler fields' names, in declaration order.
+const std::vector<std::string> & sampler_field_names();
+
+// A grammar: GBNF text and how it applies. A lazy grammar samples unconstrained (at no extra cost)
+// until a trigger fires: llama.cpp's llama_sampler_init_grammar_lazy_patterns (trigger words are
+// regex-escaped into patterns by the parser).
+struct grammar_spec {
+    std::string gbnf;
+    std::string root = "root";
+    bool lazy = false;
+    std::vector<std::string> trigger_patterns;
+    std::vector<llama_token> trigger_tokens;
+};
+
 // generate()'s params: the sampler plus what a whole generation needs.
 struct gen_params : sampler_params {
     int32_t n_predict = 0;
     bool ignore_eos = false;
-    std::vector<llama_logit_bias> logit_bias;
-    std::string grammar;
+    std::vector<std::pair<llama_token, float>> logit_bias;  // sorted by token, one entry per token
+    std::optional<grammar_spec> grammar;
     std::vector<std::string> stop;
     bool cache_prompt = false;
 };
-
-// Raise ValueError/TypeError for bad values and unknown keys, InvalidTokenError for logit_bias ids.
-gen_params parse_gen_params(const py::dict & params, const Model & model);
-// A branch's params: exactly the sampler keys (a generate-only key such as n_predict is a ValueError).
-sampler_params parse_sampler_params(const py::dict & params);
-// A seed in [0, 2**32-2] (llama.cpp reads 0xFFFFFFFF as "random"; here every seed is a seed).
-uint32_t parse_seed(py::handle v, const std::string & what);
 
 struct sampler_deleter {
     void operator()(llama_sampler * s) const { llama_sampler_free(s); }
 };
 using sampler_ptr = std::unique_ptr<llama_sampler, sampler_deleter>;
 
-// The samplers of llama.cpp's common order, built from sampler_params: penalties -> DRY ->
-// [grammar, logit bias: the caller's] -> top_n_sigma -> top_k -> typical -> top_p -> min_p -> XTC ->
-// temperature -> dist(seed); mirostat: temperature -> mirostat; greedy: nothing after DRY (the caller
-// takes the argmax). Samplers that are off are left out, so an all-zero params gives an empty list.
-struct chain_stages {
-    sampler_ptr penalties;
-    sampler_ptr dry;
-    std::vector<sampler_ptr> rest;
-    int32_t penalty_last_n = 0;  // window sizes, -1 resolved to n_ctx
-    int32_t dry_last_n = 0;
-    bool rest_starts_with_top_k = false;
+// A grammar sampler, or GrammarError with llama.cpp's reason (grammar.cpp); an invalid trigger
+// pattern is a GrammarError too.
+sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g);
+// llama.cpp's own JSON-schema -> GBNF converter; GrammarError on an invalid schema (grammar.cpp).
+std::string json_schema_to_gbnf(const std::string & schema_json);
+
+// A logits row with what the samplers and the perplexity need of it, computed once when it is written.
+struct logits_row {
+    const float * z = nullptr;
+    float max = 0.0f;  // the row's maximum
+    float lse = 0.0f;  // log(sum(exp(z))); NaN when not computed (then no sampling surprisal)
 };
-chain_stages make_chain_stages(const sampler_params & p, const Model & model, uint32_t n_ctx);
-// Feeds a penalty or DRY window (s; null: nothing to do) the last last_n tokens of history[:n_history]
-// followed by appended, so that it starts as if it had accepted them one by one.
-void prime_window(llama_sampler * s, int32_t last_n, const std::vector<llama_token> & history, size_t n_history,
-                  const std::vector<llama_token> & appended);
-// Just the part after DRY (stateless but for the PRNGs of XTC, dist and mirostat): what a reseed rebuilds.
-std::vector<sampler_ptr> make_rest_stages(const sampler_params & p, int32_t n_vocab, bool * starts_with_top_k);
 
-// A grammar sampler for gbnf, or GrammarError with llama.cpp's reason (grammar.cpp). Lazy grammars get
-// trigger patterns (regexes, searched in the generated text) and trigger tokens; an invalid regex is a
-// GrammarError too.
-llama_sampler * make_grammar_sampler(const Model & model, const std::string & gbnf, const std::string & root = "root",
-                                     bool lazy = false, const std::vector<std::string> & trigger_patterns = {},
-                                     const std::vector<llama_token> & trigger_tokens = {});
-
-// The llama_sampler chain for one generate() call.
-class sampler_chain {
+// How one sequence of choices samples: the samplers of llama.cpp's common order built from
+// sampler_params (penalties -> DRY -> top_n_sigma -> top_k -> typical -> top_p -> min_p -> XTC ->
+// temperature -> dist(seed); mirostat: temperature -> mirostat; greedy: the argmax after DRY), the
+// grammar in front of them and the logit bias between the two. It reads a logits row and never
+// touches a llama_context. Branches own one each; generate() builds one per call.
+//
+// The grammar is applied the way llama.cpp's common sampler does it: the token is chosen without it
+// and checked against it; only when the grammar refuses that token is the whole vocabulary masked
+// (tens of ms at 262k tokens) and the token chosen again, with the chain's PRNGs drawn once more.
+// The fast paths need no candidate array at all: greedy without penalties or DRY is the row's first
+// argmax (found from its cached maximum; a logit bias is folded in unless it falls on that argmax); a
+// chain that starts with top_k (no penalties, DRY, top_n_sigma or mirostat) gets its top k straight
+// from the row in one pass, then the rest of the chain. Other chains fill the candidate array and run
+// llama.cpp's samplers over the whole vocabulary (pure temperature, top_p, typical, top_n_sigma and
+// mirostat cost 2-20 ms a token at 262k tokens, llama.cpp's own cost).
+class chain_sampler {
   public:
-    // Builds (and so validates: GrammarError) everything before the caller touches the KV cache.
-    sampler_chain(const gen_params & p, const Model & model, uint32_t n_ctx);
-    ~sampler_chain();
-    sampler_chain(const sampler_chain &) = delete;
-    sampler_chain & operator=(const sampler_chain &) = delete;
+    // `seen`: tokens the penalty and DRY windows start with, as if accepted one by one.
+    chain_sampler(const sampler_params & p, const Model & model, uint32_t n_ctx,
+                  const std::vector<llama_token> & seen = {});
+    ~chain_sampler();
+    chain_sampler(const chain_sampler &) = delete;
+    chain_sampler & operator=(const chain_sampler &) = delete;
+    std::unique_ptr<chain_sampler> clone() const;  // PRNGs, penalty and DRY windows, grammar state included
 
-    // The repetition penalties and DRY look back over the context, prompt included, as llama-server
-    // does; the grammar must not see these tokens, so they go to those samplers alone.
-    void prime_penalties(const std::vector<llama_token> & history, size_t n_history_used,
-                         const std::vector<llama_token> & appended);
+    const sampler_params & params() const { return p_; }
+    // A new chain: the PRNGs restart from p.seed, the penalty and DRY windows are re-primed from `seen`.
+    // Params equal to the current ones change nothing (no PRNG restart).
+    void set_params(const sampler_params & p, const std::vector<llama_token> & seen);
+    void set_grammar(sampler_ptr g) { grammar_ = std::move(g); }  // null removes it
+    bool has_grammar() const { return grammar_ != nullptr; }
+    // Sorted by token, one entry per token (biases of a token summed; -inf bans it).
+    void set_logit_bias(std::vector<std::pair<llama_token, float>> bias) { bias_ = std::move(bias); }
+    // Every sampler that draws (XTC, dist, mirostat, whose mu restarts) starts again from seed;
+    // greedy has none. The penalty and DRY windows are kept.
+    void reseed(uint32_t seed);
 
-    // Samples from the last output row of ctx and accepts the token into the chain.
-    // Returns LLAMA_TOKEN_NULL when no token is allowed at all (every logit is -inf: the grammar is
-    // complete and EOG is banned, or logit_bias bans everything).
-    llama_token sample(llama_context * ctx);
+    struct sample_result {
+        llama_token token = LLAMA_TOKEN_NULL;  // NULL: nothing allowed (grammar complete, all banned)
+        float sampling_surprisal = 0.0f;      // -log p(token) over the candidates the chain kept (nats)
+    };
+    // Grammar -> logit bias -> stages applied to row; advances the PRNGs (and mirostat's mu) like
+    // llama.cpp's samplers do; accepts nothing. scratch: a candidate array the caller keeps.
+    sample_result sample(const logits_row & row, std::vector<llama_token_data> & scratch);
 
-    bool has_grammar() const { return has_grammar_; }
+    // The grammar after accepting token, as a new sampler, or GrammarError (this one unchanged). Null
+    // when there is no grammar. Checks the token with the grammar's own mask first: accepting an
+    // end-of-generation token the grammar cannot end at would GGML_ABORT inside llama.cpp.
+    sampler_ptr grammar_after(llama_token token) const;
+    void accept(llama_token token);  // penalty and DRY windows; the grammar is swapped in by the caller
 
   private:
-    llama_sampler * chain_ = nullptr;
-    llama_sampler * penalties_ = nullptr;  // owned by chain_
-    llama_sampler * dry_ = nullptr;        // owned by chain_
-    llama_sampler * grammar_ = nullptr;    // greedy only: outside chain_, owned here
-    int32_t penalty_last_n_ = 0;
-    int32_t dry_last_n_ = 0;
-    bool has_grammar_ = false;
-    int32_t n_vocab_ = 0;
-    std::vector<llama_token_data> cur_;
-    // Greedy without penalties: the choice is the argmax of logits + bias, computed in place.
-    bool direct_argmax_ = false;
-    std::vector<llama_logit_bias> bias_;
-    std::vector<uint8_t> biased_;  // n_vocab flags, only when bias_ is not empty
+    chain_sampler(const Model & model, uint32_t n_ctx) : model_(&model), n_ctx_(n_ctx) {}
+    void build(const std::vector<llama_token> & seen);
+    sample_result sample_free(const logits_row & row, std::vector<llama_token_data> & scratch);
+    sample_result sample_masked(const logits_row & row, std::vector<llama_token_data> & scratch);
+    sample_result finish(llama_token_data_array & cur, bool greedy);
+    void fill(const float * z, std::vector<llama_token_data> & scratch) const;
 
-    llama_token argmax(const float * logits) const;
+    const Model * model_;
+    uint32_t n_ctx_;
+    sampler_params p_;
+    sampler_ptr penalties_;
+    sampler_ptr dry_;
+    std::vector<sampler_ptr> rest_;
+    int32_t penalty_last_n_ = 0;  // window sizes, -1 resolved to n_ctx
+    int32_t dry_last_n_ = 0;
+    bool rest_starts_with_top_k_ = false;
+    sampler_ptr grammar_;
+    std::vector<std::pair<llama_token, float>> bias_;
 };
 
 }  // namespace lloyal

@@ -1,6 +1,6 @@
 """The native branch store (native/branch*.cpp, kv.cpp) in-process, on real models: forks, commit and
 prefill equivalences, all-or-nothing rollback, typed errors, grammars, per-sequence state, reseeding, and
-the costs the benchmark depends on. The contract is the list at the end of native/branch.hpp."""
+the costs the benchmark depends on. The contract is the stub, lloyal_pool/worker/_native_cpu.pyi."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from lloyal_pool.errors import (
     InvalidTokenError,
     StaleHandleError,
 )
+from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 1234}
@@ -43,6 +44,12 @@ def tiny_native(tiny_model: Path) -> Any:
     return native.Model(str(tiny_model))
 
 
+def new_arena(size: int = 64 << 20) -> tuple[Region, Any]:
+    """A private region (as a worker's shared one) and the native arena over its bulk area."""
+    region = Region.anonymous(size)
+    return region, native.Arena(region.view, BULK_OFFSET, PAGE)
+
+
 class Ctx:
     """A native context plus the logits buffers its branches write into (kept alive here, as the
     worker's shared-memory blocks are)."""
@@ -50,29 +57,29 @@ class Ctx:
     def __init__(self, model: Any, **params: Any) -> None:
         self.model = model
         self.n_vocab = model.n_vocab
-        self.c = native.Context(model, {"n_threads": 2, **params})
-        self.buf: dict[int, np.ndarray] = {}
+        self.region, self.arena = new_arena()
+        self.c = native.Context(model, {"n_threads": 2, **params}, self.arena)
+        self.offsets: dict[int, int] = {}
 
-    def _block(self) -> np.ndarray:
-        return np.ones(self.n_vocab, np.float32)  # touched: no page faults inside a timed fork
+    def add(self, created: tuple[int, int]) -> int:
+        h, offset = created
+        self.offsets[h] = offset
+        return h
 
     def create(self, params: dict[str, Any] | None = None, grammar: dict[str, Any] | None = None,
                tokens: list[int] | None = None) -> int:
-        b = self._block()
-        h = self.c.branch_create(b, params or {}, grammar)
-        self.buf[h] = b
+        h = self.add(self.c.branch_create(params or {}, grammar))
         if tokens:
             self.c.prefill([(h, tokens)])
         return h
 
     def fork(self, h: int) -> int:
-        b = self._block()
-        k = self.c.branch_fork(h, b)
-        self.buf[k] = b
+        k = self.add(self.c.branch_fork(h))
         return k
 
     def logits(self, h: int) -> np.ndarray:
-        return self.buf[h]
+        """The branch's snapshot, where the native side keeps it: a view of the region."""
+        return self.region.floats(self.offsets[h], self.n_vocab)
 
     def info(self, h: int) -> dict[str, Any]:
         return dict(self.c.branch_info(h))
@@ -289,7 +296,7 @@ def test_typed_errors_leave_the_context_working(tiny_native: Any) -> None:
     with pytest.raises(GrammarError):
         x.c.branch_set_grammar(child, {"gbnf": "root ::= ((("})
     with pytest.raises(GrammarError):
-        x.c.branch_create(np.ones(tiny_native.n_vocab, np.float32), {}, {"gbnf": "root ::= \"a\"", "root": "nope"})
+        x.c.branch_create({}, {"gbnf": "root ::= \"a\"", "root": "nope"})
     with pytest.raises(BranchError, match="belongs to branch"):
         x.c.kv_seq_rm(x.info(child)["seq"], 0, -1)
     with pytest.raises(ValueError):
@@ -306,8 +313,6 @@ def test_typed_errors_leave_the_context_working(tiny_native: Any) -> None:
         x.c.generate("hi", {})
     with pytest.raises(ValueError):
         x.c.branch_set_logits(child, b"\0" * 8)
-    with pytest.raises(ValueError):
-        x.c.branch_fork(child, np.ones(10, np.float32))
 
     pruned = x.c.branch_prune(fresh)
     assert pruned == [fresh]
@@ -327,13 +332,13 @@ def test_typed_errors_leave_the_context_working(tiny_native: Any) -> None:
 
 
 def test_sequence_mode_and_branch_mode_exclude_each_other(tiny_native: Any) -> None:
-    c = native.Context(tiny_native, {"n_ctx": 256, "n_seq_max": 2, "n_threads": 2})
+    _, arena = new_arena()
+    c = native.Context(tiny_native, {"n_ctx": 256, "n_seq_max": 2, "n_threads": 2}, arena)
     c.eval(tiny_native.tokenize("hello", True, True))
     with pytest.raises(ContextError, match="history"):
-        c.branch_create(np.ones(tiny_native.n_vocab, np.float32), {})
+        c.branch_create({})
     c.reset()
-    b = np.ones(tiny_native.n_vocab, np.float32)
-    h = c.branch_create(b, {})
+    h, _ = c.branch_create({})
     with pytest.raises(ContextError):
         c.eval([1])
     c.reset()  # drops every branch
@@ -502,14 +507,12 @@ def test_state_seq_round_trip(gemma_model: Any, tmp_path: Path) -> None:
     seq = x.c.branch_detach(b)
     x.c.kv_seq_rm(seq, 0, -1)
     assert x.c.state_seq_set(seq, data) == len(data)
-    buf = np.ones(gemma_model.n_vocab, np.float32)
-    adopted = x.c.branch_adopt(seq, buf, {})
-    x.buf[adopted] = buf
+    adopted = x.add(x.c.branch_adopt(seq, {}))
     assert x.info(adopted)["position"] == len(prompt) and x.info(adopted)["seq"] == seq
     x.c.prefill([(adopted, [t])])
     assert np.array_equal(x.logits(adopted), expected)
     with pytest.raises(BranchError):
-        x.c.branch_adopt(seq, np.ones(gemma_model.n_vocab, np.float32), {})  # a branch's now
+        x.c.branch_adopt(seq, {})  # a branch's now
     x.c.branch_prune(adopted)
 
     x.c.branch_prune(c)
@@ -669,7 +672,7 @@ def test_a_branch_samples_what_generate_samples(gemma_model: Any, params: dict[s
     # tokens llama.cpp's sampler chain chooses in generate(). (Penalties and DRY differ on purpose:
     # generate() primes them with the prompt, a branch only with what it committed.)
     prompt = gemma_model.tokenize(PROMPT, True, True)
-    c = native.Context(gemma_model, {"n_ctx": 512, "n_threads": 2})
+    c = native.Context(gemma_model, {"n_ctx": 512, "n_threads": 2}, new_arena()[1])
     expected = c.generate(prompt, {**params, "n_predict": 16})["tokens"]
     x = Ctx(gemma_model, n_ctx=512, n_seq_max=2)
     h = x.create(params, tokens=prompt)
@@ -680,13 +683,13 @@ def test_generate_greedy_still_matches_llama_simple(gemma_model: Any, gemma_path
     # generate() shares the sampler code now: its greedy fast path must still be llama.cpp's own choice.
     prompt = "Once upon a time, in a small village,"
     expected = llama_simple_text(llama_simple, gemma_path, prompt, 16)
-    c = native.Context(gemma_model, {"n_ctx": 512, "n_threads": 2})
+    c = native.Context(gemma_model, {"n_ctx": 512, "n_threads": 2}, new_arena()[1])
     assert c.generate(prompt, {"n_predict": 16})["text"] == expected
 
 
 def test_generate_and_a_greedy_branch_agree(gemma_model: Any) -> None:
     prompt = gemma_model.tokenize(PROMPT, True, True)
-    c = native.Context(gemma_model, {"n_ctx": 512, "n_threads": 2})
+    c = native.Context(gemma_model, {"n_ctx": 512, "n_threads": 2}, new_arena()[1])
     expected = c.generate(prompt, {"n_predict": 10})["tokens"]
     x = Ctx(gemma_model, n_ctx=512, n_seq_max=2)
     h = x.create({}, tokens=prompt)
@@ -730,12 +733,10 @@ def test_costs_of_fork_produce_and_commit(gemma_model: Any, capsys: pytest.Captu
     root = x.create(SAMPLED, tokens=gemma_model.tokenize(PROMPT, True, True))
     fork_ms = []
     hs = [root]
-    blocks = [np.ones(gemma_model.n_vocab, np.float32) for _ in range(7)]  # touched, as reused shm blocks are
-    for i, block in enumerate(blocks):
+    for i in range(7):
         t0 = time.perf_counter()
-        h = x.c.branch_fork(root, block)
+        h = x.add(x.c.branch_fork(root))
         fork_ms.append((time.perf_counter() - t0) * 1e3)
-        x.buf[h] = block
         hs.append(h)
         x.c.branch_reseed(h, 50 + i)
     produce_ms, commit_ms = [], []
@@ -763,3 +764,37 @@ def test_costs_of_fork_produce_and_commit(gemma_model: Any, capsys: pytest.Captu
     start = x.info(root)["position"] - 6
     assert all(x.info(h)["position"] == start + 6 and x.info(h)["n_accepted"] == 6 for h in hs)
     assert np.array_equal(x.logits(root), np.frombuffer(src, np.float32))
+
+
+# -- the arena: snapshot blocks the native side owns ----------------------------------------------------
+
+def test_snapshot_blocks_come_from_the_arena_and_go_back(tiny_native: Any) -> None:
+    block = -(-tiny_native.n_vocab * 4 // PAGE) * PAGE
+    # Room for the context's logits row and two snapshots, not three.
+    region, arena = new_arena(BULK_OFFSET + 3 * block)
+    c = native.Context(tiny_native, {"n_ctx": 256, "n_seq_max": 4, "n_threads": 2}, arena)
+    assert arena.free_bytes == 2 * block
+    a, off_a = c.branch_create({})
+    b, off_b = c.branch_fork(a)
+    assert arena.free_bytes == 0 and len({c.logits_offset, off_a, off_b}) == 3
+    with pytest.raises(BranchError, match="shm_bytes"):
+        c.branch_fork(a)
+    assert c.branches() == [a, b]  # the failed fork leased nothing
+    c.branch_prune(b)
+    assert arena.free_bytes == block
+    assert c.branch_fork(a)[1] == off_b  # the freed block is handed out again
+    c.reset()
+    assert arena.free_bytes == 2 * block
+    del c
+    assert arena.free_bytes == 3 * block
+    region.close()
+
+
+def test_sampler_fields_are_declared_once_on_each_side() -> None:
+    """sampling.hpp declares the sampler fields (LLOYAL_SAMPLER_FIELDS); SamplerParams must name the
+    same ones in the same order, or a field would be dropped or refused on its way to the worker."""
+    from dataclasses import fields
+
+    from lloyal_pool import SamplerParams
+
+    assert [f.name for f in fields(SamplerParams)] == native.sampler_fields()

@@ -3,12 +3,13 @@ streaming, stop strings, n_predict and stop reasons."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from reference_tools import llama_simple_text
 
-from lloyal_pool import GenerateParams, Model, StopReason
+from lloyal_pool import GenerateParams, Grammar, Model, StopReason
 
 PROMPTS = [
     "The capital of France is",
@@ -136,3 +137,33 @@ def test_model_info_and_tokenizer(gemma: Model) -> None:
     assert info.eos in gemma.eog_tokens and gemma.is_eog(info.eos) and not gemma.is_eog(info.bos)
     assert gemma.detokenize(toks[1:]) == "Hello world"
     assert b"".join(gemma.token_to_piece(t) for t in toks[1:]) == b"Hello world"
+
+
+def test_generate_takes_the_grammars_branches_take(tiny: Model) -> None:
+    """One grammar type for generate and branches: a JSON schema constrains the output, and a lazy
+    grammar whose trigger never fires leaves the generation exactly as it is without one."""
+    ctx = tiny.new_context(n_ctx=256)
+    try:
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        r = ctx.generate("Hi", n_predict=64, grammar=Grammar(json_schema=schema))
+        assert r.stop_reason is StopReason.EOS and json.loads(r.text)["ok"] in (True, False)
+        ctx.reset()  # a generate continues what the context holds
+        free = ctx.generate("Hi", n_predict=12, ignore_eos=True)
+        ctx.reset()
+        lazy = Grammar(gbnf='root ::= "never"', lazy=True, trigger_words=["\x01 no such text \x02"])
+        assert ctx.generate("Hi", n_predict=12, ignore_eos=True, grammar=lazy).tokens == free.tokens
+    finally:
+        ctx.close()
+
+
+def test_sampler_values_are_checked_by_the_worker(tiny: Model) -> None:
+    """The native side owns the sampler fields' rules; a value it refuses fails that request only."""
+    ctx = tiny.new_context(n_ctx=64)
+    try:
+        for bad in ({"min_p": 1.5}, {"mirostat": 3}, {"top_k": -1}, {"dry_base": 0.5}):
+            with pytest.raises(ValueError):
+                ctx.generate("Hi", n_predict=2, **bad)
+        assert ctx.generate("Hi", n_predict=2).n_decoded == 2
+    finally:
+        ctx.close()

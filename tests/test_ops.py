@@ -122,7 +122,9 @@ def test_reply_types_convert_from_the_wire() -> None:
 
 def test_the_loop_answers_bad_requests_and_keeps_serving() -> None:
     """Unknown ops and mistyped fields fail their own request; the next one is served."""
-    engine = Engine(None, Region.anonymous(1 << 20))  # type: ignore[arg-type]  # no native call is made
+    import lloyal_pool.worker._native_cpu as native
+
+    engine = Engine(native, Region.anonymous(1 << 20))
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
     worker = threading.Thread(target=loop.WorkerLoop(engine, req_r, rep_w).run, daemon=True)

@@ -10,7 +10,7 @@ import pytest
 
 from lloyal_pool import errors
 from lloyal_pool.protocol import MAX_FRAME, Kind, PeerClosed, pack, read_frame, unpack, write_frame
-from lloyal_pool.shm import BULK_OFFSET, PAGE, BlockAllocator, Region
+from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
 
 
 def test_frame_round_trip_over_a_pipe() -> None:
@@ -104,19 +104,6 @@ def test_posix_region_leaves_nothing_in_dev_shm() -> None:
     assert os.path.exists(f"/dev/shm/{name}")
     region.close()
     assert not os.path.exists(f"/dev/shm/{name}")
-
-
-def test_block_allocator_reuses_and_reports_exhaustion() -> None:
-    size = BULK_OFFSET + 4 * PAGE
-    alloc = BlockAllocator(size)
-    a = alloc.alloc(PAGE + 1)  # two pages
-    b = alloc.alloc(PAGE)
-    with pytest.raises(errors.LloyalError, match="shm_bytes"):
-        alloc.alloc(2 * PAGE)
-    alloc.free(a, PAGE + 1)
-    assert alloc.alloc(2 * PAGE) == a
-    alloc.free(b, PAGE)
-    assert alloc.alloc(PAGE) == b
 
 
 def test_worker_refuses_malformed_requests_as_bad_requests() -> None:

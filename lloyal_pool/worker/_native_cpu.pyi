@@ -64,6 +64,19 @@ class Model:
         ValueError when the template is not one llama.cpp knows, or when template is None and the model
         has no template (llama.cpp itself would silently use chatml there)."""
 
+def sampler_fields() -> list[str]:
+    """The sampler params' names in the order native/sampling.hpp declares them (LLOYAL_SAMPLER_FIELDS)."""
+
+class Arena:
+    """The bulk area of a worker's shared region, in page-aligned blocks the native side hands out: one
+    per context (its logits row) and one per branch (its snapshot), each freed with its owner. One per
+    worker, shared by its contexts; the region's buffer export is held while the arena or any context
+    made with it lives. LloyalError naming Pool(shm_bytes=...) when it is full (BranchError for a branch)."""
+    def __init__(self, region: Any, bulk_offset: int, page: int) -> None:
+        """region: a writable buffer, 8-byte aligned; blocks start at bulk_offset (a multiple of page)."""
+    @property
+    def free_bytes(self) -> int: ...
+
 class Context:
     @property
     def n_ctx(self) -> int:
@@ -85,7 +98,10 @@ class Context:
         """Time inside llama_decode during the last commit/prefill/step/clear_and_reseed."""
     @property
     def model(self) -> Model: ...
-    def __init__(self, model: Model, params: dict[str, Any]) -> None:
+    @property
+    def logits_offset(self) -> int:
+        """Where the context's logits row (write_logits) lies in the region."""
+    def __init__(self, model: Model, params: dict[str, Any], arena: Arena) -> None:
         """params keys (all optional): n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch, n_seq_max,
         embeddings, rope_freq_base, rope_freq_scale, type_k, type_v (ggml type names, e.g. "f16", "q8_0"),
         swa_full (default True), flash_attn ("auto"/"on"/"off"). n_ctx 0 = the model's n_ctx_train.
@@ -119,11 +135,10 @@ class Context:
 
         n_tokens: how many of these tokens are now in the cache (fewer than given when interrupted).
         (With an SWA cache without swa_full, trimming may have to clear the whole cache: n_past says.)"""
-    def logits_into(self, out: memoryview) -> None:
-        """Copies the logits of the last decoded position (n_vocab float32) into out (writable, C-contiguous,
-        at least n_vocab * 4 bytes). Raises LloyalError when nothing has been decoded yet (also after a
-        reset, or a decode that was interrupted), ValueError when out is too small, BufferError when it
-        is read-only or not contiguous."""
+    def write_logits(self) -> None:
+        """Copies the logits of the last decoded position (n_vocab float32) into the context's row of the
+        region, at logits_offset. Raises LloyalError when nothing has been decoded yet (also after a
+        reset, or a decode that was interrupted)."""
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -144,7 +159,8 @@ class Context:
           dry_penalty_last_n (-1: the context size, 0 off), dry_sequence_breakers (list[str], each 1-40
           bytes; missing: none),
           seed (uint32, 0 is a fixed seed), mirostat (0/1/2), mirostat_tau (0: 5.0), mirostat_eta (0: 0.1),
-          ignore_eos, logit_bias (dict[int, float], -inf forbids), grammar (GBNF str, "" none),
+          ignore_eos, logit_bias (dict[int, float], -inf forbids), grammar (GBNF str, "" none, or a grammar
+          dict as branches take it, lazy triggers included),
           stop (list[str], matched across token boundaries), cache_prompt (bool).
         on_piece receives text as it becomes final: a piece is held back while it could be the start of a
         stop string or ends inside a UTF-8 sequence, so the pieces always concatenate to result["text"].
@@ -159,10 +175,13 @@ class Context:
             in [0, 2**32-2] (llama.cpp reads 0xFFFFFFFF as "random"). repeat_last_n -1: the whole context.
             stop may also be one str; empty stop strings are a ValueError. logit_bias values: finite or
             -inf. ignore_eos bans every EOG token (bias -inf), not only eos.
-          - temperature <= 0 wins over mirostat (greedy). Sampler order (llama.cpp's common order):
-            logit_bias, penalties, DRY, grammar, then greedy | temp+mirostat | top_n_sigma, top_k, typical,
-            top_p, min_p, XTC, temp, dist(seed). The penalties and DRY also see the context's last
-            repeat_last_n / dry_penalty_last_n tokens before the generation (prompt included).
+          - temperature <= 0 wins over mirostat (greedy). Tokens are chosen by the sampler branches use
+            (native/sampling.hpp, chain_sampler): logit_bias, penalties, DRY, then greedy | temp+mirostat |
+            top_n_sigma, top_k, typical, top_p, min_p, XTC, temp, dist(seed); a grammar checks the free
+            choice and masks the vocabulary only when it refuses it. So a generate and a branch with the
+            same params and seed choose the same tokens from the same logits. The penalties and DRY also
+            see the context's last repeat_last_n / dry_penalty_last_n tokens before the generation
+            (prompt included).
           - Everything that can be refused (params, tokens, grammar, overflow) is refused before the KV
             cache is touched.
           - cache_prompt: the prompt is the whole intended context; the longest common prefix with the
@@ -194,17 +213,19 @@ class Context:
     # anything else (n_predict, grammar, ...) is a ValueError. A grammar is a dict {"gbnf": str,
     # "root": str = "root", "lazy": bool = False, "trigger_words": [str], "trigger_patterns": [str],
     # "trigger_tokens": [int]}, checked when it is set (GrammarError, InvalidTokenError, ValueError).
-    def branch_create(self, logits: Any, params: dict[str, Any], grammar: dict[str, Any] | None = None) -> int:
-        """A root at position 0 without logits, writing its snapshot into `logits` (writable, >= n_vocab*4
-        bytes, held until the branch is freed). BranchError when no sequence is free; ContextError for a
+    # create, adopt and fork return (handle, offset): the branch's snapshot is the n_vocab float32 at that
+    # offset of the arena's region, owned by the branch and freed with it (BranchError when the region
+    # is full).
+    def branch_create(self, params: dict[str, Any], grammar: dict[str, Any] | None = None) -> tuple[int, int]:
+        """A root at position 0 without logits. BranchError when no sequence is free; ContextError for a
         sequence-mode history or a cache that cannot roll back (recurrent model, sliding window without
         swa_full)."""
-    def branch_adopt(self, seq: int, logits: Any, params: dict[str, Any],
-                     grammar: dict[str, Any] | None = None) -> int:
+    def branch_adopt(self, seq: int, params: dict[str, Any],
+                     grammar: dict[str, Any] | None = None) -> tuple[int, int]:
         """A root over a detached sequence (detached, or loaded with state_seq_set/_load_file), at
         pos_max + 1, without logits until its next prefill/commit. BranchError for a free sequence or a
         branch's."""
-    def branch_fork(self, src: int, logits: Any) -> int:
+    def branch_fork(self, src: int) -> tuple[int, int]:
         """A child sharing the parent's KV cells, with a copy of its sampler (PRNG included), grammar, bias,
         perplexity sums and snapshot. BranchError when no sequence is free."""
     def branch_prune(self, branch: int, subtree: bool = False) -> list[int]:

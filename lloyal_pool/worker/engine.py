@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from .. import protocol as p
-from ..errors import BranchError, ContextError, LloyalError, ModelLoadError, StaleHandleError
+from ..errors import ContextError, ModelLoadError, StaleHandleError
 from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result
 from ..protocol import MAX_FRAME, Request
-from ..shm import INTERRUPT_OFFSET, INTERRUPT_SLOTS, BlockAllocator, Region
+from ..shm import BULK_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
 
 if TYPE_CHECKING:  # the stub is the native module's contract: mypy checks the engine's calls against it
     from . import _native_cpu as native_api
@@ -67,9 +67,6 @@ class _ContextEntry:
     native: native_api.Context
     model_id: int
     slot: int  # interrupt word index
-    logits_offset: int
-    logits_bytes: int
-    branches: dict[int, int] = field(default_factory=dict)  # branch handle -> its logits block
 
 
 class Engine:
@@ -77,7 +74,9 @@ class Engine:
         self.native = native
         self.region = region
         self.default_threads = default_threads
-        self._alloc = BlockAllocator(region.size)
+        # The region's bulk area, handed out by the native side: a block per context (its logits row)
+        # and per branch (its snapshot), each freed natively with its owner.
+        self.arena = native.Arena(region.view, BULK_OFFSET, PAGE)
         self._models: dict[int, _ModelEntry] = {}
         self._contexts: dict[int, _ContextEntry] = {}
         self._free_slots = list(range(INTERRUPT_SLOTS - 1, -1, -1))
@@ -165,25 +164,19 @@ class Engine:
         entry = self._model(req.model)
         if not self._free_slots:
             raise ContextError(f"a worker holds at most {INTERRUPT_SLOTS} contexts")
-        logits_bytes = entry.n_vocab * 4
-        offset = self._alloc.alloc(logits_bytes)
         params = req.params
         if self.default_threads and params.get("n_threads") is None:
             params = {**params, "n_threads": self.default_threads}
-        try:
-            native = self.native.Context(entry.native, params)
-        except BaseException:
-            self._alloc.free(offset, logits_bytes)
-            raise
+        native = self.native.Context(entry.native, params, self.arena)
         slot = self._free_slots.pop()
         self.region.set_interrupt(slot, 0)
         # The native side indexes u64 words from the start of the region.
         native.set_interrupt_word(self.region.view, INTERRUPT_OFFSET // 8 + slot)
         context_id = self._new_id()
-        self._contexts[context_id] = _ContextEntry(native, req.model, slot, offset, logits_bytes)
+        self._contexts[context_id] = _ContextEntry(native, req.model, slot)
         entry.contexts.add(context_id)
         return p.ContextCreated(
-            context=context_id, interrupt_slot=slot, logits_offset=offset, n_vocab=entry.n_vocab,
+            context=context_id, interrupt_slot=slot, logits_offset=native.logits_offset, n_vocab=entry.n_vocab,
             n_ctx=native.n_ctx, n_batch=native.n_batch, n_ubatch=native.n_ubatch, n_seq_max=native.n_seq_max,
             n_threads=native.n_threads)
 
@@ -195,8 +188,6 @@ class Engine:
         entry = self._context(context)
         del self._contexts[context]
         self._models[entry.model_id].contexts.discard(context)
-        self._free_blocks(entry, list(entry.branches))
-        self._alloc.free(entry.logits_offset, entry.logits_bytes)
         self._free_slots.append(entry.slot)
 
     @handles(p.Eval)
@@ -212,24 +203,25 @@ class Engine:
     @handles(p.Generate)
     def generate(self, req: p.Generate, call: Call) -> Result:
         entry = self._context(req.context)
+        params = req.params
+        if isinstance(params.get("grammar"), dict):
+            params = {**params, "grammar": self._grammar(params["grammar"])}
         on_piece = None
         emit = call.emit
         if req.stream and emit is not None:
             def on_piece(piece: str) -> None:
                 emit({"piece": piece})
-        return msgspec.convert(entry.native.generate(req.prompt, req.params, call.request_id, on_piece), Result)
+        return msgspec.convert(entry.native.generate(req.prompt, params, call.request_id, on_piece), Result)
 
     @handles(p.Logits)
     def logits(self, req: p.Logits, call: Call) -> p.LogitsAt:
         entry = self._context(req.context)
-        entry.native.logits_into(self.region.writable(entry.logits_offset, entry.logits_bytes))
-        return p.LogitsAt(offset=entry.logits_offset, count=entry.logits_bytes // 4)
+        entry.native.write_logits()
+        return p.LogitsAt(offset=entry.native.logits_offset, count=self._models[entry.model_id].n_vocab)
 
     @handles(p.Reset)
     def reset(self, req: p.Reset, call: Call) -> None:
-        entry = self._context(req.context)
-        entry.native.reset()  # drops every branch and detached sequence too
-        self._free_blocks(entry, list(entry.branches))
+        self._context(req.context).native.reset()  # drops every branch and detached sequence too
 
     @handles(p.Tokens)
     def tokens(self, req: p.Tokens, call: Call) -> list[int]:
@@ -240,41 +232,16 @@ class Engine:
         return int(self._context(req.context).native.n_past())
 
     # -- branches -------------------------------------------------------------------------------------
-    # A branch's logits snapshot is a block of the shared region: the native side writes it on every
-    # commit, the client reads it in place. The engine hands blocks out and takes them back when the
-    # native side reports the handles it freed.
-    def _new_block(self, entry: _ContextEntry) -> tuple[int, memoryview]:
-        try:
-            offset = self._alloc.alloc(entry.logits_bytes)
-        except LloyalError as exc:
-            raise BranchError(f"{exc} (every branch keeps its {entry.logits_bytes >> 10} KiB logits snapshot "
-                              "there)") from None
-        return offset, self.region.writable(offset, entry.logits_bytes)
-
-    def _free_blocks(self, entry: _ContextEntry, handles: Sequence[int]) -> list[int]:
-        for h in handles:
-            offset = entry.branches.pop(int(h), None)
-            if offset is not None:
-                self._alloc.free(offset, entry.logits_bytes)
-        return [int(h) for h in handles]
-
-    def _new_branch(self, entry: _ContextEntry, make: Callable[[memoryview], int]) -> tuple[int, int]:
-        offset, block = self._new_block(entry)
-        try:
-            handle = int(make(block))
-        except BaseException:
-            self._alloc.free(offset, entry.logits_bytes)
-            raise
-        entry.branches[handle] = offset
-        return handle, offset
-
+    # A branch's logits snapshot is a block of the shared region that the native side owns: written on
+    # every commit, read in place by the client, freed with the branch.
     @staticmethod
     def _state(entry: _ContextEntry, handle: int, info: dict[str, Any] | None = None) -> p.BranchState:
         d = entry.native.branch_info(handle) if info is None else info
         return p.BranchState(branch=handle, position=d["position"], n_accepted=d["n_accepted"],
                              perplexity=d["perplexity"], sampling_perplexity=d["sampling_perplexity"])
 
-    def _created(self, entry: _ContextEntry, handle: int, offset: int) -> p.BranchCreated:
+    def _created(self, entry: _ContextEntry, created: tuple[int, int]) -> p.BranchCreated:
+        handle, offset = created
         info = entry.native.branch_info(handle)
         return p.BranchCreated(logits_offset=offset, state=self._state(entry, handle, info), parent=info["parent"])
 
@@ -298,45 +265,37 @@ class Engine:
         entry = self._context(req.context)
         spec = self._grammar(req.grammar)
         tokens = self._prompt_tokens(entry, req.prompt, bos=True)
-        handle, offset = self._new_branch(entry, lambda block: entry.native.branch_create(block, req.params, spec))
+        created = entry.native.branch_create(req.params, spec)
         if tokens:
             try:
-                entry.native.prefill([(handle, tokens)], call.request_id)
+                entry.native.prefill([(created[0], tokens)], call.request_id)
             except BaseException:
-                self._free_blocks(entry, entry.native.branch_prune(handle, True))
+                entry.native.branch_prune(created[0], True)
                 raise
-        return self._created(entry, handle, offset)
+        return self._created(entry, created)
 
     @handles(p.BranchFork)
     def branch_fork(self, req: p.BranchFork, call: Call) -> p.BranchCreated:
         entry = self._context(req.context)
-        handle, offset = self._new_branch(entry, lambda block: entry.native.branch_fork(req.branch, block))
-        return self._created(entry, handle, offset)
+        return self._created(entry, entry.native.branch_fork(req.branch))
 
     @handles(p.BranchAdopt)
     def branch_adopt(self, req: p.BranchAdopt, call: Call) -> p.BranchCreated:
         entry = self._context(req.context)
         spec = self._grammar(req.grammar)
-        handle, offset = self._new_branch(
-            entry, lambda block: entry.native.branch_adopt(req.seq, block, req.params, spec))
-        return self._created(entry, handle, offset)
+        return self._created(entry, entry.native.branch_adopt(req.seq, req.params, spec))
 
     @handles(p.BranchPrune)
     def branch_prune(self, req: p.BranchPrune, call: Call) -> list[int]:
-        entry = self._context(req.context)
-        return self._free_blocks(entry, entry.native.branch_prune(req.branch, req.subtree))
+        return self._context(req.context).native.branch_prune(req.branch, req.subtree)
 
     @handles(p.BranchRetainOnly)
     def branch_retain_only(self, req: p.BranchRetainOnly, call: Call) -> list[int]:
-        entry = self._context(req.context)
-        return self._free_blocks(entry, entry.native.branch_retain_only(req.branch))
+        return self._context(req.context).native.branch_retain_only(req.branch)
 
     @handles(p.BranchDetach)
     def branch_detach(self, req: p.BranchDetach, call: Call) -> int:
-        entry = self._context(req.context)
-        seq = int(entry.native.branch_detach(req.branch))
-        self._free_blocks(entry, [req.branch])
-        return seq
+        return self._context(req.context).native.branch_detach(req.branch)
 
     @handles(p.BranchInfoRequest)
     def branch_info(self, req: p.BranchInfoRequest, call: Call) -> BranchInfo:

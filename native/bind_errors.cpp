@@ -1,4 +1,5 @@
-#include "common.hpp"
+// C++ exceptions (errors.hpp) -> the classes of lloyal_pool.errors, at the binding boundary.
+#include "bind.hpp"
 #include "errors.hpp"
 
 namespace lloyal {

@@ -1,0 +1,56 @@
+// Module-level functions: the variant, llama.cpp's build info, the log level, the JSON-schema converter,
+// and the sampler fields the C++ side declares (sampling.hpp).
+#include "bind.hpp"
+
+#include "build-info.h"
+#include "common.h"
+
+#include <thread>
+
+namespace lloyal {
+
+void register_backend(py::module_ & m) {
+    backend_init_once();
+    install_log_callback();
+    m.attr("variant") = LLOYAL_VARIANT_NAME;
+
+    m.def(
+        "build_info",
+        [] {
+            py::dict d;
+            d["variant"] = LLOYAL_VARIANT_NAME;
+            // One line for humans: version, then build number and commit (b0-unknown when the vendored
+            // tree carried no git metadata).
+            d["llama_cpp"] = std::string(llama_version()) + " (" + llama_build_info() + ")";
+            d["llama_version"] = llama_version();
+            d["build_number"] = llama_build_number();
+            d["commit"] = llama_commit();
+            d["build_info"] = llama_build_info();
+            d["compiler"] = llama_compiler();
+            d["build_target"] = llama_build_target();
+            d["ggml_version"] = ggml_version();
+            d["ggml_commit"] = ggml_commit();
+            d["system_info"] = llama_print_system_info();
+            d["default_threads"] = default_threads();
+            d["hardware_concurrency"] = std::thread::hardware_concurrency();
+            d["supports_mmap"] = llama_supports_mmap();
+            d["supports_mlock"] = llama_supports_mlock();
+            d["supports_gpu_offload"] = llama_supports_gpu_offload();
+            d["max_devices"] = llama_max_devices();
+            d["max_parallel_sequences"] = llama_max_parallel_sequences();
+            return d;
+        },
+        "llama.cpp version/commit/compiler, ggml system info, default thread count, variant.");
+    m.def("set_log_level", &set_log_level, py::arg("level"),
+          "Minimum llama.cpp log level written to fd 2 (0 debug, 1 info, 2 warn, 3 error, 4 none).");
+    m.def(
+        "json_schema_to_grammar",
+        [](const std::string & schema_json) {
+            gil_release nogil;
+            return json_schema_to_gbnf(schema_json);
+        },
+        py::arg("schema_json"), "llama.cpp's own JSON-schema -> GBNF converter. Raises GrammarError on an invalid schema.");
+    m.def("sampler_fields", &sampler_field_names, "The sampler params' names, in the order they are declared.");
+}
+
+}  // namespace lloyal

@@ -1,0 +1,319 @@
+// The branch and raw KV methods of native.Context (the branch driver, branch.hpp). Each turns its
+// Python arguments into typed ones (handles, token ids, params, grammars), calls the driver without the
+// GIL, and turns the result back. The contract is the stub, lloyal_pool/worker/_native_cpu.pyi.
+#include "bind_context.hpp"
+#include "errors.hpp"
+
+#include <cstring>
+#include <limits>
+
+namespace lloyal {
+
+namespace {
+
+using created_tuple = std::pair<uint32_t, size_t>;
+
+created_tuple created(const branch_created & c) { return {c.handle, c.logits_offset}; }
+
+std::vector<uint32_t> handles_arg(py::handle seq, const char * what) {
+    std::vector<uint32_t> out;
+    for (const py::object & h : sequence_items(seq, what)) {
+        out.push_back(handle_arg(h));
+    }
+    return out;
+}
+
+py::list produced_list(const std::vector<produced_token> & out) {
+    py::list result;
+    for (const produced_token & p : out) {
+        result.append(py::make_tuple(p.token == LLAMA_TOKEN_NULL ? -1 : p.token, py::bytes(p.piece), p.is_stop));
+    }
+    return result;
+}
+
+llama_pos pos_arg(py::handle v, const char * what) {
+    const int64_t x = int_arg(v, what);
+    if (x < std::numeric_limits<llama_pos>::min() || x > std::numeric_limits<llama_pos>::max()) {
+        throw std::invalid_argument(std::string(what) + " does not fit an int32 position");
+    }
+    return static_cast<llama_pos>(x);
+}
+
+// Runs fn on the driver without the GIL.
+template <class F> auto nogil(F && fn) {
+    gil_release release;
+    return fn();
+}
+
+}  // namespace
+
+void register_branch_methods(context_class & cls) {
+    cls.def(
+           "branch_create",
+           [](py_context & c, const py::dict & params, py::handle grammar) {
+               const sampler_params p = parse_sampler_params(params);
+               const auto g = parse_grammar(grammar, c.core->model());
+               return created(nogil([&] { return c.branches->create(p, g); }));
+           },
+           py::arg("params"), py::arg("grammar") = py::none())
+        .def(
+            "branch_adopt",
+            [](py_context & c, py::handle seq, const py::dict & params, py::handle grammar) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                const sampler_params p = parse_sampler_params(params);
+                const auto g = parse_grammar(grammar, c.core->model());
+                return created(nogil([&] { return c.branches->adopt(s, p, g); }));
+            },
+            py::arg("seq"), py::arg("params"), py::arg("grammar") = py::none())
+        .def(
+            "branch_fork",
+            [](py_context & c, py::handle src) {
+                const uint32_t h = handle_arg(src);
+                return created(nogil([&] { return c.branches->fork(h); }));
+            },
+            py::arg("src"))
+        .def(
+            "branch_prune",
+            [](py_context & c, py::handle h, bool subtree) {
+                const uint32_t b = handle_arg(h);
+                return nogil([&] { return c.branches->prune(b, subtree); });
+            },
+            py::arg("branch"), py::arg("subtree") = false)
+        .def(
+            "branch_retain_only",
+            [](py_context & c, py::handle h) {
+                const uint32_t b = handle_arg(h);
+                return nogil([&] { return c.branches->retain_only(b); });
+            },
+            py::arg("branch"))
+        .def(
+            "branch_detach",
+            [](py_context & c, py::handle h) {
+                const uint32_t b = handle_arg(h);
+                return nogil([&] { return c.branches->detach(b); });
+            },
+            py::arg("branch"))
+        .def(
+            "branch_info",
+            [](py_context & c, py::handle h) {
+                const uint32_t b = handle_arg(h);
+                const branch_info i = nogil([&] { return c.branches->info(b); });
+                py::dict d;
+                d["handle"] = i.handle;
+                d["seq"] = i.seq;
+                d["position"] = i.position;
+                d["fork_head"] = i.fork_head;
+                d["parent"] = i.parent;
+                d["children"] = i.children;
+                d["has_logits"] = i.has_logits;
+                d["n_accepted"] = i.n_accepted;
+                d["perplexity"] = i.perplexity;
+                d["sampling_perplexity"] = i.sampling_perplexity;
+                d["last_token"] = i.last_token;
+                return d;
+            },
+            py::arg("branch"))
+        .def("branches", [](py_context & c) { return nogil([&] { return c.branches->handles(); }); })
+        .def(
+            "branch_set_params",
+            [](py_context & c, py::handle h, const py::dict & params) {
+                const uint32_t b = handle_arg(h);
+                const sampler_params p = parse_sampler_params(params);
+                nogil([&] { c.branches->set_params(b, p); });
+            },
+            py::arg("branch"), py::arg("params"))
+        .def(
+            "branch_set_grammar",
+            [](py_context & c, py::handle h, py::handle grammar) {
+                const uint32_t b = handle_arg(h);
+                const auto g = parse_grammar(grammar, c.core->model());
+                nogil([&] { c.branches->set_grammar(b, g); });
+            },
+            py::arg("branch"), py::arg("grammar"))
+        .def(
+            "branch_set_logit_bias",
+            [](py_context & c, py::handle h, py::handle bias) {
+                const uint32_t b = handle_arg(h);
+                auto parsed = parse_logit_bias(bias, c.core->model());
+                nogil([&] { c.branches->set_logit_bias(b, std::move(parsed)); });
+            },
+            py::arg("branch"), py::arg("bias"))
+        .def(
+            "branch_reseed",
+            [](py_context & c, py::handle h, py::handle seed) {
+                const uint32_t b = handle_arg(h);
+                const uint32_t s = parse_seed(seed, "seed");
+                nogil([&] { c.branches->reseed(b, s); });
+            },
+            py::arg("branch"), py::arg("seed"))
+        .def(
+            "branch_set_logits",
+            [](py_context & c, py::handle h, py::handle src) {
+                const uint32_t b = handle_arg(h);
+                held_buffer buf(src, false);
+                const size_t n = static_cast<size_t>(c.core->model().n_vocab());
+                if (buf.size() != n * sizeof(float)) {
+                    throw std::invalid_argument("logits have " + std::to_string(buf.size()) + " bytes, need exactly " +
+                                                std::to_string(n * sizeof(float)) + " (n_vocab float32)");
+                }
+                // Copied out: the buffer may be unaligned, and the snapshot may be what it points into.
+                std::vector<float> z(n);
+                std::memcpy(z.data(), buf.data(), n * sizeof(float));
+                nogil([&] { c.branches->set_logits(b, z.data()); });
+            },
+            py::arg("branch"), py::arg("logits"))
+        .def(
+            "branch_merge_logits",
+            [](py_context & c, py::handle dst, py::handle experts, double alpha) {
+                const uint32_t d = handle_arg(dst);
+                const std::vector<uint32_t> es = handles_arg(experts, "experts");
+                nogil([&] { c.branches->merge_logits(d, es, alpha); });
+            },
+            py::arg("dst"), py::arg("experts"), py::arg("alpha"))
+        .def(
+            "produce",
+            [](py_context & c, py::handle handles) {
+                const std::vector<uint32_t> hs = handles_arg(handles, "branch handles");
+                return produced_list(nogil([&] { return c.branches->produce(hs); }));
+            },
+            py::arg("branches"))
+        .def(
+            "commit",
+            [](py_context & c, py::handle pairs, uint64_t request_id) {
+                std::vector<std::pair<uint32_t, llama_token>> ps;
+                for (const py::object & item : sequence_items(pairs, "commit pairs")) {
+                    auto [h, t] = pair_items(item, "commit pairs");
+                    ps.emplace_back(handle_arg(h), token_from_py(t, c.core->model()));
+                }
+                nogil([&] { c.branches->commit(ps, request_id); });
+            },
+            py::arg("pairs"), py::arg("request_id") = 0)
+        .def(
+            "prefill",
+            [](py_context & c, py::handle items, uint64_t request_id) {
+                std::vector<std::pair<uint32_t, std::vector<llama_token>>> its;
+                for (const py::object & item : sequence_items(items, "prefill items")) {
+                    auto [h, t] = pair_items(item, "prefill items");
+                    its.emplace_back(handle_arg(h), tokens_from_py(t, c.core->model()));
+                }
+                nogil([&] { c.branches->prefill(its, request_id); });
+            },
+            py::arg("items"), py::arg("request_id") = 0)
+        .def(
+            "step",
+            [](py_context & c, py::handle handles, uint64_t request_id) {
+                const std::vector<uint32_t> hs = handles_arg(handles, "branch handles");
+                return produced_list(nogil([&] { return c.branches->step(hs, request_id); }));
+            },
+            py::arg("branches"), py::arg("request_id") = 0)
+        .def(
+            "clear_and_reseed",
+            [](py_context & c, py::handle sinks, py::handle tail, uint64_t request_id) {
+                std::vector<llama_token> s = tokens_from_py(sinks, c.core->model());
+                const std::vector<llama_token> t = tokens_from_py(tail, c.core->model());
+                nogil([&] { c.branches->clear_and_reseed(std::move(s), t, request_id); });
+            },
+            py::arg("sinks"), py::arg("tail"), py::arg("request_id") = 0)
+        // -- raw KV sequences ---------------------------------------------------------------------------
+        .def(
+            "free_seq",
+            [](py_context & c, py::handle seq) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                nogil([&] { c.branches->free_seq(s); });
+            },
+            py::arg("seq"))
+        .def(
+            "kv_seq_cp",
+            [](py_context & c, py::handle src, py::handle dst, py::handle p0, py::handle p1) {
+                const int64_t s = int_arg(src, "a sequence id");
+                const int64_t d = int_arg(dst, "a sequence id");
+                const llama_pos a = pos_arg(p0, "p0");
+                const llama_pos b = pos_arg(p1, "p1");
+                nogil([&] { c.branches->seq_cp(s, d, a, b); });
+            },
+            py::arg("src"), py::arg("dst"), py::arg("p0"), py::arg("p1"))
+        .def(
+            "kv_seq_keep",
+            [](py_context & c, py::handle seq) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                nogil([&] { c.branches->seq_keep(s); });
+            },
+            py::arg("seq"))
+        .def(
+            "kv_seq_rm",
+            [](py_context & c, py::handle seq, py::handle p0, py::handle p1) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                const llama_pos a = pos_arg(p0, "p0");
+                const llama_pos b = pos_arg(p1, "p1");
+                return nogil([&] { return c.branches->seq_rm(s, a, b); });
+            },
+            py::arg("seq"), py::arg("p0"), py::arg("p1"))
+        .def(
+            "kv_seq_pos_min",
+            [](py_context & c, py::handle seq) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                return nogil([&] { return c.branches->seq_pos_min(s); });
+            },
+            py::arg("seq"))
+        .def(
+            "kv_seq_pos_max",
+            [](py_context & c, py::handle seq) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                return nogil([&] { return c.branches->seq_pos_max(s); });
+            },
+            py::arg("seq"))
+        .def("kv_pressure",
+             [](py_context & c) {
+                 const kv_pressure k = nogil([&] { return c.branches->pressure(); });
+                 py::dict d;
+                 d["n_ctx"] = k.n_ctx;
+                 d["cells_used"] = k.cells_used;
+                 d["remaining"] = k.remaining;
+                 d["n_seq_max"] = k.n_seq_max;
+                 d["seqs_leased"] = k.seqs_leased;
+                 d["seqs_free"] = k.seqs_free;
+                 return d;
+             })
+        .def(
+            "state_seq_size",
+            [](py_context & c, py::handle seq) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                return nogil([&] { return c.branches->state_size(s); });
+            },
+            py::arg("seq"))
+        .def(
+            "state_seq_get",
+            [](py_context & c, py::handle seq) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                const std::vector<uint8_t> data = nogil([&] { return c.branches->state_get(s); });
+                return py::bytes(reinterpret_cast<const char *>(data.data()), data.size());
+            },
+            py::arg("seq"))
+        .def(
+            "state_seq_set",
+            [](py_context & c, py::handle seq, py::handle data) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                held_buffer buf(data, false);
+                return nogil([&] {
+                    return c.branches->state_set(s, static_cast<const uint8_t *>(buf.data()), buf.size());
+                });
+            },
+            py::arg("seq"), py::arg("data"))
+        .def(
+            "state_seq_save_file",
+            [](py_context & c, py::handle seq, const std::string & path, py::handle tokens) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                const std::vector<llama_token> toks = tokens_from_py(tokens, c.core->model());
+                return nogil([&] { return c.branches->state_save_file(s, path, toks); });
+            },
+            py::arg("seq"), py::arg("path"), py::arg("tokens") = py::list())
+        .def(
+            "state_seq_load_file",
+            [](py_context & c, py::handle seq, const std::string & path) {
+                const int64_t s = int_arg(seq, "a sequence id");
+                return nogil([&] { return c.branches->state_load_file(s, path); });
+            },
+            py::arg("seq"), py::arg("path"));
+}
+
+}  // namespace lloyal

@@ -1,0 +1,189 @@
+// native.Arena and native.Context: construction, the interrupt word, and the sequence driver's methods
+// (eval, generate, logits, history). Each method turns its Python arguments into typed ones, calls the
+// driver without the GIL, and turns the result back.
+#include "bind_context.hpp"
+#include "errors.hpp"
+
+#include <limits>
+
+namespace lloyal {
+
+py_context::py_context(std::shared_ptr<Model> model, const py::dict & params, std::shared_ptr<py_arena> arena_)
+    : arena(std::move(arena_)) {
+    if (!model) {
+        throw context_error("model is None");
+    }
+    if (!arena) {
+        throw context_error("arena is None");
+    }
+    const llama_context_params cp = parse_context_params(params);
+    {
+        gil_release nogil;
+        core = std::make_unique<context_core>(std::move(model), cp, arena->arena);
+    }
+    sequence = std::make_unique<sequence_driver>(*core);
+    branches = std::make_unique<branch_driver>(*core);
+    sequence->set_branches(branches.get());
+    branches->set_sequence(sequence.get());
+}
+
+py_context::~py_context() = default;
+
+uint32_t handle_arg(py::handle h) {
+    long long v = 0;
+    std::string text;
+    if (!strict_int(h, "a branch handle", v, &text) || v <= 0 || v > 0xFFFFFFFFll) {
+        throw stale_handle_error("branch handle " + text + " is not live (handles are positive u32)");
+    }
+    return static_cast<uint32_t>(v);
+}
+
+int64_t int_arg(py::handle v, const char * what) {
+    long long x = 0;
+    std::string text;
+    if (!strict_int(v, what, x, &text)) {
+        throw std::invalid_argument(std::string(what) + " " + text + " is out of range");
+    }
+    return x;
+}
+
+namespace {
+
+std::shared_ptr<py_arena> make_arena(const py::object & region, int64_t bulk_offset, int64_t page) {
+    auto a = std::make_shared<py_arena>();
+    a->region = std::make_unique<held_buffer>(region, true);
+    if (reinterpret_cast<uintptr_t>(a->region->data()) % alignof(uint64_t) != 0) {
+        throw std::invalid_argument("the region must be 8-byte aligned");
+    }
+    if (bulk_offset < 0 || page <= 0) {
+        throw std::invalid_argument("bulk_offset must be >= 0 and page > 0");
+    }
+    a->arena = std::make_shared<region_arena>(static_cast<char *>(a->region->data()), a->region->size(),
+                                              static_cast<size_t>(bulk_offset), static_cast<size_t>(page));
+    return a;
+}
+
+void set_interrupt_word(py_context & c, const py::object & control, int64_t index) {
+    context_core::busy_guard busy(*c.core);
+    if (control.is_none()) {
+        // Detach: releases the buffer export (a SharedMemory cannot close while one is held).
+        c.core->set_interrupt_word(nullptr);
+        c.control.reset();
+        return;
+    }
+    if (index < 0) {
+        throw std::invalid_argument("index must be >= 0");
+    }
+    auto buf = std::make_unique<held_buffer>(control, false);
+    if (static_cast<uint64_t>(index) >= buf->size() / 8) {
+        throw std::invalid_argument("index " + std::to_string(index) + " is past the end of a " +
+                                    std::to_string(buf->size()) + "-byte buffer");
+    }
+    auto * word = reinterpret_cast<const uint64_t *>(static_cast<const char *>(buf->data()) + static_cast<size_t>(index) * 8);
+    if (reinterpret_cast<uintptr_t>(word) % alignof(uint64_t) != 0) {
+        throw std::invalid_argument("the interrupt word is not 8-byte aligned");
+    }
+    c.core->set_interrupt_word(word);
+    c.control = std::move(buf);
+}
+
+void reset(py_context & c) {
+    gil_release nogil;
+    context_core::busy_guard busy(*c.core);
+    c.branches->clear();
+    llama_memory_clear(c.core->memory(), true);
+    c.sequence->clear();
+}
+
+py::dict eval(py_context & c, py::handle tokens, uint64_t request_id) {
+    const std::vector<llama_token> toks = tokens_from_py(tokens, c.core->model());
+    eval_result r;
+    {
+        gil_release nogil;
+        r = c.sequence->eval(toks, request_id);
+    }
+    py::dict d;
+    d["n_tokens"] = r.n_tokens;
+    d["n_past"] = r.n_past;
+    d["interrupted"] = r.interrupted;
+    d["prompt_ms"] = r.prompt_ms;
+    return d;
+}
+
+py::dict generate(py_context & c, py::handle prompt, const py::dict & params, uint64_t request_id,
+                  const py::object & on_piece) {
+    if (!on_piece.is_none() && !PyCallable_Check(on_piece.ptr())) {
+        throw py::type_error("on_piece must be callable or None");
+    }
+    const Model & model = c.core->model();
+    const gen_params p = parse_gen_params(params, model);
+    prompt_input in;
+    if (PyUnicode_Check(prompt.ptr())) {
+        in.is_text = true;
+        in.text = prompt.cast<std::string>();
+    } else {
+        in.tokens = tokens_from_py(prompt, model);
+    }
+    piece_fn fn;
+    if (!on_piece.is_none()) {
+        // Called without the GIL; takes it for the Python call only. A borrowed handle: the caller's
+        // reference outlives the call, and the std::function is destroyed without the GIL.
+        fn = [cb = py::handle(on_piece)](std::string_view piece) {
+            gil_acquire gil;
+            cb(decode_utf8_replace(piece));
+        };
+    }
+    generate_result r;
+    {
+        gil_release nogil;
+        r = c.sequence->generate(in, p, request_id, fn);
+    }
+    py::dict d;
+    d["text"] = decode_utf8_replace(r.text);
+    d["tokens"] = r.tokens;
+    d["n_prompt"] = r.n_prompt;
+    d["n_decoded"] = r.n_decoded;
+    d["n_cached"] = r.n_cached;
+    d["n_past"] = r.n_past;
+    d["stop_reason"] = r.stop_reason;
+    d["prompt_ms"] = r.prompt_ms;
+    d["decode_ms"] = r.decode_ms;
+    return d;
+}
+
+}  // namespace
+
+void register_context(py::module_ & m) {
+    py::class_<py_arena, std::shared_ptr<py_arena>>(m, "Arena")
+        .def(py::init(&make_arena), py::arg("region"), py::arg("bulk_offset"), py::arg("page"))
+        .def_property_readonly("free_bytes", [](const py_arena & a) { return a.arena->free_bytes(); });
+
+    context_class cls(m, "Context");
+    cls.def(py::init<std::shared_ptr<Model>, const py::dict &, std::shared_ptr<py_arena>>(), py::arg("model"),
+            py::arg("params"), py::arg("arena"))
+        .def_property_readonly("n_ctx", [](const py_context & c) { return c.core->n_ctx; })
+        .def_property_readonly("n_batch", [](const py_context & c) { return c.core->n_batch; })
+        .def_property_readonly("n_ubatch", [](const py_context & c) { return c.core->n_ubatch; })
+        .def_property_readonly("n_seq_max", [](const py_context & c) { return c.core->n_seq_max; })
+        .def_property_readonly("n_threads", [](const py_context & c) { return c.core->n_threads; })
+        .def_property_readonly("n_threads_batch", [](const py_context & c) { return c.core->n_threads_batch; })
+        .def_property_readonly("last_decode_ms", [](const py_context & c) { return c.branches->last_decode_ms(); })
+        .def_property_readonly("logits_offset", [](const py_context & c) { return c.core->logits_block().offset(); })
+        .def_property_readonly("model", [](const py_context & c) { return c.core->model_ptr(); })
+        .def("set_interrupt_word", &set_interrupt_word, py::arg("control"), py::arg("index") = 0)
+        .def("n_past", [](const py_context & c) { return c.sequence->n_past(); })
+        .def("tokens", [](const py_context & c) { return c.sequence->tokens(); })
+        .def("reset", &reset)
+        .def("eval", &eval, py::arg("tokens"), py::arg("request_id") = 0)
+        .def(
+            "write_logits",
+            [](py_context & c) {
+                gil_release nogil;
+                c.sequence->write_logits();
+            })
+        .def("generate", &generate, py::arg("prompt"), py::arg("params"), py::arg("request_id") = 0,
+             py::arg("on_piece") = py::none());
+    register_branch_methods(cls);
+}
+
+}  // namespace lloyal

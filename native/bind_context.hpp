@@ -1,0 +1,42 @@
+// native.Context as the bindings see it: a context_core and its two drivers, plus the Python buffers
+// they point into (the region the arena hands out, the interrupt word), pinned for as long as it lives.
+#pragma once
+
+#include "bind.hpp"
+#include "branch.hpp"
+#include "context_core.hpp"
+#include "sequence.hpp"
+
+#include <memory>
+
+namespace lloyal {
+
+// native.Arena: the worker's shared region (its bulk area) as blocks the native side hands out.
+struct py_arena {
+    std::unique_ptr<held_buffer> region;
+    std::shared_ptr<region_arena> arena;
+};
+
+struct py_context {
+    py_context(std::shared_ptr<Model> model, const py::dict & params, std::shared_ptr<py_arena> arena);
+    ~py_context();
+
+    std::shared_ptr<py_arena> arena;  // declared first: destroyed last, after every block went back
+    std::unique_ptr<context_core> core;
+    std::unique_ptr<sequence_driver> sequence;
+    std::unique_ptr<branch_driver> branches;
+    std::unique_ptr<held_buffer> control;  // the interrupt word's buffer
+};
+
+using context_class = py::class_<py_context, std::shared_ptr<py_context>>;
+
+// bind_branch.cpp: the branch and raw KV methods of native.Context.
+void register_branch_methods(context_class & cls);
+
+// A branch handle argument: StaleHandleError for anything that is not a live-looking u32, TypeError for
+// a non-int.
+uint32_t handle_arg(py::handle h);
+// A sequence id or position argument as int64 (the driver checks the range).
+int64_t int_arg(py::handle v, const char * what);
+
+}  // namespace lloyal

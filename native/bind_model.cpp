@@ -1,0 +1,125 @@
+// native.Model: a loaded GGUF (model.hpp), its info as a dict, its tokenizer.
+#include "bind.hpp"
+#include "errors.hpp"
+
+#include <exception>
+
+namespace lloyal {
+
+namespace {
+
+std::shared_ptr<Model> load(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only,
+                            const py::object & progress) {
+    Model::progress_fn fn;
+    if (!progress.is_none()) {
+        if (!PyCallable_Check(progress.ptr())) {
+            throw py::type_error("progress must be callable or None");
+        }
+        // Runs on the loading thread with the GIL released; takes it only for the Python call. Only an
+        // explicit falsy answer cancels: a callback that returns None is just observing.
+        // A borrowed handle: the std::function is copied and destroyed without the GIL, and the caller's
+        // reference keeps the callable alive for the whole load.
+        fn = [callback = py::handle(progress)](float fraction) {
+            gil_acquire gil;
+            py::object r = callback(fraction);
+            return r.is_none() || PyObject_IsTrue(r.ptr()) != 0;
+        };
+    }
+    gil_release nogil;
+    return std::make_shared<Model>(path, n_gpu_layers, use_mmap, vocab_only, std::move(fn));
+}
+
+py::dict info(const Model & m) {
+    const llama_model * model = m.get();
+    const llama_vocab * vocab = m.vocab();
+    py::dict d;
+    d["desc"] = m.desc();
+    d["path"] = m.path();
+    d["vocab_only"] = m.vocab_only();
+    d["n_params"] = llama_model_n_params(model);
+    d["size"] = llama_model_size(model);
+    d["ftype"] = llama_ftype_name(llama_model_ftype(model));
+    d["n_ctx_train"] = llama_model_n_ctx_train(model);
+    d["n_embd"] = llama_model_n_embd(model);
+    // Per-layer values GGML_ABORT for a layer that does not exist, and a vocab_only model has none.
+    const int32_t n_layer = llama_model_n_layer(model);
+    d["n_layer"] = n_layer;
+    d["n_head"] = n_layer > 0 ? llama_model_n_head(model) : 0;
+    d["n_head_kv"] = n_layer > 0 ? llama_model_n_head_kv(model) : 0;
+    d["n_swa"] = llama_model_n_swa(model);
+    d["n_vocab"] = m.n_vocab();
+    d["vocab_type"] = static_cast<int>(llama_vocab_type(vocab));
+    d["has_encoder"] = llama_model_has_encoder(model);
+    d["has_decoder"] = llama_model_has_decoder(model);
+    d["is_recurrent"] = llama_model_is_recurrent(model);
+    d["is_hybrid"] = llama_model_is_hybrid(model);
+    d["bos"] = llama_vocab_bos(vocab);  // -1: none
+    d["eos"] = llama_vocab_eos(vocab);
+    d["eot"] = llama_vocab_eot(vocab);
+    d["add_bos"] = llama_vocab_get_add_bos(vocab);
+    d["add_eos"] = llama_vocab_get_add_eos(vocab);
+    d["eog_tokens"] = m.eog_tokens();
+    const char * tmpl = llama_model_chat_template(model, nullptr);
+    d["chat_template"] = tmpl != nullptr ? py::object(py::str(tmpl)) : py::object(py::none());
+    py::dict meta;
+    for (const auto & [key, val] : m.meta()) {
+        meta[decode_utf8_replace(key)] = decode_utf8_replace(val);
+    }
+    d["meta"] = meta;
+    return d;
+}
+
+}  // namespace
+
+void register_model(py::module_ & m) {
+    py::class_<Model, std::shared_ptr<Model>>(m, "Model")
+        .def(py::init(&load), py::arg("path"), py::kw_only(), py::arg("n_gpu_layers") = 0, py::arg("use_mmap") = true,
+             py::arg("vocab_only") = false, py::arg("progress") = py::none(),
+             "Loads a GGUF (GIL released). progress(fraction) returning False cancels the load.\n"
+             "Raises ModelLoadError (with llama.cpp's last error line) on failure.")
+        .def_property_readonly("n_vocab", &Model::n_vocab)
+        .def_property_readonly("path", &Model::path)
+        .def("info", &info)
+        .def(
+            "tokenize",
+            [](const Model & self, const std::string & text, bool add_special, bool parse_special) {
+                gil_release nogil;
+                return self.tokenize(text, add_special, parse_special);
+            },
+            py::arg("text"), py::arg("add_special"), py::arg("parse_special"))
+        .def(
+            "detokenize",
+            [](const Model & self, py::handle tokens, bool remove_special, bool unparse_special) {
+                const std::vector<llama_token> toks = tokens_from_py(tokens, self);
+                std::string text;
+                {
+                    gil_release nogil;
+                    text = self.detokenize(toks, remove_special, unparse_special);
+                }
+                return decode_utf8_replace(text);
+            },
+            py::arg("tokens"), py::arg("remove_special"), py::arg("unparse_special"),
+            "Invalid UTF-8 becomes U+FFFD. Raises InvalidTokenError for ids outside [0, n_vocab).")
+        .def(
+            "token_to_piece",
+            [](const Model & self, py::handle token, bool special) {
+                return py::bytes(self.token_to_piece(token_from_py(token, self), special));
+            },
+            py::arg("token"), py::arg("special"))
+        .def(
+            "is_eog",
+            [](const Model & self, py::handle token) {
+                return llama_vocab_is_eog(self.vocab(), token_from_py(token, self));
+            },
+            py::arg("token"))
+        .def(
+            "apply_chat_template",
+            [](const Model & self, const std::vector<std::pair<std::string, std::string>> & messages,
+               const std::optional<std::string> & tmpl, bool add_assistant) {
+                return self.apply_chat_template(messages, tmpl, add_assistant);
+            },
+            py::arg("messages"), py::arg("template"), py::arg("add_assistant"),
+            "(role, content) pairs through llama_chat_apply_template; template None = the model's own.");
+}
+
+}  // namespace lloyal

@@ -1,0 +1,338 @@
+// The branch driver's decoding calls (branch.hpp): commit, step, prefill, clear_and_reseed. Each is all
+// or nothing: everything that can refuse the call runs before llama_decode, everything it changes is
+// applied after it succeeded, and a failed decode's cells are removed.
+#include "branch.hpp"
+#include "errors.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+namespace lloyal {
+
+void branch_driver::commit_tokens(const std::vector<branch *> & bs, const std::vector<llama_token> & toks,
+                                  uint64_t request_id) {
+    const size_t n = bs.size();
+    if (n == 0) {
+        return;
+    }
+    if (n > core_.n_batch) {
+        throw std::invalid_argument("a commit holds at most n_batch (" + std::to_string(core_.n_batch) + ") branches, got " +
+                                    std::to_string(n));
+    }
+    // Everything that can refuse the commit runs before the decode: the grammar accepts each token on
+    // a copy, swapped in only once the decode went through.
+    std::vector<sampler_ptr> grammars(n);
+    for (size_t i = 0; i < n; ++i) {
+        grammars[i] = bs[i]->sampler->grammar_after(toks[i]);
+    }
+    context_core::request_scope req(core_, request_id);
+    if (core_.interrupt_requested()) {
+        throw interrupted_error("interrupted before the decode: nothing was committed");
+    }
+    for (size_t i = 0; i < n; ++i) {
+        core_.put(i, toks[i], bs[i]->position, bs[i]->seq, true);
+    }
+    llama_memory_t mem = core_.memory();
+    auto rollback = [&] {
+        for (const branch * b : bs) {
+            llama_memory_seq_rm(mem, b->seq, b->position, -1);
+        }
+    };
+    const uint64_t mark = log_mark();
+    const int32_t ret = core_.decode(static_cast<int32_t>(n));
+    if (ret != 0) {
+        rollback();
+        core_.throw_decode_failure(ret, n, mark);
+    }
+    std::vector<const float *> rows(n);
+    for (size_t i = 0; i < n; ++i) {
+        rows[i] = llama_get_logits_ith(core_.get(), static_cast<int32_t>(i));
+        if (rows[i] == nullptr) {
+            rollback();
+            throw lloyal_error("llama.cpp returned no logits for a committed token: nothing was changed");
+        }
+    }
+    for (size_t i = 0; i < n; ++i) {
+        branch & b = *bs[i];
+        const llama_token t = toks[i];
+        // Model surprisal under the snapshot the token was chosen from, before it is overwritten.
+        const float s = b.snap_lse - b.snapshot[t];
+        if (std::isfinite(s)) {
+            b.nll_sum += std::max(0.0f, s);
+            ++b.nll_count;
+        }
+        if (b.sample_pending && b.last_token == t && std::isfinite(b.last_surprisal)) {
+            b.samp_sum += b.last_surprisal;
+            ++b.samp_count;
+        }
+        if (grammars[i]) {
+            b.sampler->set_grammar(std::move(grammars[i]));
+        }
+        b.sampler->accept(t);
+        b.accepted.push_back(t);
+        b.position += 1;
+        b.lineage.back().p1 = b.position;
+        write_snapshot(b, rows[i]);
+    }
+}
+
+void branch_driver::commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id) {
+    context_core::busy_guard busy(core_);
+    core_.reset_decode_timer();
+    std::vector<branch *> bs;
+    std::vector<llama_token> toks;
+    std::unordered_set<branch *> seen;
+    for (const auto & [h, t] : pairs) {
+        branch & b = store_.get(h);
+        if (!seen.insert(&b).second) {
+            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one commit");
+        }
+        core_.model().check_token(t);
+        toks.push_back(t);
+        bs.push_back(&b);
+    }
+    for (const branch * b : bs) {
+        if (!b->has_logits) {
+            throw branch_error("branch " + std::to_string(b->handle) +
+                               " has no logits yet: prefill or commit something first");
+        }
+    }
+    commit_tokens(bs, toks, request_id);
+}
+
+std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & handles, uint64_t request_id) {
+    context_core::busy_guard busy(core_);
+    core_.reset_decode_timer();
+    const std::vector<branch *> bs = with_logits(handles, "batch");
+    // Sampling advances the PRNGs, mirostat's mu and the last sample: what would refuse the commit is
+    // checked before, so that a step that commits nothing has consumed nothing either.
+    if (bs.size() > core_.n_batch) {
+        throw std::invalid_argument("a step holds at most n_batch (" + std::to_string(core_.n_batch) +
+                                    ") branches, got " + std::to_string(bs.size()));
+    }
+    {
+        context_core::request_scope req(core_, request_id);
+        if (core_.interrupt_requested()) {
+            throw interrupted_error("interrupted before the decode: nothing was produced or committed");
+        }
+    }
+    const std::vector<llama_token> out = produce_tokens(bs);
+    std::vector<branch *> go;
+    std::vector<llama_token> toks;
+    for (size_t i = 0; i < bs.size(); ++i) {
+        const llama_token t = out[i];
+        if (t != LLAMA_TOKEN_NULL && !llama_vocab_is_eog(core_.model().vocab(), t)) {
+            go.push_back(bs[i]);
+            toks.push_back(t);
+        }
+    }
+    commit_tokens(go, toks, request_id);
+    return produced(out);
+}
+
+void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items_in,
+                            uint64_t request_id) {
+    context_core::busy_guard busy(core_);
+    core_.reset_decode_timer();
+    struct item {
+        branch * b;
+        const std::vector<llama_token> & toks;
+    };
+    std::vector<item> items;
+    std::unordered_set<branch *> seen;
+    for (const auto & [h, toks] : items_in) {
+        branch & b = store_.get(h);
+        if (!seen.insert(&b).second) {
+            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one prefill");
+        }
+        for (llama_token t : toks) {
+            core_.model().check_token(t);
+        }
+        if (!toks.empty()) {
+            items.push_back({&b, toks});
+        }
+    }
+    if (items.empty()) {
+        return;
+    }
+
+    // First-fit packing of whole items into n_batch chunks; an item longer than n_batch gets chunks of
+    // its own, appended in order (its pieces must reach the cache in position order).
+    struct piece {
+        size_t item;
+        size_t off;
+        size_t n;
+    };
+    std::vector<std::vector<piece>> chunks;
+    std::vector<size_t> fill;
+    std::vector<size_t> last_chunk(items.size());
+    for (size_t k = 0; k < items.size(); ++k) {
+        const size_t len = items[k].toks.size();
+        if (len > core_.n_batch) {
+            for (size_t off = 0; off < len; off += core_.n_batch) {
+                const size_t m = std::min<size_t>(core_.n_batch, len - off);
+                chunks.push_back({piece{k, off, m}});
+                fill.push_back(m);
+            }
+            last_chunk[k] = chunks.size() - 1;
+            continue;
+        }
+        size_t c = 0;
+        while (c < chunks.size() && fill[c] + len > core_.n_batch) {
+            ++c;
+        }
+        if (c == chunks.size()) {
+            chunks.emplace_back();
+            fill.push_back(0);
+        }
+        chunks[c].push_back(piece{k, 0, len});
+        fill[c] += len;
+        last_chunk[k] = c;
+    }
+
+    const size_t n_vocab = static_cast<size_t>(core_.model().n_vocab());
+    std::vector<std::vector<float>> stash(items.size());  // rows of items done before the last chunk
+    std::vector<int32_t> final_idx(items.size(), -1);      // batch index of rows in the last chunk
+    context_core::request_scope req(core_, request_id);
+    llama_memory_t mem = core_.memory();
+    auto rollback = [&] {
+        for (const item & it : items) {
+            llama_memory_seq_rm(mem, it.b->seq, it.b->position, -1);
+        }
+    };
+    for (size_t c = 0; c < chunks.size(); ++c) {
+        if (core_.interrupt_requested()) {
+            rollback();
+            throw interrupted_error("interrupted: nothing was prefilled");
+        }
+        int32_t j = 0;
+        for (const piece & p : chunks[c]) {
+            const item & it = items[p.item];
+            for (size_t i = 0; i < p.n; ++i, ++j) {
+                core_.put(static_cast<size_t>(j), it.toks[p.off + i], it.b->position + static_cast<llama_pos>(p.off + i),
+                    it.b->seq, p.off + i + 1 == it.toks.size());
+            }
+        }
+        const uint64_t mark = log_mark();
+        const int32_t ret = core_.decode(j);
+        if (ret != 0) {
+            rollback();
+            core_.throw_decode_failure(ret, static_cast<size_t>(j), mark);
+        }
+        j = 0;
+        for (const piece & p : chunks[c]) {
+            const item & it = items[p.item];
+            const size_t last = p.off + p.n;
+            j += static_cast<int32_t>(p.n);
+            if (last != it.toks.size()) {
+                continue;
+            }
+            if (c + 1 == chunks.size()) {
+                final_idx[p.item] = j - 1;
+                continue;
+            }
+            const float * row = llama_get_logits_ith(core_.get(), j - 1);
+            if (row == nullptr) {
+                rollback();
+                throw lloyal_error("llama.cpp returned no logits for a prefilled item: nothing was changed");
+            }
+            stash[p.item].assign(row, row + n_vocab);
+        }
+    }
+    std::vector<const float *> rows(items.size());
+    for (size_t k = 0; k < items.size(); ++k) {
+        rows[k] = final_idx[k] >= 0 ? llama_get_logits_ith(core_.get(), final_idx[k]) : stash[k].data();
+        if (rows[k] == nullptr) {
+            rollback();
+            throw lloyal_error("llama.cpp returned no logits for a prefilled item: nothing was changed");
+        }
+    }
+    for (size_t k = 0; k < items.size(); ++k) {
+        branch & b = *items[k].b;
+        b.position += static_cast<llama_pos>(items[k].toks.size());
+        b.lineage.back().p1 = b.position;
+        write_snapshot(b, rows[k]);
+    }
+}
+
+void branch_driver::clear_and_reseed(std::vector<llama_token> toks, const std::vector<llama_token> & tail,
+                                     uint64_t request_id) {
+    context_core::busy_guard busy(core_);
+    core_.reset_decode_timer();
+    branch_store & st = store_;
+    for (llama_token t : toks) {
+        core_.model().check_token(t);
+    }
+    for (llama_token t : tail) {
+        core_.model().check_token(t);
+    }
+    toks.insert(toks.end(), tail.begin(), tail.end());
+    if (toks.empty()) {
+        throw std::invalid_argument("clear_and_reseed needs sinks or tail tokens: both are empty");
+    }
+    if (st.n_branches() != 1 || st.n_detached() != 0) {
+        throw branch_error("clear_and_reseed needs exactly one live branch and no detached sequences (there are " +
+                           std::to_string(st.n_branches()) + " branches, " + std::to_string(st.n_detached()) +
+                           " detached)");
+    }
+    branch & b = st.get(st.handles().front());
+    llama_memory_t mem = core_.memory();
+    llama_context * ctx = core_.get();
+    context_core::request_scope req(core_, request_id);
+    if (core_.interrupt_requested()) {
+        throw interrupted_error("interrupted before the clear: nothing was changed");
+    }
+    // A copy of the branch's cells, put back if the reseed fails: all or nothing.
+    std::vector<uint8_t> backup;
+    if (llama_memory_seq_pos_max(mem, b.seq) >= 0) {
+        backup.resize(llama_state_seq_get_size(ctx, b.seq));
+        backup.resize(llama_state_seq_get_data(ctx, backup.data(), backup.size(), b.seq));
+        if (backup.empty()) {
+            throw context_error("could not copy the branch's state before clearing: nothing was changed");
+        }
+    }
+    auto restore = [&] {
+        llama_memory_clear(mem, true);
+        if (!backup.empty() && llama_state_seq_set_data(ctx, backup.data(), backup.size(), b.seq) == 0) {
+            // Cannot happen short of memory corruption: the same cells fitted a moment ago.
+            b.position = 0;
+            b.fork_head = 0;
+            b.has_logits = false;
+            b.lineage = {{st.new_origin(), 0, 0}};
+            throw context_error("clear_and_reseed failed and the branch's cells could not be restored: it is empty now");
+        }
+    };
+    llama_memory_clear(mem, true);
+    const int32_t n = static_cast<int32_t>(toks.size());
+    int32_t last_idx = -1;
+    for (int32_t i = 0; i < n;) {
+        if (core_.interrupt_requested()) {
+            restore();
+            throw interrupted_error("interrupted: the branch was restored, nothing was changed");
+        }
+        const int32_t m = std::min<int32_t>(static_cast<int32_t>(core_.n_batch), n - i);
+        for (int32_t j = 0; j < m; ++j) {
+            core_.put(static_cast<size_t>(j), toks[static_cast<size_t>(i + j)], i + j, b.seq, i + j == n - 1);
+        }
+        const uint64_t mark = log_mark();
+        const int32_t ret = core_.decode(m);
+        if (ret != 0) {
+            restore();
+            core_.throw_decode_failure(ret, static_cast<size_t>(m), mark);
+        }
+        last_idx = m - 1;
+        i += m;
+    }
+    const float * row = llama_get_logits_ith(core_.get(), last_idx);
+    if (row == nullptr) {
+        restore();
+        throw lloyal_error("llama.cpp returned no logits after the reseed: the branch was restored");
+    }
+    b.position = n;
+    b.fork_head = 0;
+    b.lineage = {{st.new_origin(), 0, n}};
+    write_snapshot(b, row);
+}
+
+}  // namespace lloyal

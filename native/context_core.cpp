@@ -1,0 +1,188 @@
+#include "context_core.hpp"
+#include "errors.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string_view>
+
+#include <unistd.h>
+
+namespace lloyal {
+
+namespace {
+
+std::string model_meta(const llama_model * model, const std::string & key) {
+    char buf[128];
+    const int32_t n = llama_model_meta_val_str(model, key.c_str(), buf, sizeof(buf));
+    if (n < 0 || static_cast<size_t>(n) >= sizeof(buf)) {
+        return {};
+    }
+    return std::string(buf, static_cast<size_t>(n));
+}
+
+// Upper bound of the KV cache's size, for refusing an n_ctx whose cache could never fit: on the CPU
+// the allocation itself may well succeed (overcommit) and the process die later, touching the pages.
+double kv_cache_bytes_estimate(const llama_model * model, uint64_t n_ctx, ggml_type type_k, ggml_type type_v) {
+    const std::string arch = model_meta(model, "general.architecture");
+    const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
+    const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
+    int64_t k_len = llama_model_n_embd(model) / n_head;
+    int64_t v_len = k_len;
+    if (!arch.empty()) {
+        const std::string kl = model_meta(model, arch + ".attention.key_length");
+        const std::string vl = model_meta(model, arch + ".attention.value_length");
+        if (!kl.empty()) {
+            k_len = std::max<int64_t>(1, std::atoll(kl.c_str()));
+        }
+        if (!vl.empty()) {
+            v_len = std::max<int64_t>(1, std::atoll(vl.c_str()));
+        }
+    }
+    const double k_bytes = static_cast<double>(ggml_type_size(type_k)) / static_cast<double>(ggml_blck_size(type_k));
+    const double v_bytes = static_cast<double>(ggml_type_size(type_v)) / static_cast<double>(ggml_blck_size(type_v));
+    return static_cast<double>(n_ctx) * static_cast<double>(llama_model_n_layer(model)) *
+           static_cast<double>(n_head_kv) * (static_cast<double>(k_len) * k_bytes + static_cast<double>(v_len) * v_bytes);
+}
+
+double physical_memory_bytes() {
+    const long pages = ::sysconf(_SC_PHYS_PAGES);
+    const long page_size = ::sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || page_size <= 0) {
+        return 0.0;
+    }
+    return static_cast<double>(pages) * static_cast<double>(page_size);
+}
+
+}  // namespace
+
+context_core::busy_guard::busy_guard(context_core & c) : c_(c) {
+    if (c_.busy_.exchange(true, std::memory_order_acquire)) {
+        throw lloyal_error("the context is busy: another call on it is still running");
+    }
+}
+
+context_core::busy_guard::~busy_guard() { c_.busy_.store(false, std::memory_order_release); }
+
+context_core::context_core(std::shared_ptr<Model> model, const llama_context_params & params,
+                           std::shared_ptr<region_arena> arena)
+    : model_(std::move(model)), arena_(std::move(arena)) {
+    if (model_->vocab_only()) {
+        throw context_error("the model was loaded with vocab_only=True: it has no weights to run");
+    }
+    llama_context_params cp = params;
+    // Branches and detached sequences share one cache: a unified cache lets any sequence use all of it.
+    cp.kv_unified = true;
+    cp.no_perf = true;
+    const llama_model * lm = model_->get();
+    constexpr int64_t i32_max = std::numeric_limits<int32_t>::max();
+    const int32_t n_ctx_train = llama_model_n_ctx_train(lm);
+    uint64_t n_ctx_eff = cp.n_ctx == 0 ? static_cast<uint64_t>(std::max(n_ctx_train, 0)) : cp.n_ctx;
+    n_ctx_eff = (n_ctx_eff + 255) / 256 * 256;  // llama.cpp pads n_ctx to 256
+    if (n_ctx_eff == 0) {
+        throw context_error("n_ctx is 0 and the model does not say its training context length: pass n_ctx");
+    }
+    if (n_ctx_eff > static_cast<uint64_t>(i32_max)) {
+        throw context_error("n_ctx " + std::to_string(n_ctx_eff) + " does not fit llama.cpp's int32 positions");
+    }
+    // llama.cpp reserves one output row per sequence within n_batch (itself at most n_ctx) and aborts the
+    // process when they do not fit.
+    const uint64_t n_batch_eff = std::min<uint64_t>(cp.n_batch, n_ctx_eff);
+    if (cp.n_seq_max > n_batch_eff) {
+        throw context_error("n_seq_max " + std::to_string(cp.n_seq_max) + " needs n_batch >= n_seq_max (n_batch is " +
+                            std::to_string(n_batch_eff) + ")");
+    }
+    if (std::string_view(LLOYAL_VARIANT_NAME) == "cpu") {
+        const double need = kv_cache_bytes_estimate(lm, n_ctx_eff, cp.type_k, cp.type_v);
+        const double have = physical_memory_bytes();
+        if (have > 0.0 && need > have) {
+            char msg[256];
+            std::snprintf(msg, sizeof(msg),
+                          "n_ctx %llu needs about %.1f GiB of KV cache, more than this machine's %.1f GiB of memory",
+                          static_cast<unsigned long long>(n_ctx_eff), need / (1u << 30), have / (1u << 30));
+            throw context_error(msg);
+        }
+    }
+    logits_ = arena_->alloc(static_cast<size_t>(model_->n_vocab()) * sizeof(float));
+
+    const uint64_t mark = log_mark();
+    ctx_ = llama_init_from_model(model_->get(), cp);
+    if (ctx_ == nullptr) {
+        throw context_error("failed to create the llama context" + log_reason_since(mark));
+    }
+
+    // llama.cpp rounds the cache up to a multiple of 256 cells; the context still holds what was asked
+    // for (n_ctx 64 means 64 tokens), the extra cells are left unused in sequence mode.
+    const uint32_t asked = cp.n_ctx == 0 ? static_cast<uint32_t>(std::max(n_ctx_train, 1)) : cp.n_ctx;
+    n_ctx = std::min(llama_n_ctx(ctx_), asked);
+    n_ctx_seq = std::min(llama_n_ctx_seq(ctx_), asked);
+    n_batch = llama_n_batch(ctx_);
+    n_ubatch = llama_n_ubatch(ctx_);
+    n_seq_max = llama_n_seq_max(ctx_);
+    n_threads = llama_n_threads(ctx_);
+    n_threads_batch = llama_n_threads_batch(ctx_);
+    n_swa = llama_model_n_swa(lm);
+    n_cells = llama_n_ctx(ctx_);
+    swa_full = cp.swa_full;
+
+    batch_ = llama_batch_init(static_cast<int32_t>(n_batch), 0, 1);
+    llama_set_abort_callback(ctx_, &context_core::abort_callback, this);
+}
+
+context_core::~context_core() {
+    llama_batch_free(batch_);
+    if (ctx_ != nullptr) {
+        llama_free(ctx_);
+    }
+}
+
+bool context_core::abort_callback(void * data) {
+    auto * self = static_cast<context_core *>(data);
+    if (!self->interrupt_requested()) {
+        return false;
+    }
+    // ggml may ask again (from another compute thread) before llama_decode returns.
+    if (!self->aborting_.exchange(true, std::memory_order_relaxed)) {
+        log_abort_begin();
+    }
+    return true;
+}
+
+bool context_core::interrupt_requested() const {
+    const uint64_t id = current_request_.load(std::memory_order_acquire);
+    if (id == 0 || interrupt_word_ == nullptr) {
+        return false;
+    }
+    // The word lives in memory another process writes (shared memory): an atomic load, which the
+    // GCC/Clang builtin gives on plain uint64_t storage (std::atomic_ref is C++20).
+    return __atomic_load_n(interrupt_word_, __ATOMIC_ACQUIRE) == id;
+}
+
+int32_t context_core::decode(int32_t n) {
+    const int64_t t0 = now_us();
+    batch_.n_tokens = n;
+    const int32_t ret = llama_decode(ctx_, batch_);
+    if (aborting_.exchange(false, std::memory_order_relaxed)) {
+        log_abort_end();
+    }
+    decode_us_ += now_us() - t0;
+    return ret;
+}
+
+void context_core::throw_decode_failure(int32_t ret, size_t n_tokens, uint64_t mark) const {
+    if (ret == 2) {
+        throw interrupted_error("interrupted: nothing was changed");
+    }
+    if (ret == 1) {
+        throw decode_error("llama_decode found no KV slot for a batch of " + std::to_string(n_tokens) +
+                           " tokens (the cache has " + std::to_string(n_cells) + " cells): nothing was changed");
+    }
+    const std::string why = log_reason_since(mark);
+    if (ret == -1) {
+        throw decode_error("llama_decode rejected the batch as invalid" + why);
+    }
+    throw decode_error("llama_decode failed (" + std::to_string(ret) + ")" + why + "; nothing was changed");
+}
+
+}  // namespace lloyal

@@ -1,0 +1,102 @@
+// The part of a context every way of driving it shares: the llama_context, the batch, llama_decode with
+// the abort callback, the interrupt word, the one-call-at-a-time guard. The drivers hold a reference to
+// it: sequence_driver (eval, generate: sequence.hpp) and branch_driver (branches and raw KV: branch.hpp).
+#pragma once
+
+#include "arena.hpp"
+#include "common.hpp"
+#include "model.hpp"
+
+#include <atomic>
+#include <memory>
+
+namespace lloyal {
+
+class context_core {
+  public:
+    // cp as parsed from the context params (bind_params.cpp); ContextError when llama.cpp refuses it, or
+    // when its KV cache could never fit the machine's memory (CPU build). arena: where the context's
+    // logits row (and its branches' snapshots) live.
+    context_core(std::shared_ptr<Model> model, const llama_context_params & cp, std::shared_ptr<region_arena> arena);
+    ~context_core();
+    context_core(const context_core &) = delete;
+    context_core & operator=(const context_core &) = delete;
+
+    llama_context * get() const { return ctx_; }
+    llama_memory_t memory() const { return llama_get_memory(ctx_); }
+    const Model & model() const { return *model_; }
+    const std::shared_ptr<Model> & model_ptr() const { return model_; }
+    region_arena & arena() const { return *arena_; }
+    // The context's own logits row in the region: what Context.logits() reads.
+    const region_arena::block & logits_block() const { return logits_; }
+
+    uint32_t n_ctx = 0;      // as asked (llama.cpp pads the cells to a multiple of 256)
+    uint32_t n_ctx_seq = 0;  // what one sequence may hold
+    uint32_t n_batch = 0;
+    uint32_t n_ubatch = 0;
+    uint32_t n_seq_max = 0;
+    int32_t n_threads = 0;
+    int32_t n_threads_batch = 0;
+    int32_t n_swa = 0;
+    uint32_t n_cells = 0;  // the KV cache's real size
+    bool swa_full = true;
+
+    // Points the abort callback and the between-token checks at a u64 in shared memory (null: none).
+    void set_interrupt_word(const uint64_t * word) { interrupt_word_ = word; }
+    // True while the running request is the one the interrupt word names.
+    bool interrupt_requested() const;
+
+    // One call at a time: drivers run without the GIL, so a second thread could otherwise enter the
+    // same llama_context concurrently.
+    class busy_guard {
+      public:
+        explicit busy_guard(context_core & c);
+        ~busy_guard();
+
+      private:
+        context_core & c_;
+    };
+    // The request id the abort callback and the between-token checks compare against, for the
+    // duration of one call; 0 (no request) never matches.
+    class request_scope {
+      public:
+        request_scope(context_core & c, uint64_t id) : c_(c) { c_.current_request_.store(id, std::memory_order_release); }
+        ~request_scope() { c_.current_request_.store(0, std::memory_order_release); }
+
+      private:
+        context_core & c_;
+    };
+
+    // Entry j of the batch: one token of one sequence, with or without its output row.
+    void put(size_t j, llama_token tok, llama_pos pos, llama_seq_id seq, bool logits) {
+        batch_.token[j] = tok;
+        batch_.pos[j] = pos;
+        batch_.n_seq_id[j] = 1;
+        batch_.seq_id[j][0] = seq;
+        batch_.logits[j] = logits;
+    }
+    // llama_decode of batch[0:n] with the abort bookkeeping; returns llama_decode's code. Its time is
+    // added to the decode timer.
+    int32_t decode(int32_t n);
+    void reset_decode_timer() { decode_us_ = 0; }
+    double decode_ms() const { return static_cast<double>(decode_us_) / 1000.0; }
+    // The typed error for a failed decode that left nothing changed (ret 2: interrupted).
+    [[noreturn]] void throw_decode_failure(int32_t ret, size_t n_tokens, uint64_t log_mark_before) const;
+
+  private:
+    static bool abort_callback(void * data);
+
+    std::shared_ptr<Model> model_;
+    std::shared_ptr<region_arena> arena_;
+    region_arena::block logits_;
+    llama_context * ctx_ = nullptr;
+    llama_batch batch_{};  // all null until llama_batch_init: llama_batch_free is a no-op on it
+    int64_t decode_us_ = 0;
+
+    std::atomic<bool> busy_{false};
+    const uint64_t * interrupt_word_ = nullptr;
+    std::atomic<uint64_t> current_request_{0};
+    std::atomic<bool> aborting_{false};  // the abort callback said stop during the current llama_decode
+};
+
+}  // namespace lloyal
