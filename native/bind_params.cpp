@@ -406,16 +406,7 @@ std::vector<std::pair<llama_token, float>> parse_logit_bias(py::handle bias, con
         }
         out.emplace_back(tok, static_cast<float>(b));
     }
-    std::stable_sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.first < b.first; });
-    std::vector<std::pair<llama_token, float>> merged;
-    for (const auto & e : out) {
-        if (!merged.empty() && merged.back().first == e.first) {
-            merged.back().second += e.second;
-        } else {
-            merged.push_back(e);
-        }
-    }
-    return merged;
+    return normalized_bias(std::move(out));
 }
 
 llama_context_params parse_context_params(const py::dict & params) {

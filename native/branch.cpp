@@ -76,14 +76,19 @@ void branch_driver::write_snapshot(branch & b, const float * src) const {
     b.sample_pending = false;
 }
 
+branch & branch_driver::distinct(uint32_t h, std::unordered_set<branch *> & seen, const char * call) {
+    branch & b = store_.get(h);
+    if (!seen.insert(&b).second) {
+        throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one " + call);
+    }
+    return b;
+}
+
 std::vector<branch *> branch_driver::with_logits(const std::vector<uint32_t> & handles, const char * call) {
     std::vector<branch *> out;
     std::unordered_set<branch *> seen;
     for (uint32_t h : handles) {
-        branch & b = store_.get(h);
-        if (!seen.insert(&b).second) {
-            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one " + call);
-        }
+        branch & b = distinct(h, seen, call);
         if (!b.has_logits) {
             throw branch_error("branch " + std::to_string(b.handle) +
                                " has no logits yet: prefill or commit something first");

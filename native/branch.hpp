@@ -30,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -223,6 +224,8 @@ class branch_driver {
     // Out of the store and the tree (its children become roots); null when not live. The seq stays leased.
     std::unique_ptr<branch> unlink_branch(uint32_t handle);
     void write_snapshot(branch & b, const float * src) const;
+    // The branch of h, BranchError when this call named it before (seen: the branches it did).
+    branch & distinct(uint32_t h, std::unordered_set<branch *> & seen, const char * call);
     std::vector<branch *> with_logits(const std::vector<uint32_t> & handles, const char * call);
     std::vector<llama_token> produce_tokens(const std::vector<branch *> & bs);
     std::vector<produced_token> produced(const std::vector<llama_token> & toks) const;

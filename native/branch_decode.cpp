@@ -84,10 +84,7 @@ void branch_driver::commit(const std::vector<std::pair<uint32_t, llama_token>> &
     std::vector<llama_token> toks;
     std::unordered_set<branch *> seen;
     for (const auto & [h, t] : pairs) {
-        branch & b = store_.get(h);
-        if (!seen.insert(&b).second) {
-            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one commit");
-        }
+        branch & b = distinct(h, seen, "commit");
         core_.model().check_token(t);
         toks.push_back(t);
         bs.push_back(&b);
@@ -142,10 +139,7 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     std::vector<item> items;
     std::unordered_set<branch *> seen;
     for (const auto & [h, toks] : items_in) {
-        branch & b = store_.get(h);
-        if (!seen.insert(&b).second) {
-            throw branch_error("branch " + std::to_string(b.handle) + " appears twice in one prefill");
-        }
+        branch & b = distinct(h, seen, "prefill");
         for (llama_token t : toks) {
             core_.model().check_token(t);
         }

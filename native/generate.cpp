@@ -98,23 +98,13 @@ size_t stop_prefix_tail(const std::string & s, size_t from, const std::vector<st
     return hold;
 }
 
-// The caller's logit bias with every end-of-generation token banned (ignore_eos), still sorted by token
-// with one entry per token.
+// The caller's logit bias with every end-of-generation token banned (ignore_eos).
 std::vector<std::pair<llama_token, float>> with_eog_banned(std::vector<std::pair<llama_token, float>> bias,
                                                             const Model & model) {
     for (llama_token t : model.eog_tokens()) {
         bias.emplace_back(t, -std::numeric_limits<float>::infinity());
     }
-    std::stable_sort(bias.begin(), bias.end(), [](const auto & x, const auto & y) { return x.first < y.first; });
-    std::vector<std::pair<llama_token, float>> merged;
-    for (const auto & e : bias) {
-        if (!merged.empty() && merged.back().first == e.first) {
-            merged.back().second += e.second;
-        } else {
-            merged.push_back(e);
-        }
-    }
-    return merged;
+    return normalized_bias(std::move(bias));
 }
 
 size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama_token> & b) {

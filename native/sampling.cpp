@@ -24,6 +24,19 @@ bool sampler_params::operator==(const sampler_params & o) const {
 #undef LLOYAL_SAMPLER_EQ
 }
 
+std::vector<std::pair<llama_token, float>> normalized_bias(std::vector<std::pair<llama_token, float>> entries) {
+    std::stable_sort(entries.begin(), entries.end(), [](const auto & a, const auto & b) { return a.first < b.first; });
+    std::vector<std::pair<llama_token, float>> merged;
+    for (const auto & e : entries) {
+        if (!merged.empty() && merged.back().first == e.first) {
+            merged.back().second += e.second;
+        } else {
+            merged.push_back(e);
+        }
+    }
+    return merged;
+}
+
 const std::vector<std::string> & sampler_field_names() {
 #define LLOYAL_SAMPLER_NAME(type, name, rule) #name,
     static const std::vector<std::string> names = {LLOYAL_SAMPLER_FIELDS(LLOYAL_SAMPLER_NAME)};

@@ -78,6 +78,10 @@ struct gen_params : sampler_params {
     bool cache_prompt = false;
 };
 
+// A logit bias in its one form: sorted by token, one entry per token (a token's biases summed; -inf
+// stays -inf). What chain_sampler::set_logit_bias takes.
+std::vector<std::pair<llama_token, float>> normalized_bias(std::vector<std::pair<llama_token, float>> entries);
+
 struct sampler_deleter {
     void operator()(llama_sampler * s) const { llama_sampler_free(s); }
 };
