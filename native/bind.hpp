@@ -98,7 +98,7 @@ sampler_params parse_sampler_params(const py::dict & params);
 uint32_t parse_seed(py::handle v, const std::string & what);
 // A grammar dict (see the stub) or None.
 std::optional<grammar_spec> parse_grammar(py::handle spec, const Model & model);
-// The sum of each token's biases, sorted by token: what branch_sampler::set_logit_bias takes.
+// The sum of each token's biases, sorted by token: what chain_sampler::set_logit_bias takes.
 // InvalidTokenError for a bad id, ValueError for +inf or NaN.
 std::vector<std::pair<llama_token, float>> parse_logit_bias(py::handle bias, const Model & model);
 // The context params dict (see the stub's Context); ContextError for unknown keys and bad values.

@@ -167,7 +167,7 @@ void register_context(py::module_ & m) {
         .def_property_readonly("n_seq_max", [](const py_context & c) { return c.core->n_seq_max; })
         .def_property_readonly("n_threads", [](const py_context & c) { return c.core->n_threads; })
         .def_property_readonly("n_threads_batch", [](const py_context & c) { return c.core->n_threads_batch; })
-        .def_property_readonly("last_decode_ms", [](const py_context & c) { return c.branches->last_decode_ms(); })
+        .def_property_readonly("last_decode_ms", [](const py_context & c) { return c.core->decode_ms(); })
         .def_property_readonly("logits_offset", [](const py_context & c) { return c.core->logits_block().offset(); })
         .def_property_readonly("model", [](const py_context & c) { return c.core->model_ptr(); })
         .def("set_interrupt_word", &set_interrupt_word, py::arg("control"), py::arg("index") = 0)

@@ -197,8 +197,7 @@ class branch_driver {
     void prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items, uint64_t request_id);
     std::vector<produced_token> step(const std::vector<uint32_t> & handles, uint64_t request_id);
     void clear_and_reseed(std::vector<llama_token> sinks, const std::vector<llama_token> & tail, uint64_t request_id);
-    // Time inside llama_decode during the last commit, prefill, step or clear_and_reseed.
-    double last_decode_ms() const { return core_.decode_ms(); }
+
 
     // kv.cpp
     void free_seq(int64_t seq);

@@ -76,7 +76,7 @@ class context_core {
         batch_.logits[j] = logits;
     }
     // llama_decode of batch[0:n] with the abort bookkeeping; returns llama_decode's code. Its time is
-    // added to the decode timer.
+    // added to the decode timer, which every decoding call of a driver starts from zero.
     int32_t decode(int32_t n);
     void reset_decode_timer() { decode_us_ = 0; }
     double decode_ms() const { return static_cast<double>(decode_us_) / 1000.0; }

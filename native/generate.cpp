@@ -122,6 +122,7 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
                                           const piece_fn & on_piece) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("generate");
+    core_.reset_decode_timer();
     const Model & model = core_.model();
 
     std::vector<llama_token> prompt_toks;

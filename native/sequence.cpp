@@ -140,6 +140,7 @@ bool sequence_driver::decode_tokens(const llama_token * toks, size_t n, bool wan
 eval_result sequence_driver::eval(const std::vector<llama_token> & toks, uint64_t request_id) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("eval");
+    core_.reset_decode_timer();
     const size_t before = history_.size();
     const size_t room = core_.n_ctx_seq > before ? core_.n_ctx_seq - before : 0;
     if (toks.size() > room) {

@@ -95,7 +95,8 @@ class Context:
     def n_threads_batch(self) -> int: ...
     @property
     def last_decode_ms(self) -> float:
-        """Time inside llama_decode during the last commit/prefill/step/clear_and_reseed."""
+        """Time inside llama_decode during the last call that decoded (eval, generate, commit, prefill, step,
+        clear_and_reseed, branch_create's prefill)."""
     @property
     def model(self) -> Model: ...
     @property
