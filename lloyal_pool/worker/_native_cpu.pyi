@@ -96,7 +96,7 @@ class Context:
     @property
     def last_decode_ms(self) -> float:
         """Time inside llama_decode during the last call that decoded (eval, generate, commit, prefill, step,
-        clear_and_reseed, branch_create's prefill)."""
+        clear_and_reseed)."""
     @property
     def model(self) -> Model: ...
     @property
