@@ -8,9 +8,11 @@ Prints JSON, then a short table with the ratios. Each round, every runner warms 
 --reps-per-round times (default 3); the round keeps the median. One pp512 run is a fraction of a second,
 and a single run on these shared machines ranges over 2x: a round of one run once showed the in-process
 row at a third of the pool's prompt speed, which repeated runs did not reproduce (same code, same
-threads; measured back to back: 262-515 tok/s in-process, 252-493 through the pool). Prompt processing is pp512 (512 random tokens into an
-empty context), generation tg128 (128 tokens, one decode each), as llama-bench measures them; the pool
-and in-process figures use the library's own eval/generate (greedy sampling included in generation).
+threads; measured back to back: 262-515 tok/s in-process, 252-493 through the pool).
+
+Prompt processing is pp512 (512 random tokens into an empty context), generation tg128 (128 tokens, one
+decode each), as llama-bench measures them; the pool and in-process figures use the library's own
+eval/generate (greedy sampling included in generation).
 Targets from the foundation issue: pool >= 0.97x llama-bench for generation, >= 0.95x for prompt.
 """
 
