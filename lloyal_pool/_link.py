@@ -45,14 +45,19 @@ class ContextLink:
             with self._lock:
                 self._decoding.append(req_id)
 
-        fut = self.proc.call(req, on_event, on_id=track)
-        req_id = sent[0]
-
-        def untrack(_: Future[R]) -> None:
+        def untrack(req_id: int) -> None:
             with self._lock:
                 self._decoding.remove(req_id)
 
-        fut.add_done_callback(untrack)
+        try:
+            fut = self.proc.call(req, on_event, on_id=track)
+        except BaseException:
+            # Failed after the id was tracked (e.g. KeyboardInterrupt in a blocked write): a phantom id at
+            # the head of the list would take every later interrupt() of this context.
+            if sent:
+                untrack(sent[0])
+            raise
+        fut.add_done_callback(lambda _: untrack(sent[0]))
         return fut
 
     def interrupt(self) -> None:

@@ -85,6 +85,9 @@ class Branch:
     def _live(self) -> int:
         if not self._alive:
             raise StaleHandleError(f"branch {self.handle} was pruned, retained away or detached")
+        link = self.store._link
+        if link.closed or not link.proc.alive:
+            raise StaleHandleError(f"branch {self.handle}'s context was closed or its worker is gone")
         return self.handle
 
     def _call(self, req: p.Request[p.R]) -> p.R:
@@ -133,19 +136,23 @@ class Branch:
     @property
     def position(self) -> int:
         """Tokens in the branch's sequence: the next token goes here."""
+        self._live()
         return self._state.position
 
     @property
     def n_accepted(self) -> int:
+        self._live()
         return self._state.n_accepted
 
     @property
     def parent(self) -> Branch | None:
+        self._live()
         return self._parent if self._parent is not None and self._parent._alive else None
 
     @property
     def children(self) -> list[Branch]:
         """Live children, oldest first."""
+        self._live()
         return [b for b in self.store if b._parent is self]
 
     @property
@@ -155,11 +162,13 @@ class Branch:
     @property
     def perplexity(self) -> float:
         """exp(mean model surprisal) of the committed tokens, each under the logits before it was decoded."""
+        self._live()
         return self._state.perplexity
 
     @property
     def sampling_perplexity(self) -> float:
         """The same over the distribution the sampler drew from (after grammar, bias and truncation)."""
+        self._live()
         return self._state.sampling_perplexity
 
     # -- sampling and decoding ------------------------------------------------------------------------
@@ -225,10 +234,7 @@ class Branch:
         no copy and no round trip. It follows the branch (each commit rewrites it) and is valid while the
         branch lives; copy it to keep it."""
         self._live()
-        proc = self.store._link.proc
-        if not proc.alive:
-            raise StaleHandleError(f"branch {self.handle}'s worker is gone")
-        return proc.region.floats(self._logits_offset, self.store.n_vocab)
+        return self.store._link.proc.region.floats(self._logits_offset, self.store.n_vocab)
 
     def logits_at(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         return np.array(self.logits[np.asarray(tokens, dtype=np.int64)], dtype=np.float32)

@@ -144,6 +144,7 @@ class Model(_Handle):
         super().__init__(instance, proc, handle)
         self.info = info
         self.path = path
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # freed with the model
 
     def __repr__(self) -> str:
         return f"<Model {self.info.desc!r} worker={self.instance.worker_id} handle={self._handle}>"
@@ -186,13 +187,17 @@ class Model(_Handle):
 
             params = replace(params or ContextParams(), **overrides)
         params = params or ContextParams()
-        return Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
+        ctx = Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
+        self._contexts.add(ctx)
+        return ctx
 
     def close(self) -> None:
         """Frees the model and every context created from it. Idempotent; a dead worker has nothing to free."""
         if self._closed:
             return
         self._closed = True
+        for ctx in list(self._contexts):
+            ctx._forget()  # the worker frees them with the model: their handles go stale here too
         if self._proc.alive:
             self._proc.call(p.FreeModel(model=self._handle)).result()
 
@@ -339,11 +344,14 @@ class Context:
     def closed(self) -> bool:
         return self._link.closed
 
+    def _forget(self) -> None:
+        self._link.closed = True
+        self.branches._forget_all()
+
     def close(self) -> None:
         if self._link.closed:
             return
-        self._link.closed = True
-        self.branches._forget_all()
+        self._forget()
         if self._proc.alive:
             self._proc.call(p.FreeContext(context=self.handle)).result()
 

@@ -22,7 +22,14 @@ std::shared_ptr<Model> load(const std::string & path, int n_gpu_layers, bool use
         fn = [callback = py::handle(progress)](float fraction) {
             gil_acquire gil;
             py::object r = callback(fraction);
-            return r.is_none() || PyObject_IsTrue(r.ptr()) != 0;
+            if (r.is_none()) {
+                return true;
+            }
+            const int truth = PyObject_IsTrue(r.ptr());
+            if (truth < 0) {
+                throw py::error_already_set();
+            }
+            return truth != 0;
         };
     }
     gil_release nogil;

@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <mutex>
 #include <regex>
 #include <set>
 
@@ -20,9 +21,13 @@ namespace {
 
 // llama.cpp's GBNF parser reports *why* a grammar does not parse with fprintf(stderr), not through
 // the log callback, which only gets "failed to parse grammar". To put the reason into GrammarError,
-// fd 2 is pointed at a temporary file for the duration of the (short, GIL-holding) parse; whatever
+// fd 2 is pointed at a temporary file for the duration of the (short, serialized) parse; whatever
 // landed there is then written on to the real fd 2, so nothing is lost, at worst reordered.
 std::string run_capturing_stderr(const std::function<void()> & fn) {
+    // fd 2 is the process's: two parses at once (contexts on other threads, without the GIL) would
+    // restore each other's redirections.
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
     std::fflush(stderr);
     FILE * tmp = std::tmpfile();
     const int saved = tmp != nullptr ? ::dup(2) : -1;

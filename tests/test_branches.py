@@ -378,3 +378,18 @@ def test_async_commit_and_kv_clear(ctx: Context) -> None:
     ctx.kv.clear()
     assert not root.alive and not kid.alive and len(ctx.branches) == 0
     assert ctx.kv.pressure().cells_used == 0
+
+
+def test_handles_go_stale_with_their_model(tiny: Model) -> None:
+    """Closing a model frees its contexts in the worker; their branches' cached state must not outlive
+    that (StaleHandleError, as any other call on them)."""
+    model = tiny.instance.load_model(tiny.path)
+    ctx = model.new_context(n_ctx=128, n_seq_max=2)
+    root = ctx.branch([1, 2, 3])
+    assert root.position == 3
+    model.close()
+    assert ctx.closed and not root.alive
+    with pytest.raises(StaleHandleError):
+        _ = root.position
+    with pytest.raises(StaleHandleError):
+        ctx.generate("Hi", n_predict=1)
