@@ -124,30 +124,25 @@ class Instance:
         return self._proc.call(p.Fault(kind=kind, **args))
 
 
-class _Handle:
-    def __init__(self, instance: Instance, proc: WorkerProcess, handle: int) -> None:
+class Model:
+    """A model loaded in one worker. Contexts created from it share its weights."""
+
+    def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str) -> None:
         self.instance = instance
         self._proc = proc
         self._handle = handle
         self._closed = False
-
-    def _call(self, req: Request[R]) -> R:
-        if self._closed:
-            raise StaleHandleError(f"{type(self).__name__} handle {self._handle} was closed")
-        return self._proc.call(req).result()
-
-
-class Model(_Handle):
-    """A model loaded in one worker. Contexts created from it share its weights."""
-
-    def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str) -> None:
-        super().__init__(instance, proc, handle)
         self.info = info
         self.path = path
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # freed with the model
 
     def __repr__(self) -> str:
         return f"<Model {self.info.desc!r} worker={self.instance.worker_id} handle={self._handle}>"
+
+    def _call(self, req: Request[R]) -> R:
+        if self._closed:
+            raise StaleHandleError(f"Model handle {self._handle} was closed")
+        return self._proc.call(req).result()
 
     @property
     def n_vocab(self) -> int:

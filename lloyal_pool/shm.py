@@ -151,9 +151,6 @@ class Region:
         arr.flags.writeable = False
         return arr
 
-    def writable(self, offset: int, nbytes: int) -> memoryview:
-        return self.view[offset:offset + nbytes]
-
     def set_interrupt(self, slot: int, request_id: int) -> None:
         # One aligned 8-byte store; the native side loads it atomically. No lock, no round trip.
         self.interrupt[slot] = request_id
