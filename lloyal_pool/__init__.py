@@ -3,9 +3,12 @@ this process never loads llama.cpp."""
 
 from __future__ import annotations
 
+import logging
+
 from . import metrics
+from ._link import PromptProgress
 from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
-from .client import Context, Instance, Model, Pool, Stream
+from .client import Context, Instance, Model, Pool, ProgressCallback, Stream
 from .errors import (
     BranchError,
     ContextError,
@@ -38,6 +41,10 @@ from .params import (
 
 __version__ = "0.1.0"
 
+# A library logs; the application decides what is shown. Without this, Python's last-resort handler would
+# print every llama.cpp warning a worker forwards ("lloyal_pool.worker.<id>") on stderr.
+logging.getLogger("lloyal_pool").addHandler(logging.NullHandler())
+
 __all__ = [
     "KV",
     "Branch",
@@ -64,6 +71,8 @@ __all__ = [
     "Pool",
     "PoolClosedError",
     "Produced",
+    "ProgressCallback",
+    "PromptProgress",
     "ProtocolError",
     "RemoteError",
     "Result",

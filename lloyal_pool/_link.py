@@ -22,6 +22,29 @@ from .protocol import Request
 
 R = TypeVar("R")
 EventHandler = Callable[[dict[str, Any]], None]
+PromptProgress = Callable[[int, int], None]
+"""Prompt evaluation progress: (tokens decoded so far, tokens to decode), after each micro-batch."""
+
+
+def events(**handlers: Callable[[Any], None] | None) -> Callable[[dict[str, Any]], None] | None:
+    """An EVENT handler that passes ``event[key]`` to ``handlers[key]`` for each key it carries."""
+    active = {k: fn for k, fn in handlers.items() if fn is not None}
+    if not active:
+        return None
+
+    def on_event(event: dict[str, Any]) -> None:
+        for key, fn in active.items():
+            if key in event:
+                fn(event[key])
+
+    return on_event
+
+
+def spread_progress(progress: PromptProgress | None) -> Callable[[Any], None] | None:
+    """A prompt_progress event's (done, total) pair as the two arguments of progress."""
+    if progress is None:
+        return None
+    return lambda pair: progress(int(pair[0]), int(pair[1]))
 
 
 class ContextLink:
@@ -29,11 +52,16 @@ class ContextLink:
         self.proc = proc
         self.handle = handle
         self._slot = interrupt_slot
-        self._lock = threading.Lock()
+        # Reentrant: a Stream's finalizer interrupts its request, and the garbage collector may run it on
+        # a thread that holds this lock already.
+        self._lock = threading.RLock()
         self._decoding: list[int] = []  # ids of decoding requests in flight, in the order the worker runs them
+        self._cancelled: set[int] = set()  # of those, the ones to interrupt as soon as the worker starts them
         self.closed = False
 
-    def call(self, req: Request[R], on_event: EventHandler | None = None) -> Future[R]:
+    def call(self, req: Request[R], on_event: EventHandler | None = None,
+             on_id: Callable[[int], None] | None = None) -> Future[R]:
+        """Sends req; on_id(id) learns a decoding request's id (for interrupt_request)."""
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
         if not req.decodes:
@@ -44,10 +72,18 @@ class ContextLink:
             sent.append(req_id)
             with self._lock:
                 self._decoding.append(req_id)
+            if on_id is not None:
+                on_id(req_id)
 
         def untrack(req_id: int) -> None:
             with self._lock:
                 self._decoding.remove(req_id)
+                self._cancelled.discard(req_id)
+                # The worker starts the next request now (or already has): if it was cancelled while
+                # queued, its id goes into the word, which the worker checks between tokens and steps.
+                target = self._decoding[0] if self._decoding and self._decoding[0] in self._cancelled else 0
+            if target:
+                self.proc.interrupt(self._slot, target)
 
         try:
             fut = self.proc.call(req, on_event, on_id=track)
@@ -64,5 +100,16 @@ class ContextLink:
         """Stops the decoding request the worker runs (or runs next) on this context; a no-op when none."""
         with self._lock:
             target = self._decoding[0] if self._decoding else 0
+        if target:
+            self.proc.interrupt(self._slot, target)
+
+    def interrupt_request(self, req_id: int) -> None:
+        """Stops one decoding request: now if the worker runs it, else as soon as it starts; a no-op once
+        it has ended."""
+        with self._lock:
+            if req_id not in self._decoding:
+                return
+            self._cancelled.add(req_id)
+            target = req_id if self._decoding[0] == req_id else 0
         if target:
             self.proc.interrupt(self._slot, target)

@@ -25,7 +25,7 @@ import numpy as np
 from . import metrics
 from . import protocol as p
 from ._futures import mapped
-from ._link import ContextLink
+from ._link import ContextLink, PromptProgress, events, spread_progress
 from .errors import BranchError, StaleHandleError
 from .params import BranchInfo, Grammar, KVPressure, SamplerParams
 
@@ -181,9 +181,10 @@ class Branch:
         Returns the ms spent inside llama_decode."""
         return self.store.commit([(self, token)])
 
-    def prefill(self, tokens: Sequence[int] | str) -> float:
-        """Decodes tokens (or text, no BOS added) into this branch, accepting nothing: context, not choices."""
-        return self.store.prefill([(self, tokens)])
+    def prefill(self, tokens: Sequence[int] | str, *, progress: PromptProgress | None = None) -> float:
+        """Decodes tokens (or text, no BOS added) into this branch, accepting nothing: context, not choices.
+        ``progress(done, total)`` follows a long prefill. Returns the ms spent inside llama_decode."""
+        return self.store.prefill([(self, tokens)], progress=progress)
 
     def step(self) -> Produced:
         """produce(), then commit() unless the token is a stop: one round trip."""
@@ -306,14 +307,19 @@ class BranchStore:
 
     # -- creation -------------------------------------------------------------------------------------
     def create(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
-               grammar: GrammarLike = None, **overrides: object) -> Branch:
-        return self.create_async(prompt, params, grammar=grammar, **overrides).result()
+               grammar: GrammarLike = None, progress: PromptProgress | None = None, **overrides: object) -> Branch:
+        """A root branch at position 0 with its own sampler (keyword overrides are SamplerParams fields)
+        and grammar, prompt prefilled (text gets the model's BOS; ``progress(done, total)`` follows it)."""
+        return self.create_async(prompt, params, grammar=grammar, progress=progress, **overrides).result()
 
     def create_async(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
-                     grammar: GrammarLike = None, **overrides: object) -> Future[Branch]:
+                     grammar: GrammarLike = None, progress: PromptProgress | None = None,
+                     **overrides: object) -> Future[Branch]:
+        """create() without waiting: a Future of the Branch."""
         req = p.BranchCreate(context=self._link.handle, params=SamplerParams.of(params, overrides).to_wire(),
-                             grammar=_grammar_wire(grammar), prompt=self._wire_prompt(prompt))
-        return mapped(self._link.call(req), self._register)
+                             grammar=_grammar_wire(grammar), prompt=self._wire_prompt(prompt),
+                             progress=progress is not None)
+        return mapped(self._link.call(req, events(prompt_progress=spread_progress(progress))), self._register)
 
     def adopt(self, seq: int, params: SamplerParams | None = None, *, grammar: GrammarLike = None,
               **overrides: object) -> Branch:
@@ -346,14 +352,18 @@ class BranchStore:
         req = p.Commit(context=self._link.handle, pairs=[(self._own(b), int(t)) for b, t in pairs])
         return mapped(self._link.call(req), self._decoded)
 
-    def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]]) -> float:
-        """Decodes a token run into each branch, packed into n_batch chunks. All or nothing. Returns the
-        ms spent inside llama_decode."""
-        return self.prefill_async(items).result()
+    def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
+                progress: PromptProgress | None = None) -> float:
+        """Decodes a token run into each branch, packed into n_batch chunks. All or nothing.
+        ``progress(done, total)`` is called after each chunk. Returns the ms spent inside llama_decode."""
+        return self.prefill_async(items, progress=progress).result()
 
-    def prefill_async(self, items: Iterable[tuple[Branch, Sequence[int] | str]]) -> Future[float]:
-        req = p.Prefill(context=self._link.handle, items=[(self._own(b), self._wire_prompt(t)) for b, t in items])
-        return mapped(self._link.call(req), self._decoded)
+    def prefill_async(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
+                      progress: PromptProgress | None = None) -> Future[float]:
+        """prefill() without waiting: a Future of the ms spent decoding."""
+        req = p.Prefill(context=self._link.handle, items=[(self._own(b), self._wire_prompt(t)) for b, t in items],
+                        progress=progress is not None)
+        return mapped(self._link.call(req, events(prompt_progress=spread_progress(progress))), self._decoded)
 
     def step(self, branches: Sequence[Branch]) -> StepResult:
         """produce for every branch, then one batched commit of those whose token is not a stop."""

@@ -19,19 +19,25 @@ from .params import ContextParams, GenerateParams
 
 
 class _ProgressBar:
+    """A bar on stderr (a tty; elsewhere just a line when done): fed a fraction (model loading) or
+    (done, total) tokens (prompt evaluation, via .tokens)."""
+
     def __init__(self, label: str, width: int = 30) -> None:
         self.label = label
         self.width = width
         self.tty = sys.stderr.isatty()
         self.done = False
 
-    def __call__(self, fraction: float) -> None:
+    def tokens(self, done: int, total: int) -> None:
+        self(done / total if total else 1.0, f" {done}/{total} tokens")
+
+    def __call__(self, fraction: float, detail: str = "") -> None:
         if self.done:
             return
         if self.tty:
             filled = int(self.width * fraction)
             bar = "#" * filled + "-" * (self.width - filled)
-            sys.stderr.write(f"\r{self.label} [{bar}] {fraction * 100:5.1f}%")
+            sys.stderr.write(f"\r{self.label} [{bar}] {fraction * 100:5.1f}%{detail}")
             sys.stderr.flush()
         if fraction >= 1.0:
             self.done = True
@@ -52,7 +58,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with Pool(1, variant=args.variant) as pool:
         model = pool[0].load_model(path, progress=_ProgressBar(f"loading {path.name}") if not args.quiet else None)
         ctx = model.new_context(ContextParams(n_ctx=args.n_ctx, n_threads=args.threads))
-        stream = ctx.stream(args.prompt, params)
+        prompt = Path(args.file).read_text() if args.file else args.prompt
+        if prompt is None:
+            raise SystemExit("lloyal-pool generate: give a PROMPT or --file")
+        bar = None if args.quiet else _ProgressBar("prompt").tokens
+        stream = ctx.stream(prompt, params, progress=bar)
         try:
             for piece in stream:
                 sys.stdout.write(piece)
@@ -88,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text; only the text goes to stdout")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", help="the prompt (or --file)")
+    g.add_argument("-f", "--file", help="read the prompt from this file")
     g.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")
     g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (<= 0: until full)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -101,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("-c", "--n-ctx", type=int, default=4096)
     g.add_argument("-t", "--threads", type=int, default=None)
-    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bars (model load, prompt)")
     g.add_argument("-v", "--verbose", action="store_true", help="timings on stderr")
     g.set_defaults(fn=_cmd_generate)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import protocol as p
 from ._futures import mapped
-from ._link import ContextLink
+from ._link import ContextLink, PromptProgress, events, spread_progress
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import PoolClosedError, StaleHandleError
@@ -34,19 +34,8 @@ from .protocol import Request
 from .shm import DEFAULT_SIZE
 
 ProgressCallback = Callable[[float], None]
+"""Model loading progress: the fraction loaded, 0.0 to 1.0."""
 R = TypeVar("R")
-
-
-def _forward(key: str, fn: Callable[[Any], None] | None) -> Callable[[dict[str, Any]], None] | None:
-    """An EVENT handler that passes ``event[key]`` to fn, for the events that carry it."""
-    if fn is None:
-        return None
-
-    def on_event(event: dict[str, Any]) -> None:
-        if key in event:
-            fn(event[key])
-
-    return on_event
 
 
 class Instance:
@@ -101,7 +90,7 @@ class Instance:
         abspath = os.path.abspath(os.fspath(path))
         req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
-        fut = self._proc.call(req, _forward("progress", progress))
+        fut = self._proc.call(req, events(progress=progress))
         return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath))
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
@@ -198,19 +187,34 @@ class Model:
 
 
 class Stream:
-    """Text pieces as they are decoded; iterate, then read ``result``. The pieces always join to
-    ``result.text`` (text that could be the start of a stop string is held back until it is not)."""
+    """Text pieces as they are decoded: iterate, then read ``result``. The pieces always join to
+    ``result.text`` (text that could be the start of a stop string is held back until it is not).
+
+    Leaving early stops the generation: ``close()`` (or the end of a ``with`` block, or the stream being
+    garbage-collected while it runs) interrupts the request, so the context is free again at once
+    instead of generating on for nobody::
+
+        with ctx.stream("Once upon a time", n_predict=400) as stream:
+            for piece in stream:
+                if "dragon" in piece:
+                    break          # the worker stops generating here
+    """
 
     _END = object()
 
     def __init__(self, context: Context) -> None:
-        self._context = context
+        self._link = context._link
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._request_id = 0
         self.future: Future[Result]
 
     def _attach(self, fut: Future[Result]) -> None:
         self.future = fut
-        fut.add_done_callback(lambda _: self._q.put(self._END))
+        q, end = self._q, self._END  # not self: a running request must not keep its Stream alive
+        fut.add_done_callback(lambda _: q.put(end))
+
+    def _set_id(self, request_id: int) -> None:
+        self._request_id = request_id
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -224,13 +228,37 @@ class Stream:
         assert isinstance(item, str)
         return item
 
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._request_id and not self.future.done():
+            self._link.interrupt_request(self._request_id)
+
     @property
     def result(self) -> Result:
-        """The whole generation's Result; blocks until the generation ends."""
+        """The whole generation's Result. Blocks until the generation ends (read it after iterating, or
+        instead of iterating); raises the call's error, if it failed."""
         return self.future.result()
 
+    @property
+    def done(self) -> bool:
+        """Whether the generation has ended (result is ready)."""
+        return self.future.done()
+
     def interrupt(self) -> None:
-        self._context.interrupt()
+        """Stops this stream's generation, from any thread: now if it runs, or as soon as it starts if it
+        is still queued behind other calls on the context. Its result says ``interrupted``."""
+        self._link.interrupt_request(self._request_id)
+
+    def close(self) -> None:
+        """Stops the generation unless it has ended; the pieces already received stay readable. Does not
+        wait: ``result`` does."""
+        if not self.future.done():
+            self.interrupt()
 
 
 class Context:
@@ -258,41 +286,65 @@ class Context:
         return f"<Context n_ctx={self.n_ctx} worker={self.instance.worker_id} handle={self.handle}>"
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-                 on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
-        """Generates from prompt (text, or token ids). ``on_piece`` is called, on a client thread, with
-        each piece of final text. Keyword overrides are GenerateParams fields."""
-        return self.generate_async(prompt, params, on_piece=on_piece, **overrides).result()
+                 append: bool = False, on_piece: Callable[[str], None] | None = None,
+                 progress: PromptProgress | None = None, **overrides: Any) -> Result:
+        """Generates a continuation of ``prompt`` (text, or token ids) and returns it when it ends.
+
+        ``prompt`` is the whole input, as in llama-server: what the context held before is replaced.
+        With ``cache_prompt`` (the default) the part of the cache that matches the prompt's start is
+        reused and only the rest is decoded (``Result.n_cached`` says how many tokens). ``append=True``
+        instead adds the prompt to what the context holds (text then gets no BOS), and
+        ``generate("", append=True)`` continues where the last call ended.
+
+        ``on_piece`` is called, on a client thread, with each piece of final text; ``progress(done,
+        total)`` with the prompt tokens decoded so far. Keyword overrides are GenerateParams fields
+        (``n_predict``, ``temperature``, ``stop``, ...). Raises ContextOverflowError when the prompt does
+        not fit, GrammarError, InvalidTokenError, ValueError for an empty prompt without append."""
+        return self.generate_async(prompt, params, append=append, on_piece=on_piece, progress=progress,
+                                   **overrides).result()
 
     def generate_async(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-                       on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Future[Result]:
-        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=on_piece is not None)
-        return self._link.call(req, _forward("piece", on_piece))
+                       append: bool = False, on_piece: Callable[[str], None] | None = None,
+                       progress: PromptProgress | None = None, **overrides: Any) -> Future[Result]:
+        """generate() without waiting: a Future of the Result."""
+        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=on_piece is not None,
+                                     append=append, progress=progress is not None)
+        return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
 
-    def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None,
-               **overrides: Any) -> Stream:
-        """Like generate, but returns at once with an iterator over the pieces."""
+    def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+               append: bool = False, progress: PromptProgress | None = None, **overrides: Any) -> Stream:
+        """Like generate, but returns at once with a Stream: iterate it for the pieces, then read its
+        ``result``. Close it (or use ``with``) to stop early."""
         s = Stream(self)
-        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=True)
-        s._attach(self._link.call(req, _forward("piece", s._q.put)))
+        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=True, append=append,
+                                     progress=progress is not None)
+        s._attach(self._link.call(req, events(piece=s._q.put, prompt_progress=spread_progress(progress)),
+                                  on_id=s._set_id))
         return s
 
-    def _generate_request(self, prompt: str | Sequence[int], params: GenerateParams, stream: bool) -> p.Generate:
+    def _generate_request(self, prompt: str | Sequence[int], params: GenerateParams, stream: bool, append: bool,
+                          progress: bool) -> p.Generate:
         wire_prompt: str | list[int] = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
-        return p.Generate(context=self.handle, prompt=wire_prompt, params=params.to_wire(), stream=stream)
+        return p.Generate(context=self.handle, prompt=wire_prompt, params=params.to_wire(), stream=stream,
+                          append=bool(append), progress=progress)
 
     def eval(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
-             parse_special: bool = True) -> EvalResult:
-        """Decodes prompt into the KV cache without sampling (prefill). Text gets the model's BOS only
-        when the context is empty, unless add_special says otherwise."""
-        return self.eval_async(prompt, add_special=add_special, parse_special=parse_special).result()
+             parse_special: bool = True, progress: PromptProgress | None = None) -> EvalResult:
+        """Decodes prompt into the KV cache after what it holds, without sampling (prefill). Text gets
+        the model's BOS only when the context is empty, unless add_special says otherwise.
+        ``progress(done, total)`` is called with the tokens decoded so far."""
+        return self.eval_async(prompt, add_special=add_special, parse_special=parse_special,
+                               progress=progress).result()
 
     def eval_async(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
-                   parse_special: bool = True) -> Future[EvalResult]:
+                   parse_special: bool = True, progress: PromptProgress | None = None) -> Future[EvalResult]:
+        """eval() without waiting: a Future of the EvalResult."""
         if isinstance(prompt, str):
-            req = p.Eval(context=self.handle, text=prompt, add_special=add_special, parse_special=parse_special)
+            req = p.Eval(context=self.handle, text=prompt, add_special=add_special, parse_special=parse_special,
+                         progress=progress is not None)
         else:
-            req = p.Eval(context=self.handle, tokens=[int(t) for t in prompt])
-        return self._link.call(req)
+            req = p.Eval(context=self.handle, tokens=[int(t) for t in prompt], progress=progress is not None)
+        return self._link.call(req, events(prompt_progress=spread_progress(progress)))
 
     def interrupt(self) -> None:
         """Stops the generation or prompt evaluation running on this context, from any thread, without a
@@ -322,11 +374,11 @@ class Context:
 
     # -- branches -------------------------------------------------------------------------------------
     def branch(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
-               grammar: GrammarLike = None, **overrides: Any) -> Branch:
+               grammar: GrammarLike = None, progress: PromptProgress | None = None, **overrides: Any) -> Branch:
         """A root branch at position 0 with its own sampler (keyword overrides are SamplerParams fields)
-        and grammar, prompt prefilled (text gets the model's BOS). Needs a context without a plain
-        eval/generate history; forks need n_seq_max > 1."""
-        return self.branches.create(prompt, params, grammar=grammar, **overrides)
+        and grammar, prompt prefilled (text gets the model's BOS; ``progress(done, total)`` follows it).
+        Needs a context without a plain eval/generate history; forks need n_seq_max > 1."""
+        return self.branches.create(prompt, params, grammar=grammar, progress=progress, **overrides)
 
     def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> float:
         """Infinite context for a single branch (BlinkKV): clears the whole KV cache and decodes sinks at

@@ -93,12 +93,22 @@ class SamplerParams:
 
 @dataclass(frozen=True)
 class GenerateParams(SamplerParams):
+    """What a generate() or stream() does: the sampler (SamplerParams) plus how long to go, what stops it,
+    the constraints, and what of the context's cache to reuse. Pass one, or its fields as keyword
+    arguments (``ctx.generate(prompt, n_predict=64, temperature=0.8)``)."""
+
     n_predict: int = 0  # <= 0: until the context is full
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: Grammar | str = ""  # GBNF text or a Grammar (JSON schema, lazy triggers); "" none
     stop: Sequence[str] = ()
-    cache_prompt: bool = False
+    # Reuse the part of the context's cache that matches the prompt's start (Context.generate).
+    cache_prompt: bool = True
+    # ... but only what leaves the logits bit-identical to decoding the prompt afresh: back to the start
+    # of the micro-batch the shared prefix ends in (llama.cpp's CPU kernels are not batch-invariant).
+    cache_bit_exact: bool = False
+    # Text shows control tokens and markers such as <start_of_image>; Result.tokens has them either way.
+    render_special: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

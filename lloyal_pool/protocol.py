@@ -265,16 +265,19 @@ class Eval(ContextRequest[EvalResult]):
     text: str | None = None
     add_special: bool | None = None  # text only; None: BOS when the context is empty
     parse_special: bool = True
+    progress: bool = False  # prompt_progress events
 
 
 class Generate(ContextRequest[Result]):
-    """Piece events when stream: {"piece": text}."""
+    """Piece events when stream: {"piece": text}; prompt_progress events when progress."""
 
     op = Op.GENERATE
     decodes = True
     prompt: str | list[int]
     params: dict[str, Any]  # GenerateParams.to_wire(); the native side validates
     stream: bool = False
+    append: bool = False  # the prompt continues the history instead of replacing it
+    progress: bool = False
 
 
 class Logits(ContextRequest[LogitsAt]):
@@ -299,6 +302,7 @@ class BranchCreate(ContextRequest[BranchCreated]):
     params: dict[str, Any]  # SamplerParams.to_wire()
     grammar: dict[str, Any] | None = None  # Grammar.to_wire()
     prompt: str | list[int] = []
+    progress: bool = False
 
 
 class BranchFork(BranchRequest[BranchCreated]):
@@ -379,6 +383,7 @@ class Prefill(ContextRequest[Decoded]):
     op = Op.PREFILL
     decodes = True
     items: list[tuple[int, str | list[int]]]  # (branch, tokens or text without BOS)
+    progress: bool = False
 
 
 class Step(ContextRequest[Stepped]):

@@ -190,15 +190,16 @@ void register_branch_methods(context_class & cls) {
             py::arg("pairs"), py::arg("request_id") = 0)
         .def(
             "prefill",
-            [](py_context & c, py::handle items, uint64_t request_id) {
+            [](py_context & c, py::handle items, uint64_t request_id, const py::object & on_progress) {
                 std::vector<std::pair<uint32_t, std::vector<llama_token>>> its;
                 for (const py::object & item : sequence_items(items, "prefill items")) {
                     auto [h, t] = pair_items(item, "prefill items");
                     its.emplace_back(handle_arg(h), tokens_from_py(t, c.core->model()));
                 }
-                nogil([&] { c.branches->prefill(its, request_id); });
+                const context_core::progress_fn progress = progress_arg(on_progress);
+                nogil([&] { c.branches->prefill(its, request_id, progress); });
             },
-            py::arg("items"), py::arg("request_id") = 0)
+            py::arg("items"), py::arg("request_id") = 0, py::arg("on_progress") = py::none())
         .def(
             "step",
             [](py_context & c, py::handle handles, uint64_t request_id) {

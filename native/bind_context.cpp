@@ -47,6 +47,20 @@ int64_t int_arg(py::handle v, const char * what) {
     return x;
 }
 
+context_core::progress_fn progress_arg(const py::object & on_progress) {
+    if (on_progress.is_none()) {
+        return nullptr;
+    }
+    if (!PyCallable_Check(on_progress.ptr())) {
+        throw py::type_error("on_progress must be callable or None");
+    }
+    // A borrowed handle, as for on_piece: the caller's reference outlives the call.
+    return [cb = py::handle(on_progress)](size_t done, size_t total) {
+        gil_acquire gil;
+        cb(done, total);
+    };
+}
+
 namespace {
 
 std::shared_ptr<py_arena> make_arena(const py::object & region, int64_t bulk_offset, int64_t page) {
@@ -95,12 +109,13 @@ void reset(py_context & c) {
     c.sequence->clear();
 }
 
-py::dict eval(py_context & c, py::handle tokens, uint64_t request_id) {
+py::dict eval(py_context & c, py::handle tokens, uint64_t request_id, const py::object & on_progress) {
     const std::vector<llama_token> toks = tokens_from_py(tokens, c.core->model());
+    const context_core::progress_fn progress = progress_arg(on_progress);
     eval_result r;
     {
         gil_release nogil;
-        r = c.sequence->eval(toks, request_id);
+        r = c.sequence->eval(toks, request_id, progress);
     }
     py::dict d;
     d["n_tokens"] = r.n_tokens;
@@ -111,13 +126,14 @@ py::dict eval(py_context & c, py::handle tokens, uint64_t request_id) {
 }
 
 py::dict generate(py_context & c, py::handle prompt, const py::dict & params, uint64_t request_id,
-                  const py::object & on_piece) {
+                  const py::object & on_piece, bool append, const py::object & on_progress) {
     if (!on_piece.is_none() && !PyCallable_Check(on_piece.ptr())) {
         throw py::type_error("on_piece must be callable or None");
     }
     const Model & model = c.core->model();
     const gen_params p = parse_gen_params(params, model);
     prompt_input in;
+    in.append = append;
     if (PyUnicode_Check(prompt.ptr())) {
         in.is_text = true;
         in.text = prompt.cast<std::string>();
@@ -133,10 +149,11 @@ py::dict generate(py_context & c, py::handle prompt, const py::dict & params, ui
             cb(decode_utf8_replace(piece));
         };
     }
+    const context_core::progress_fn progress = progress_arg(on_progress);
     generate_result r;
     {
         gil_release nogil;
-        r = c.sequence->generate(in, p, request_id, fn);
+        r = c.sequence->generate(in, p, request_id, fn, progress);
     }
     py::dict d;
     d["text"] = decode_utf8_replace(r.text);
@@ -174,7 +191,7 @@ void register_context(py::module_ & m) {
         .def("n_past", [](const py_context & c) { return c.sequence->n_past(); })
         .def("tokens", [](const py_context & c) { return c.sequence->tokens(); })
         .def("reset", &reset)
-        .def("eval", &eval, py::arg("tokens"), py::arg("request_id") = 0)
+        .def("eval", &eval, py::arg("tokens"), py::arg("request_id") = 0, py::arg("on_progress") = py::none())
         .def(
             "write_logits",
             [](py_context & c) {
@@ -182,7 +199,7 @@ void register_context(py::module_ & m) {
                 c.sequence->write_logits();
             })
         .def("generate", &generate, py::arg("prompt"), py::arg("params"), py::arg("request_id") = 0,
-             py::arg("on_piece") = py::none());
+             py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none());
     register_branch_methods(cls);
 }
 

@@ -38,5 +38,7 @@ void register_branch_methods(context_class & cls);
 uint32_t handle_arg(py::handle h);
 // A sequence id or position argument as int64 (the driver checks the range).
 int64_t int_arg(py::handle v, const char * what);
+// An on_progress(done, total) argument (None: no reports) as a progress_fn that takes the GIL to call it.
+context_core::progress_fn progress_arg(const py::object & on_progress);
 
 }  // namespace lloyal

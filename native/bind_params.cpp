@@ -29,7 +29,8 @@ const std::set<std::string> & sampler_keys() {
 
 const std::set<std::string> & generate_only_keys() {
     static const std::set<std::string> keys = {"n_predict", "ignore_eos", "logit_bias", "grammar", "stop",
-                                               "cache_prompt"};
+                                               "cache_prompt", "cache_bit_exact",
+                                               "render_special"};
     return keys;
 }
 
@@ -292,6 +293,12 @@ gen_params parse_gen_params(const py::dict & d, const Model & model) {
     }
     if (r.has("cache_prompt")) {
         p.cache_prompt = r.get_bool("cache_prompt");
+    }
+    if (r.has("cache_bit_exact")) {
+        p.cache_bit_exact = r.get_bool("cache_bit_exact");
+    }
+    if (r.has("render_special")) {
+        p.render_special = r.get_bool("render_special");
     }
     if (r.has("grammar")) {
         // GBNF text ("" none), or a grammar dict as branches take it (lazy triggers included).

@@ -194,7 +194,8 @@ class branch_driver {
 
     // branch_decode.cpp
     void commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id);
-    void prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items, uint64_t request_id);
+    void prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items, uint64_t request_id,
+                 const context_core::progress_fn & on_progress = nullptr);
     std::vector<produced_token> step(const std::vector<uint32_t> & handles, uint64_t request_id);
     void clear_and_reseed(std::vector<llama_token> sinks, const std::vector<llama_token> & tail, uint64_t request_id);
 

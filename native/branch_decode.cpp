@@ -129,7 +129,7 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
 }
 
 void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items_in,
-                            uint64_t request_id) {
+                            uint64_t request_id, const context_core::progress_fn & on_progress) {
     context_core::busy_guard busy(core_);
     core_.reset_decode_timer();
     struct item {
@@ -186,9 +186,15 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     }
 
     const size_t n_vocab = static_cast<size_t>(core_.model().n_vocab());
+    size_t done = 0;
+    size_t total = 0;
+    for (size_t f : fill) {
+        total += f;
+    }
     std::vector<std::vector<float>> stash(items.size());  // rows of items done before the last chunk
     std::vector<int32_t> final_idx(items.size(), -1);      // batch index of rows in the last chunk
     context_core::request_scope req(core_, request_id);
+    context_core::progress_scope progress(core_, on_progress);
     llama_memory_t mem = core_.memory();
     auto rollback = [&] {
         for (const item & it : items) {
@@ -232,6 +238,15 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
                 throw lloyal_error("llama.cpp returned no logits for a prefilled item: nothing was changed");
             }
             stash[p.item].assign(row, row + n_vocab);
+        }
+        if (core_.wants_progress()) {
+            done += fill[c];
+            try {
+                core_.report_progress(done, total);
+            } catch (...) {
+                rollback();
+                throw;
+            }
         }
     }
     std::vector<const float *> rows(items.size());

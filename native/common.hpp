@@ -24,6 +24,11 @@ std::string log_reason_since(uint64_t mark, size_t max_lines = 3);
 // Brackets a decode that our abort callback stopped, so its error lines are logged as debug.
 void log_abort_begin();
 void log_abort_end();
+// Brackets a call whose failure the caller reports with the log's reason (a typed error): the warning
+// and error lines are kept for log_errors_since but written to fd 2 as debug, so that they do not
+// reach the user twice.
+void log_reported_begin();
+void log_reported_end();
 
 // Threads a context uses unless told otherwise (backend.cpp).
 int default_threads();

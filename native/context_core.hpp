@@ -8,6 +8,7 @@
 #include "model.hpp"
 
 #include <atomic>
+#include <functional>
 #include <memory>
 
 namespace lloyal {
@@ -67,6 +68,27 @@ class context_core {
         context_core & c_;
     };
 
+    // Progress of a long prompt evaluation: tokens decoded so far of those the call decodes. Set for the
+    // duration of one call (the busy guard makes it the only one); may throw, which ends the call
+    // between two chunks with the history consistent.
+    using progress_fn = std::function<void(size_t done, size_t total)>;
+    class progress_scope {
+      public:
+        progress_scope(context_core & c, progress_fn fn) : c_(c) { c_.progress_ = std::move(fn); }
+        ~progress_scope() { c_.progress_ = nullptr; }
+        progress_scope(const progress_scope &) = delete;
+        progress_scope & operator=(const progress_scope &) = delete;
+
+      private:
+        context_core & c_;
+    };
+    bool wants_progress() const { return static_cast<bool>(progress_); }
+    void report_progress(size_t done, size_t total) const {
+        if (progress_) {
+            progress_(done, total);
+        }
+    }
+
     // Entry j of the batch: one token of one sequence, with or without its output row.
     void put(size_t j, llama_token tok, llama_pos pos, llama_seq_id seq, bool logits) {
         batch_.token[j] = tok;
@@ -92,6 +114,7 @@ class context_core {
     llama_context * ctx_ = nullptr;
     llama_batch batch_{};  // all null until llama_batch_init: llama_batch_free is a no-op on it
     int64_t decode_us_ = 0;
+    progress_fn progress_;
 
     std::atomic<bool> busy_{false};
     const uint64_t * interrupt_word_ = nullptr;

@@ -6,7 +6,7 @@
 //    completes a stop string *is* in tokens, although the stop string and anything after it are cut
 //    from text: tokens say what the model produced, text what the caller asked to see.
 //  - every token in tokens has also been decoded, so the context's history is prompt + tokens and
-//    its logits are those after the last one: generate("") continues exactly where this call ended,
+//    its logits are those after the last one: generate("", append=True) continues where this call ended,
 //    and a cache_prompt call with prompt + output reuses all of it. This costs one decode for the last
 //    token, which llama.cpp's examples skip; generation stops ("length") rather than sample a token
 //    there is no room left to decode.
@@ -119,7 +119,7 @@ size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama
 }  // namespace
 
 generate_result sequence_driver::generate(const prompt_input & prompt, const gen_params & p, uint64_t request_id,
-                                          const piece_fn & on_piece) {
+                                          const piece_fn & on_piece, const context_core::progress_fn & on_progress) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("generate");
     core_.reset_decode_timer();
@@ -128,30 +128,38 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
     std::vector<llama_token> prompt_toks;
     if (prompt.is_text) {
         if (!prompt.text.empty()) {
-            // With cache_prompt the prompt is the whole context, so it starts like one (BOS).
-            prompt_toks = model.tokenize(prompt.text, history_.empty() || p.cache_prompt, true);
+            // A whole input starts like one (BOS); appended text does only on an empty context.
+            prompt_toks = model.tokenize(prompt.text, !prompt.append || history_.empty(), true);
         }
     } else {
         prompt_toks = prompt.tokens;
     }
-    const bool continue_only = prompt_toks.empty();
+    const bool continue_only = prompt.append && prompt_toks.empty();
+    if (prompt_toks.empty() && !continue_only) {
+        throw std::invalid_argument("empty prompt: pass append=True to continue from what the context holds");
+    }
     if (continue_only && history_.empty()) {
         throw std::invalid_argument("empty prompt on an empty context: nothing to continue from");
     }
 
+    // What of the history stays: all of it when appending, the longest common prefix with the prompt
+    // under cache_prompt, nothing otherwise.
     size_t n_keep = history_.size();
     std::vector<llama_token> to_decode;
-    if (continue_only) {
-        // nothing to add
-    } else if (p.cache_prompt) {
-        n_keep = common_prefix(history_, prompt_toks);
-        if (n_keep == prompt_toks.size()) {
-            --n_keep;  // decode at least one token, for logits that belong to this prompt
-        }
-        n_keep = reuse_point(n_keep);
-        to_decode.assign(prompt_toks.begin() + static_cast<std::ptrdiff_t>(n_keep), prompt_toks.end());
-    } else {
+    if (prompt.append) {
         to_decode = prompt_toks;
+    } else {
+        n_keep = 0;
+        if (p.cache_prompt) {
+            n_keep = common_prefix(history_, prompt_toks);
+            if (n_keep == prompt_toks.size() && !(n_keep == history_.size() && has_logits_)) {
+                --n_keep;  // decode at least the last token, for logits that belong to this prompt
+            }
+            if (p.cache_bit_exact) {
+                n_keep = reuse_point(n_keep);
+            }
+        }
+        to_decode.assign(prompt_toks.begin() + static_cast<std::ptrdiff_t>(n_keep), prompt_toks.end());
     }
     const size_t room = core_.n_ctx_seq > n_keep ? core_.n_ctx_seq - n_keep : 0;
     if (to_decode.size() > room) {
@@ -177,7 +185,7 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
     size_t emitted = 0;            // gen[:emitted] is final: streamed, or would have been
     size_t text_end = std::string::npos;
     int32_t n_sampled = 0;
-    size_t n_cached = p.cache_prompt && !continue_only ? n_keep : 0;
+    size_t n_cached = prompt.append ? 0 : n_keep;
     std::string stop_reason;
     std::exception_ptr callback_error;
     const llama_vocab * vocab = model.vocab();
@@ -202,9 +210,10 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
     {
         context_core::request_scope req(core_, request_id);
         const int64_t t0 = now_us();
-        if (p.cache_prompt && !continue_only) {
+        if (!prompt.append) {
             if (truncate_to(n_keep) != n_keep) {
-                // The memory could not keep that prefix: it was cleared, so start over.
+                // The memory could not keep that prefix (an SWA cache without swa_full that has already
+                // dropped what position n_keep needs): it was cleared, so start over.
                 to_decode = prompt_toks;
                 n_cached = 0;
             }
@@ -218,7 +227,11 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
                 to_decode = old;
             }
         }
-        const bool ok = decode_tokens(to_decode.data(), to_decode.size(), true);
+        bool ok = true;
+        {
+            context_core::progress_scope progress(core_, on_progress);
+            ok = decode_tokens(to_decode.data(), to_decode.size(), true);
+        }
         const int64_t t1 = now_us();
         res.prompt_ms = elapsed_ms(t0, t1);
         if (!ok) {
@@ -263,7 +276,7 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
                 break;
             }
             res.tokens.push_back(tok);
-            gen += model.token_to_piece(tok, true);
+            gen += model.text_piece(tok, p.render_special);
 
             const size_t match = find_stop(gen, emitted, p.stop);
             if (match != std::string::npos) {

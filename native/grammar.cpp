@@ -21,8 +21,8 @@ namespace {
 
 // llama.cpp's GBNF parser reports *why* a grammar does not parse with fprintf(stderr), not through
 // the log callback, which only gets "failed to parse grammar". To put the reason into GrammarError,
-// fd 2 is pointed at a temporary file for the duration of the (short, serialized) parse; whatever
-// landed there is then written on to the real fd 2, so nothing is lost, at worst reordered.
+// fd 2 is pointed at a temporary file for the duration of the (short, serialized) parse. What landed
+// there goes into the error; after a parse that succeeded it is written on to the real fd 2.
 std::string run_capturing_stderr(const std::function<void()> & fn) {
     // fd 2 is the process's: two parses at once (contexts on other threads, without the GIL) would
     // restore each other's redirections.
@@ -62,15 +62,18 @@ std::string run_capturing_stderr(const std::function<void()> & fn) {
         captured.append(buf, n);
     }
     std::fclose(tmp);
+    return captured;
+}
+
+void write_all_stderr(const std::string & text) {
     size_t off = 0;
-    while (off < captured.size()) {
-        const ssize_t w = ::write(2, captured.data() + off, captured.size() - off);
+    while (off < text.size()) {
+        const ssize_t w = ::write(2, text.data() + off, text.size() - off);
         if (w <= 0) {
             break;
         }
         off += static_cast<size_t>(w);
     }
-    return captured;
 }
 
 std::string parse_error_reason(const std::string & captured) {
@@ -81,7 +84,12 @@ std::string parse_error_reason(const std::string & captured) {
     }
     const size_t start = at + marker.size();
     const size_t end = captured.find('\n', start);
-    return captured.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    std::string reason = captured.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    // llama.cpp quotes the rest of the grammar after "at ": nothing when the grammar ended early.
+    if (reason.size() >= 3 && reason.compare(reason.size() - 3, 3, "at ") == 0) {
+        reason += "the end of the grammar";
+    }
+    return reason;
 }
 
 }  // namespace
@@ -97,7 +105,12 @@ sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g) {
     const std::string & gbnf = g.gbnf;
     const std::string & root = g.root;
     const std::vector<llama_token> & trigger_tokens = g.trigger_tokens;
+    struct reported {
+        reported() { log_reported_begin(); }
+        ~reported() { log_reported_end(); }
+    };
     try {
+        const reported quiet;  // a failed parse is a GrammarError carrying the reason: log it as debug
         captured = run_capturing_stderr([&] {
             if (g.lazy) {
                 smpl = llama_sampler_init_grammar_lazy_patterns(model.vocab(), gbnf.c_str(), root.c_str(), patterns.data(),
@@ -116,6 +129,7 @@ sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g) {
         const std::string parsed = parse_error_reason(captured);
         throw grammar_error("invalid grammar" + (parsed.empty() ? log_reason_since(mark, 1) : ": " + parsed));
     }
+    write_all_stderr(captured);
     return sampler_ptr(smpl);
 }
 

@@ -44,6 +44,7 @@ std::atomic<int> g_min_level{k_level_warn};
 // > 0 while a decode we asked to abort is unwinding: llama.cpp logs that as three error lines
 // ("failed to compute graph", ...) and a warning; for an interrupt those are expected, not errors.
 std::atomic<int> g_aborting{0};
+std::atomic<int> g_reported{0};
 
 log_state & state() {
     // Leaked on purpose: ggml threads may still log while static destructors run at exit.
@@ -75,10 +76,11 @@ void write_all(int fd, const char * data, size_t size) {
     }
 }
 
-// Warnings about a choice this module makes on purpose (swa_full defaults to true here), which would
-// otherwise greet every context creation.
+// Warnings that greet every normal use: a choice this module makes on purpose (swa_full defaults to
+// true here), and a model-file quirk llama.cpp corrects itself (Gemma 3 marks '</s>' as text).
 bool is_expected_warning(std::string_view line) {
-    return line.find("using full-size SWA cache") != std::string_view::npos;
+    return line.find("using full-size SWA cache") != std::string_view::npos ||
+           line.find("control-looking token") != std::string_view::npos;
 }
 
 // Called with state().mu held.
@@ -97,6 +99,9 @@ void emit_line(log_state & st, int level, std::string_view line) {
         if (st.kept.size() > k_kept_lines) {
             st.kept.pop_front();
         }
+    }
+    if (g_reported.load(std::memory_order_relaxed) > 0) {
+        level = k_level_debug;  // kept for the error message above; written only as debug
     }
     const int min_level = g_min_level.load(std::memory_order_relaxed);
     if (min_level >= k_level_none || level < min_level) {
@@ -140,6 +145,8 @@ void log_callback(ggml_log_level level, const char * text, void *) {
 }  // namespace
 
 void log_abort_begin() { g_aborting.fetch_add(1, std::memory_order_relaxed); }
+void log_reported_begin() { g_reported.fetch_add(1, std::memory_order_relaxed); }
+void log_reported_end() { g_reported.fetch_sub(1, std::memory_order_relaxed); }
 void log_abort_end() { g_aborting.fetch_sub(1, std::memory_order_relaxed); }
 
 uint64_t log_mark() {

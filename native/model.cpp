@@ -2,6 +2,10 @@
 #include "errors.hpp"
 #include "model.hpp"
 
+#include <algorithm>
+#include <cctype>
+#include <string_view>
+
 #include <climits>
 #include <exception>
 
@@ -45,6 +49,31 @@ std::string meta_string(int32_t (*fn)(const llama_model *, int32_t, char *, size
         }
     }
     return std::string(buf.data(), static_cast<size_t>(n));
+}
+
+}  // namespace
+
+namespace {
+
+// A token that is markup for the model rather than text, beyond llama.cpp's CONTROL ones: GGUF files
+// often mark special tokens USER_DEFINED (Gemma 3's <start_of_image>), and llama.cpp renders those as
+// text. User-defined tokens are also ordinary text (HTML tags, runs of newlines), so only an
+// angle-bracketed name with '_' or '|' in it counts, which no HTML tag has.
+bool is_marker(const llama_vocab * vocab, llama_token t) {
+    if ((llama_vocab_get_attr(vocab, t) & LLAMA_TOKEN_ATTR_USER_DEFINED) == 0) {
+        return false;
+    }
+    const std::string_view text = llama_vocab_get_text(vocab, t);
+    if (text.size() < 3 || text.front() != '<' || text.back() != '>') {
+        return false;
+    }
+    const std::string_view name = text.substr(1, text.size() - 2);
+    for (char ch : name) {
+        if (std::isspace(static_cast<unsigned char>(ch)) != 0 || ch == '<' || ch == '>') {
+            return false;
+        }
+    }
+    return name.find_first_of("_|") != std::string_view::npos;
 }
 
 }  // namespace
@@ -93,6 +122,9 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
     for (llama_token t = 0; t < n_vocab_; ++t) {
         if (llama_vocab_is_eog(vocab_, t)) {
             eog_tokens_.push_back(t);
+        }
+        if (is_marker(vocab_, t)) {
+            markers_.push_back(t);
         }
     }
 }
@@ -157,6 +189,13 @@ std::string Model::detokenize(const std::vector<llama_token> & tokens, bool remo
     }
     out.resize(static_cast<size_t>(n));
     return out;
+}
+
+std::string Model::text_piece(llama_token token, bool render_special) const {
+    if (!render_special && std::binary_search(markers_.begin(), markers_.end(), token)) {
+        return {};
+    }
+    return token_to_piece(token, render_special);
 }
 
 std::string Model::token_to_piece(llama_token token, bool special) const {

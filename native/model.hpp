@@ -35,6 +35,9 @@ class Model {
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
     std::string detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
     std::string token_to_piece(llama_token token, bool special) const;
+    // A generated token as text: without render_special, control tokens and markers (user-defined
+    // tokens such as <start_of_image>, see model.cpp) are empty.
+    std::string text_piece(llama_token token, bool render_special) const;
 
     std::string desc() const;
     // The GGUF metadata as (key, value) strings; array values are left out.
@@ -49,6 +52,7 @@ class Model {
     int32_t n_vocab_ = 0;
     bool vocab_only_ = false;
     std::vector<llama_token> eog_tokens_;
+    std::vector<llama_token> markers_;  // sorted
 };
 
 }  // namespace lloyal

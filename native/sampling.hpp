@@ -76,6 +76,10 @@ struct gen_params : sampler_params {
     std::optional<grammar_spec> grammar;
     std::vector<std::string> stop;
     bool cache_prompt = false;
+    // cache_prompt keeps only what leaves the logits bit-identical to decoding the prompt afresh: back to
+    // the start of the micro-batch the common prefix ends in (sequence.cpp, reuse_point).
+    bool cache_bit_exact = false;
+    bool render_special = false;  // text shows control tokens and markers (Model::text_piece)
 };
 
 // A logit bias in its one form: sorted by token, one entry per token (a token's biases summed; -inf

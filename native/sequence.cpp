@@ -98,23 +98,27 @@ bool sequence_driver::decode_tokens(const llama_token * toks, size_t n, bool wan
             return false;
         }
         const size_t pos0 = history_.size();
-        // Chunks end at multiples of n_batch counted from position 0, as in a decode from scratch, so
-        // the ubatches (and so the numerics) after a reuse point are those of a fresh decode.
-        const size_t chunk_end = (pos0 / core_.n_batch + 1) * core_.n_batch;
-        const size_t m = std::min<size_t>(n - i, chunk_end - pos0);
+        // Chunks end where a decode from scratch would end its ubatches (n_batch chunks counted from
+        // position 0, each split into n_ubatch pieces), so the numerics after a reuse point are those of a
+        // fresh decode. One ubatch per llama_decode also gives an interrupt check and a progress report
+        // per ubatch, at no cost: llama.cpp would split the batch the same way.
+        const size_t batch_end = (pos0 / core_.n_batch + 1) * core_.n_batch;
+        const size_t ubatch_end = std::min(batch_end, ubatch_floor(pos0) + core_.n_ubatch);
+        const size_t m = std::min<size_t>(n - i, ubatch_end - pos0);
         const bool last_chunk = i + m == n;
         for (size_t j = 0; j < m; ++j) {
             core_.put(j, toks[i + j], static_cast<llama_pos>(pos0 + j), 0, want_logits && last_chunk && j == m - 1);
         }
         const int32_t ret = core_.decode(static_cast<int32_t>(m));
         if (ret == 0) {
-            if (pos0 == fresh_upto_ && ubatch_floor(pos0) == pos0) {
-                // A complete chunk is exactly a fresh decode's; of a partial one only the full ubatches
-                // are (a fresh decode of a longer prompt would fill the last one up).
-                fresh_upto_ = pos0 + m == chunk_end ? chunk_end : pos0 + m / core_.n_ubatch * core_.n_ubatch;
+            if (pos0 == fresh_upto_ && ubatch_floor(pos0) == pos0 && pos0 + m == ubatch_end) {
+                // A whole ubatch from its start is exactly what a fresh decode computes; a partial one is
+                // not (a fresh decode of a longer prompt would fill it up).
+                fresh_upto_ = ubatch_end;
             }
             append_history(toks + i, m);
             i += m;
+            core_.report_progress(i, n);
             continue;
         }
         // On abort and on fatal errors the ubatches already computed stay in the KV cache: trim
@@ -137,7 +141,8 @@ bool sequence_driver::decode_tokens(const llama_token * toks, size_t n, bool wan
     return true;
 }
 
-eval_result sequence_driver::eval(const std::vector<llama_token> & toks, uint64_t request_id) {
+eval_result sequence_driver::eval(const std::vector<llama_token> & toks, uint64_t request_id,
+                                  const context_core::progress_fn & on_progress) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("eval");
     core_.reset_decode_timer();
@@ -152,6 +157,7 @@ eval_result sequence_driver::eval(const std::vector<llama_token> & toks, uint64_
     bool done = true;
     {
         context_core::request_scope req(core_, request_id);
+        context_core::progress_scope progress(core_, on_progress);
         done = decode_tokens(toks.data(), toks.size(), true);
     }
     eval_result r;

@@ -25,7 +25,10 @@ struct eval_result {
 };
 
 // A prompt as text (tokenized here, with BOS when it starts the context) or as token ids (checked).
+// By default it is the whole input: the history is replaced by it (cache_prompt keeps the common
+// prefix). append: it is added to the history instead (an empty one continues).
 struct prompt_input {
+    bool append = false;
     bool is_text = false;
     std::string text;
     std::vector<llama_token> tokens;
@@ -61,10 +64,11 @@ class sequence_driver {
     // Decodes toks at the end of the history in n_batch chunks without sampling; logits for the last one.
     // ContextOverflowError when they do not fit (nothing decoded). On interrupt the KV is trimmed back to
     // the last whole chunk.
-    eval_result eval(const std::vector<llama_token> & toks, uint64_t request_id);
-    // generate.cpp; the contract is the stub's Context.generate.
+    eval_result eval(const std::vector<llama_token> & toks, uint64_t request_id,
+                     const context_core::progress_fn & on_progress = nullptr);
+    // generate.cpp; the contract is the stub's Context.generate. on_progress: the prompt's decode only.
     generate_result generate(const prompt_input & prompt, const gen_params & p, uint64_t request_id,
-                             const piece_fn & on_piece);
+                             const piece_fn & on_piece, const context_core::progress_fn & on_progress = nullptr);
     // Copies the last position's logits into the context's row in the region; LloyalError when there are none.
     void write_logits();
 

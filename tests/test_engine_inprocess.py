@@ -62,6 +62,6 @@ def test_interrupt_word_in_process(engine, tiny_model: Path) -> None:  # type: i
                                  stream=True), request_id=9, emit=on_event)
     assert r.stop_reason == "interrupted" and 5 <= r.n_decoded < 50
     # The same word does not stop a different request.
-    r = engine.handle(p.Generate(context=desc.context, prompt="", params={"n_predict": 3}), request_id=10)
+    r = engine.handle(p.Generate(context=desc.context, prompt="", params={"n_predict": 3}, append=True), request_id=10)
     assert r.stop_reason == "length" and r.n_decoded == 3
     engine.handle(p.FreeModel(model=model))

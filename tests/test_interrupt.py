@@ -33,7 +33,7 @@ def test_interrupt_stops_generation_within_one_step(gemma: Model) -> None:
         n_before = result.n_prompt + result.n_decoded
         # The context is consistent afterwards: it continues from where it stopped.
         assert len(ctx.tokens()) in (n_before, n_before - 1)
-        more = ctx.generate("", n_predict=4)
+        more = ctx.generate("", n_predict=4, append=True)
         assert more.n_decoded == 4
     finally:
         ctx.close()

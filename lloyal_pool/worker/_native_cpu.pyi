@@ -128,10 +128,12 @@ class Context:
         """The token history of sequence 0."""
     def reset(self) -> None:
         """Clears the KV cache and the token history."""
-    def eval(self, tokens: Sequence[int], request_id: int = 0) -> dict[str, Any]:
-        """Decodes tokens at the end of sequence 0 in n_batch chunks without sampling; logits only for the
-        last position. -> {n_tokens, n_past, interrupted, prompt_ms}. On interrupt the KV is trimmed back to
-        the last whole chunk, so n_past always matches what is cached. Raises InvalidTokenError,
+    def eval(self, tokens: Sequence[int], request_id: int = 0,
+             on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Decodes tokens at the end of sequence 0, one ubatch per llama_decode, without sampling; logits
+        only for the last position; on_progress(done, total) after each ubatch.
+        -> {n_tokens, n_past, interrupted, prompt_ms}. On interrupt the KV is trimmed back to the last
+        whole chunk, so n_past always matches what is cached. Raises InvalidTokenError,
         ContextOverflowError (more tokens than n_ctx has room for: nothing is decoded), DecodeError.
 
         n_tokens: how many of these tokens are now in the cache (fewer than given when interrupted).
@@ -146,11 +148,16 @@ class Context:
         params: dict[str, Any],
         request_id: int = 0,
         on_piece: Callable[[str], None] | None = None,
+        append: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]:
-        """The generation loop, in C++ with the GIL released except while calling on_piece.
+        """The generation loop, in C++ with the GIL released except while calling on_piece/on_progress.
 
-        prompt: text (tokenized with add_special when the context is empty or cache_prompt is set, and
-        parse_special) or token ids. An empty prompt continues from the context's current state.
+        prompt: text (tokenized with parse_special, and with add_special unless it is appended to a
+        non-empty history) or token ids. It is the whole input: the history is replaced by it (see
+        cache_prompt). append=True adds it to the history instead; an empty prompt then continues from
+        the context's current state (empty without append: ValueError). on_progress(done, total): the
+        prompt's decode, after each ubatch.
         params (go-llama Params, every value means what it says; missing keys take the zero value):
           n_predict (<= 0: until the context is full), temperature (<= 0: greedy, no truncation samplers),
           top_k (0 off), top_p (0 or >= 1 off), min_p (0 off), typical_p (0 or >= 1 off),
@@ -162,7 +169,8 @@ class Context:
           seed (uint32, 0 is a fixed seed), mirostat (0/1/2), mirostat_tau (0: 5.0), mirostat_eta (0: 0.1),
           ignore_eos, logit_bias (dict[int, float], -inf forbids), grammar (GBNF str, "" none, or a grammar
           dict as branches take it, lazy triggers included),
-          stop (list[str], matched across token boundaries), cache_prompt (bool).
+          stop (list[str], matched across token boundaries), cache_prompt (bool), cache_bit_exact (bool),
+          render_special (bool: text shows control tokens and markers such as <start_of_image>).
         on_piece receives text as it becomes final: a piece is held back while it could be the start of a
         stop string or ends inside a UTF-8 sequence, so the pieces always concatenate to result["text"].
         -> {text, tokens, n_prompt, n_decoded, n_cached, stop_reason ("eos"|"length"|"stop"|"interrupted"),
@@ -185,23 +193,26 @@ class Context:
             (prompt included).
           - Everything that can be refused (params, tokens, grammar, overflow) is refused before the KV
             cache is touched.
-          - cache_prompt: the prompt is the whole intended context; the longest common prefix with the
-            history is kept (at least one prompt token is decoded again for fresh logits; if the cache
-            cannot keep that prefix it is cleared and the whole prompt decoded), n_cached = tokens kept.
-            Without it the prompt is appended to the history and n_cached is 0.
+          - cache_prompt: the longest common prefix of the history and the prompt is kept and only the
+            rest decoded (n_cached = tokens kept). The prompt's last token is decoded again for its logits,
+            unless the history is exactly the prompt and its logits are still there (nothing decoded). If
+            the cache cannot keep that prefix (an SWA cache without swa_full that already dropped what
+            the prefix needs) it is cleared and the whole prompt decoded (n_cached 0). Without
+            cache_prompt the history is cleared and the whole prompt decoded.
             llama.cpp's CPU kernels are not batch-invariant (a row's logits depend on the ubatch it was
-            computed in), so re-decoding just the tail of a cached prompt can change a greedy result.
-            When the cache up to the start of the ubatch that holds the prefix's end is exactly what a
-            decode from scratch produces, the prefix is cut back to that ubatch start (< n_ubatch more
-            tokens to decode) and the result equals an uncached run; otherwise (generated tokens in the
-            prefix) the whole prefix is kept. Chunks are aligned to multiples of n_batch from position 0.
+            computed in), so re-decoding just the tail of a cached prompt can change a greedy result on
+            a near tie. cache_bit_exact: when the cache up to the start of the ubatch that holds the
+            prefix's end is exactly what a decode from scratch produces, the prefix is cut back to that
+            ubatch start (< n_ubatch more tokens to decode), and the result equals an uncached run;
+            otherwise (generated tokens in the prefix) the whole prefix is kept. Chunks follow the
+            ubatches of a decode from position 0.
           - tokens: the generated tokens, excluding a final EOG token (which is not in text either), but
             including the token that completed a stop string (the stop string and what follows it are
             cut from text). Every token in tokens is also decoded, so afterwards the history is prompt +
-            tokens and generate("") continues exactly. n_decoded counts sampled tokens, the EOG included.
+            tokens and generate("", append=True) continues exactly. n_decoded counts sampled tokens, the EOG included.
           - "length": n_predict reached, or no room left to decode another token.
           - Also in the result: n_past (the history length afterwards).
-          - ValueError for an empty prompt on an empty context."""
+          - ValueError for an empty prompt (without append, or on an empty context)."""
 
     # -- branches: this stub is their contract (docs/BRANCHES.md explains them to users) -----------------
     # Every method takes the context's busy guard; those that decode release the GIL and honour the
@@ -272,8 +283,10 @@ class Context:
         decode: the grammar clone is swapped in, the chain accepts, the perplexity sums grow (the sampling
         surprisal counts when the token is the one just produced from this snapshot), snapshot := the
         branch's row, position += 1. A failed decode removes the cells it added (seq_rm)."""
-    def prefill(self, items: Sequence[tuple[int, Sequence[int]]], request_id: int = 0) -> None:
-        """Tokens into each branch, packed first-fit into n_batch chunks (an item longer than n_batch gets
+    def prefill(self, items: Sequence[tuple[int, Sequence[int]]], request_id: int = 0,
+                on_progress: Callable[[int, int], None] | None = None) -> None:
+        """Tokens into each branch (on_progress(done, total) after each chunk), packed first-fit into
+        n_batch chunks (an item longer than n_batch gets
         chunks of its own, in order); logits for each item's last token; no grammar/penalty/perplexity
         accept (prefill is context, not a choice). All or nothing like commit. Empty items are skipped;
         duplicates raise BranchError."""

@@ -36,6 +36,17 @@ class Call:
     request_id: int = 0  # the id the interrupt word is compared with (0: never interrupted)
     emit: EventSink | None = None  # EVENT frames for this request
 
+    def prompt_progress(self, wanted: bool) -> Callable[[int, int], None] | None:
+        """The native on_progress for a request that asked for prompt_progress events (else None)."""
+        emit = self.emit
+        if not wanted or emit is None:
+            return None
+
+        def on_progress(done: int, total: int) -> None:
+            emit({"prompt_progress": (done, total)})
+
+        return on_progress
+
 
 Q = TypeVar("Q", bound=Request[Any])
 Handler = Callable[["Engine", Any, Call], Any]
@@ -198,7 +209,8 @@ class Engine:
             add_special = entry.native.n_past() == 0 if req.add_special is None else req.add_special
             tokens = self._tokenize(entry.model_id, req.text, add_special, req.parse_special)
         # Token ids are checked (InvalidTokenError) by the native side, before anything is decoded.
-        return msgspec.convert(entry.native.eval(tokens, call.request_id), EvalResult)
+        return msgspec.convert(entry.native.eval(tokens, call.request_id, call.prompt_progress(req.progress)),
+                               EvalResult)
 
     @handles(p.Generate)
     def generate(self, req: p.Generate, call: Call) -> Result:
@@ -211,7 +223,8 @@ class Engine:
         if req.stream and emit is not None:
             def on_piece(piece: str) -> None:
                 emit({"piece": piece})
-        return msgspec.convert(entry.native.generate(req.prompt, params, call.request_id, on_piece), Result)
+        return msgspec.convert(entry.native.generate(req.prompt, params, call.request_id, on_piece, req.append,
+                                                     call.prompt_progress(req.progress)), Result)
 
     @handles(p.Logits)
     def logits(self, req: p.Logits, call: Call) -> p.LogitsAt:
@@ -268,7 +281,7 @@ class Engine:
         created = entry.native.branch_create(req.params, spec)
         if tokens:
             try:
-                entry.native.prefill([(created[0], tokens)], call.request_id)
+                entry.native.prefill([(created[0], tokens)], call.request_id, call.prompt_progress(req.progress))
             except BaseException:
                 entry.native.branch_prune(created[0], True)
                 raise
@@ -344,7 +357,7 @@ class Engine:
     def prefill(self, req: p.Prefill, call: Call) -> p.Decoded:
         entry = self._context(req.context)
         entry.native.prefill([(h, self._prompt_tokens(entry, toks, bos=False)) for h, toks in req.items],
-                             call.request_id)
+                             call.request_id, call.prompt_progress(req.progress))
         return self._decoded(entry, [h for h, _ in req.items])
 
     @handles(p.Step)
