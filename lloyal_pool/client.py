@@ -322,6 +322,48 @@ class Context:
                                   on_id=s._set_id))
         return s
 
+    def generate_with_draft(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                            draft: str | Context = "ngram", n_draft: int = 8, ngram_min: int = 2, ngram_max: int = 4,
+                            append: bool = False, on_piece: Callable[[str], None] | None = None,
+                            progress: PromptProgress | None = None, **overrides: Any) -> Result:
+        """generate() with speculative decoding (go-llama's GenerateWithDraft): a drafter proposes up to
+        ``n_draft`` tokens, this context decodes them in one batch, and its own sampler keeps them for as
+        long as it chooses the same tokens. Every token is this context's sampler's choice, so greedy
+        output is generate()'s and sampled output has its distribution; the drafter only decides how many
+        tokens one decode yields (``Result.n_drafted``, ``n_accepted``, ``acceptance_rate``).
+
+        ``draft``: ``"ngram"`` (prompt lookup: the latest earlier occurrence of the last ``ngram_max``
+        down to ``ngram_min`` tokens, and what followed it; no second model), or a Context of a smaller
+        model with the same vocabulary in the same worker (its greedy continuation; it must not be in use
+        meanwhile). Needs swa_full=True on sliding-window models (the default)."""
+        return self.generate_with_draft_async(prompt, params, draft=draft, n_draft=n_draft, ngram_min=ngram_min,
+                                              ngram_max=ngram_max, append=append, on_piece=on_piece,
+                                              progress=progress, **overrides).result()
+
+    def generate_with_draft_async(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                                  draft: str | Context = "ngram", n_draft: int = 8, ngram_min: int = 2,
+                                  ngram_max: int = 4, append: bool = False,
+                                  on_piece: Callable[[str], None] | None = None,
+                                  progress: PromptProgress | None = None, **overrides: Any) -> Future[Result]:
+        """generate_with_draft() without waiting: a Future of the Result."""
+        wire_draft: str | int
+        if isinstance(draft, Context):
+            if draft._proc is not self._proc:
+                raise ValueError("the draft context must live in the same worker (Instance) as the target")
+            if draft.closed:
+                raise StaleHandleError(f"draft context handle {draft.handle} was closed")
+            wire_draft = draft.handle
+        elif draft == "ngram":
+            wire_draft = draft
+        else:
+            raise ValueError(f'draft must be "ngram" or a Context, got {draft!r}')
+        base = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=on_piece is not None,
+                                      append=append, progress=progress is not None)
+        req = p.GenerateWithDraft(context=self.handle, prompt=base.prompt, params=base.params, draft=wire_draft,
+                                  n_draft=int(n_draft), ngram_min=int(ngram_min), ngram_max=int(ngram_max),
+                                  stream=base.stream, append=base.append, progress=base.progress)
+        return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
+
     def _generate_request(self, prompt: str | Sequence[int], params: GenerateParams, stream: bool, append: bool,
                           progress: bool) -> p.Generate:
         wire_prompt: str | list[int] = prompt if isinstance(prompt, str) else [int(t) for t in prompt]

@@ -196,6 +196,8 @@ class Result(msgspec.Struct, frozen=True):
     stop_reason: StopReason
     prompt_ms: float
     decode_ms: float
+    n_drafted: int = 0  # generate_with_draft: tokens the drafter proposed
+    n_accepted: int = 0  # ... and of those, the ones the target's sampler chose too
 
     @property
     def interrupted(self) -> bool:
@@ -203,7 +205,13 @@ class Result(msgspec.Struct, frozen=True):
 
     @property
     def decode_tokens_per_second(self) -> float:
+        """Generated tokens per second of generation (prompt evaluation not counted)."""
         return self.n_decoded / (self.decode_ms / 1000.0) if self.decode_ms > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """generate_with_draft: the share of drafted tokens the target kept (0.0 when none were drafted)."""
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
 
 class EvalResult(msgspec.Struct, frozen=True):

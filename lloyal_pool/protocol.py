@@ -65,6 +65,7 @@ class Op(str, enum.Enum):
     FREE_CONTEXT = "free_context"
     EVAL = "eval"
     GENERATE = "generate"
+    GENERATE_WITH_DRAFT = "generate_with_draft"
     LOGITS = "logits"
     RESET = "reset"
     TOKENS = "tokens"
@@ -277,6 +278,23 @@ class Generate(ContextRequest[Result]):
     params: dict[str, Any]  # GenerateParams.to_wire(); the native side validates
     stream: bool = False
     append: bool = False  # the prompt continues the history instead of replacing it
+    progress: bool = False
+
+
+class GenerateWithDraft(ContextRequest[Result]):
+    """Speculative generate: draft is "ngram" or the handle of a context in the same worker. Events as
+    for Generate."""
+
+    op = Op.GENERATE_WITH_DRAFT
+    decodes = True
+    prompt: str | list[int]
+    params: dict[str, Any]
+    draft: str | int
+    n_draft: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+    stream: bool = False
+    append: bool = False
     progress: bool = False
 
 

@@ -125,36 +125,42 @@ py::dict eval(py_context & c, py::handle tokens, uint64_t request_id, const py::
     return d;
 }
 
-py::dict generate(py_context & c, py::handle prompt, const py::dict & params, uint64_t request_id,
-                  const py::object & on_piece, bool append, const py::object & on_progress) {
+// generate()'s and generate_with_draft()'s arguments, typed.
+struct generate_args {
+    gen_params params;
+    prompt_input prompt;
+    piece_fn on_piece;
+    context_core::progress_fn on_progress;
+};
+
+generate_args parse_generate_args(py_context & c, py::handle prompt, const py::dict & params, const py::object & on_piece,
+                                  bool append, const py::object & on_progress) {
     if (!on_piece.is_none() && !PyCallable_Check(on_piece.ptr())) {
         throw py::type_error("on_piece must be callable or None");
     }
     const Model & model = c.core->model();
-    const gen_params p = parse_gen_params(params, model);
-    prompt_input in;
-    in.append = append;
+    generate_args a;
+    a.params = parse_gen_params(params, model);
+    a.prompt.append = append;
     if (PyUnicode_Check(prompt.ptr())) {
-        in.is_text = true;
-        in.text = prompt.cast<std::string>();
+        a.prompt.is_text = true;
+        a.prompt.text = prompt.cast<std::string>();
     } else {
-        in.tokens = tokens_from_py(prompt, model);
+        a.prompt.tokens = tokens_from_py(prompt, model);
     }
-    piece_fn fn;
     if (!on_piece.is_none()) {
         // Called without the GIL; takes it for the Python call only. A borrowed handle: the caller's
         // reference outlives the call, and the std::function is destroyed without the GIL.
-        fn = [cb = py::handle(on_piece)](std::string_view piece) {
+        a.on_piece = [cb = py::handle(on_piece)](std::string_view piece) {
             gil_acquire gil;
             cb(decode_utf8_replace(piece));
         };
     }
-    const context_core::progress_fn progress = progress_arg(on_progress);
-    generate_result r;
-    {
-        gil_release nogil;
-        r = c.sequence->generate(in, p, request_id, fn, progress);
-    }
+    a.on_progress = progress_arg(on_progress);
+    return a;
+}
+
+py::dict result_dict(const generate_result & r) {
     py::dict d;
     d["text"] = decode_utf8_replace(r.text);
     d["tokens"] = r.tokens;
@@ -165,7 +171,52 @@ py::dict generate(py_context & c, py::handle prompt, const py::dict & params, ui
     d["stop_reason"] = r.stop_reason;
     d["prompt_ms"] = r.prompt_ms;
     d["decode_ms"] = r.decode_ms;
+    d["n_drafted"] = r.n_drafted;
+    d["n_accepted"] = r.n_accepted;
     return d;
+}
+
+py::dict generate(py_context & c, py::handle prompt, const py::dict & params, uint64_t request_id,
+                  const py::object & on_piece, bool append, const py::object & on_progress) {
+    const generate_args a = parse_generate_args(c, prompt, params, on_piece, append, on_progress);
+    generate_result r;
+    {
+        gil_release nogil;
+        r = c.sequence->generate(a.prompt, a.params, request_id, a.on_piece, a.on_progress);
+    }
+    return result_dict(r);
+}
+
+py::dict generate_with_draft(py_context & c, py::handle prompt, const py::dict & params, const py::object & draft,
+                             int64_t n_draft, int64_t ngram_min, int64_t ngram_max, uint64_t request_id,
+                             const py::object & on_piece, bool append, const py::object & on_progress) {
+    const generate_args a = parse_generate_args(c, prompt, params, on_piece, append, on_progress);
+    if (n_draft < 1 || n_draft > 1024) {
+        throw std::invalid_argument("n_draft must be in [1, 1024], got " + std::to_string(n_draft));
+    }
+    if (ngram_min < 1 || ngram_max < ngram_min || ngram_max > 64) {
+        throw std::invalid_argument("ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 64");
+    }
+    std::unique_ptr<drafter> d;
+    if (PyUnicode_Check(draft.ptr())) {
+        if (draft.cast<std::string>() != "ngram") {
+            throw std::invalid_argument("draft must be \"ngram\" or a Context, got '" + draft.cast<std::string>() + "'");
+        }
+        d = make_ngram_drafter(static_cast<size_t>(ngram_min), static_cast<size_t>(ngram_max));
+    } else if (py::isinstance<py_context>(draft)) {
+        py_context & dc = draft.cast<py_context &>();
+        d = make_model_drafter(*c.sequence, *dc.sequence);
+    } else {
+        throw py::type_error("draft must be \"ngram\" or a Context");
+    }
+    generate_result r;
+    {
+        gil_release nogil;
+        r = c.sequence->generate_with_draft(a.prompt, a.params, *d, static_cast<size_t>(n_draft), request_id, a.on_piece,
+                                            a.on_progress);
+        d.reset();  // releases the draft context
+    }
+    return result_dict(r);
 }
 
 }  // namespace
@@ -199,6 +250,9 @@ void register_context(py::module_ & m) {
                 c.sequence->write_logits();
             })
         .def("generate", &generate, py::arg("prompt"), py::arg("params"), py::arg("request_id") = 0,
+             py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none())
+        .def("generate_with_draft", &generate_with_draft, py::arg("prompt"), py::arg("params"), py::arg("draft"),
+             py::arg("n_draft") = 8, py::arg("ngram_min") = 2, py::arg("ngram_max") = 4, py::arg("request_id") = 0,
              py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none());
     register_branch_methods(cls);
 }

@@ -11,6 +11,7 @@
 //    token, which llama.cpp's examples skip; generation stops ("length") rather than sample a token
 //    there is no room left to decode.
 #include "errors.hpp"
+#include "generation.hpp"
 #include "logits.hpp"
 #include "sequence.hpp"
 
@@ -118,202 +119,219 @@ size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama
 
 }  // namespace
 
+std::unique_ptr<chain_sampler> make_generation_sampler(const gen_params & p, const Model & model, uint32_t n_ctx,
+                                                       const std::vector<llama_token> & seen) {
+    auto sampler = std::make_unique<chain_sampler>(p, model, n_ctx, seen);
+    if (p.grammar) {
+        sampler->set_grammar(make_grammar_sampler(model, *p.grammar));
+    }
+    sampler->set_logit_bias(p.ignore_eos ? with_eog_banned(p.logit_bias, model) : p.logit_bias);
+    return sampler;
+}
+
+llama_token choose_token(chain_sampler & sampler, const float * z, int32_t n_vocab,
+                         std::vector<llama_token_data> & scratch) {
+    if (z == nullptr) {
+        throw lloyal_error("no logits to sample from");
+    }
+    // The sampler needs the row's maximum (its greedy path finds the argmax from it); the log-sum-exp
+    // is only for surprisals, which a generation does not report.
+    const logits_row row{z, max_of(z, static_cast<size_t>(n_vocab)), std::numeric_limits<float>::quiet_NaN()};
+    const llama_token tok = sampler.sample(row, scratch).token;
+    if (tok == LLAMA_TOKEN_NULL) {
+        if (sampler.has_grammar()) {
+            return tok;  // the grammar is complete and EOG is banned (ignore_eos)
+        }
+        throw lloyal_error("no token can be sampled: logit_bias/ignore_eos ban every token");
+    }
+    if (sampler.has_grammar()) {
+        sampler.set_grammar(sampler.grammar_after(tok));
+    }
+    sampler.accept(tok);
+    return tok;
+}
+
+void generation_output::stream(size_t end) {
+    if (end <= emitted_) {
+        return;
+    }
+    const size_t begin = emitted_;
+    emitted_ = end;
+    if (!on_piece_ || callback_error_) {
+        return;
+    }
+    try {
+        on_piece_(std::string_view(res_.text.data() + begin, end - begin));
+    } catch (...) {
+        callback_error_ = std::current_exception();
+    }
+}
+
+generation_output::verdict generation_output::push(llama_token tok) {
+    if (tok == LLAMA_TOKEN_NULL) {
+        stop("eos");
+        return verdict::stop;
+    }
+    ++n_sampled_;
+    if (!p_.ignore_eos && llama_vocab_is_eog(model_.vocab(), tok)) {
+        stop("eos");
+        return verdict::stop;
+    }
+    res_.tokens.push_back(tok);
+    std::string & gen = res_.text;
+    gen += model_.text_piece(tok, p_.render_special);
+    const size_t match = find_stop(gen, emitted_, p_.stop);
+    bool stop_string = false;
+    if (match != std::string::npos) {
+        text_end_ = match;
+        stop("stop");
+        stream(match);
+        stop_string = true;
+    } else {
+        const size_t hold = std::max(stop_prefix_tail(gen, emitted_, p_.stop), incomplete_utf8_tail(gen, emitted_));
+        stream(gen.size() - hold);
+    }
+    if (callback_error_) {
+        stop("stop");  // the error is what the caller gets (finish)
+        return verdict::stop;
+    }
+    return stop_string ? verdict::last_decoded : verdict::more;
+}
+
+void generation_output::finish() {
+    if (text_end_ == std::string::npos) {
+        text_end_ = res_.text.size();
+    }
+    // Whatever was held back is final now (a stop prefix that never completed, a truncated UTF-8
+    // sequence that becomes U+FFFD here exactly as in text).
+    stream(text_end_);
+    if (callback_error_) {
+        std::rethrow_exception(callback_error_);
+    }
+    res_.text.resize(text_end_);
+    res_.n_decoded = n_sampled_;
+    res_.stop_reason = stop_reason_.empty() ? std::string("length") : stop_reason_;
+}
+
+sequence_driver::prompt_plan sequence_driver::plan_prompt(const prompt_input & prompt, const gen_params & p) const {
+    const Model & model = core_.model();
+    prompt_plan plan;
+    if (prompt.is_text) {
+        if (!prompt.text.empty()) {
+            // A whole input starts like one (BOS); appended text does only on an empty context.
+            plan.tokens = model.tokenize(prompt.text, !prompt.append || history_.empty(), true);
+        }
+    } else {
+        plan.tokens = prompt.tokens;
+    }
+    plan.continue_only = prompt.append && plan.tokens.empty();
+    if (plan.tokens.empty() && !plan.continue_only) {
+        throw std::invalid_argument("empty prompt: pass append=True to continue from what the context holds");
+    }
+    if (plan.continue_only && history_.empty()) {
+        throw std::invalid_argument("empty prompt on an empty context: nothing to continue from");
+    }
+
+    // What of the history stays: all of it when appending, the longest common prefix with the prompt
+    // under cache_prompt, nothing otherwise.
+    plan.n_keep = history_.size();
+    if (prompt.append) {
+        plan.to_decode = plan.tokens;
+    } else {
+        plan.n_keep = 0;
+        if (p.cache_prompt) {
+            plan.n_keep = common_prefix(history_, plan.tokens);
+            if (plan.n_keep == plan.tokens.size() && !(plan.n_keep == history_.size() && has_logits_)) {
+                --plan.n_keep;  // decode at least the last token, for logits that belong to this prompt
+            }
+            if (p.cache_bit_exact) {
+                plan.n_keep = reuse_point(plan.n_keep);
+            }
+        }
+        plan.n_cached = plan.n_keep;
+        plan.to_decode.assign(plan.tokens.begin() + static_cast<std::ptrdiff_t>(plan.n_keep), plan.tokens.end());
+    }
+    const size_t room = core_.n_ctx_seq > plan.n_keep ? core_.n_ctx_seq - plan.n_keep : 0;
+    if (plan.to_decode.size() > room) {
+        throw context_overflow_error("prompt of " + std::to_string(plan.to_decode.size()) +
+                                     " new tokens does not fit: n_ctx " + std::to_string(core_.n_ctx_seq) +
+                                     ", n_past " + std::to_string(plan.n_keep) + ", room " + std::to_string(room));
+    }
+    return plan;
+}
+
+std::vector<llama_token> sequence_driver::seen_tokens(const prompt_plan & plan) const {
+    std::vector<llama_token> seen(history_.begin(), history_.begin() + static_cast<std::ptrdiff_t>(plan.n_keep));
+    seen.insert(seen.end(), plan.to_decode.begin(), plan.to_decode.end());
+    return seen;
+}
+
+bool sequence_driver::take_prompt(prompt_plan & plan, bool append, const context_core::progress_fn & on_progress) {
+    if (!append) {
+        if (truncate_to(plan.n_keep) != plan.n_keep) {
+            // The memory could not keep that prefix (an SWA cache without swa_full that has already
+            // dropped what position n_keep needs): it was cleared, so start over.
+            plan.to_decode = plan.tokens;
+            plan.n_cached = 0;
+        }
+    } else if (plan.continue_only && !has_logits_) {
+        // Continuing needs the logits after the last token (lost after an interrupt, reset of a
+        // sampled-but-undecoded state, ...): decode that token again.
+        const std::vector<llama_token> old = history_;
+        if (truncate_to(old.size() - 1) == old.size() - 1) {
+            plan.to_decode.assign(1, old.back());
+        } else {
+            plan.to_decode = old;
+        }
+    }
+    context_core::progress_scope progress(core_, on_progress);
+    return decode_tokens(plan.to_decode.data(), plan.to_decode.size(), true);
+}
+
 generate_result sequence_driver::generate(const prompt_input & prompt, const gen_params & p, uint64_t request_id,
                                           const piece_fn & on_piece, const context_core::progress_fn & on_progress) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("generate");
     core_.reset_decode_timer();
     const Model & model = core_.model();
-
-    std::vector<llama_token> prompt_toks;
-    if (prompt.is_text) {
-        if (!prompt.text.empty()) {
-            // A whole input starts like one (BOS); appended text does only on an empty context.
-            prompt_toks = model.tokenize(prompt.text, !prompt.append || history_.empty(), true);
-        }
-    } else {
-        prompt_toks = prompt.tokens;
-    }
-    const bool continue_only = prompt.append && prompt_toks.empty();
-    if (prompt_toks.empty() && !continue_only) {
-        throw std::invalid_argument("empty prompt: pass append=True to continue from what the context holds");
-    }
-    if (continue_only && history_.empty()) {
-        throw std::invalid_argument("empty prompt on an empty context: nothing to continue from");
-    }
-
-    // What of the history stays: all of it when appending, the longest common prefix with the prompt
-    // under cache_prompt, nothing otherwise.
-    size_t n_keep = history_.size();
-    std::vector<llama_token> to_decode;
-    if (prompt.append) {
-        to_decode = prompt_toks;
-    } else {
-        n_keep = 0;
-        if (p.cache_prompt) {
-            n_keep = common_prefix(history_, prompt_toks);
-            if (n_keep == prompt_toks.size() && !(n_keep == history_.size() && has_logits_)) {
-                --n_keep;  // decode at least the last token, for logits that belong to this prompt
-            }
-            if (p.cache_bit_exact) {
-                n_keep = reuse_point(n_keep);
-            }
-        }
-        to_decode.assign(prompt_toks.begin() + static_cast<std::ptrdiff_t>(n_keep), prompt_toks.end());
-    }
-    const size_t room = core_.n_ctx_seq > n_keep ? core_.n_ctx_seq - n_keep : 0;
-    if (to_decode.size() > room) {
-        throw context_overflow_error("prompt of " + std::to_string(to_decode.size()) +
-                                     " new tokens does not fit: n_ctx " + std::to_string(core_.n_ctx_seq) +
-                                     ", n_past " + std::to_string(n_keep) + ", room " + std::to_string(room));
-    }
-
+    prompt_plan plan = plan_prompt(prompt, p);
     // Everything that can be refused (the grammar above all) is refused before the KV cache is touched.
-    // The repetition penalties and DRY look back over the context, prompt included, as llama-server
-    // does; the grammar sees only what is generated.
-    std::vector<llama_token> seen(history_.begin(), history_.begin() + static_cast<std::ptrdiff_t>(n_keep));
-    seen.insert(seen.end(), to_decode.begin(), to_decode.end());
-    chain_sampler sampler(p, model, core_.n_ctx_seq, seen);
-    if (p.grammar) {
-        sampler.set_grammar(make_grammar_sampler(model, *p.grammar));
-    }
-    sampler.set_logit_bias(p.ignore_eos ? with_eog_banned(p.logit_bias, model) : p.logit_bias);
+    const std::unique_ptr<chain_sampler> sampler = make_generation_sampler(p, model, core_.n_ctx_seq, seen_tokens(plan));
     std::vector<llama_token_data> scratch;
 
     generate_result res;
-    std::string & gen = res.text;  // generated bytes
-    size_t emitted = 0;            // gen[:emitted] is final: streamed, or would have been
-    size_t text_end = std::string::npos;
-    int32_t n_sampled = 0;
-    size_t n_cached = prompt.append ? 0 : n_keep;
-    std::string stop_reason;
-    std::exception_ptr callback_error;
-    const llama_vocab * vocab = model.vocab();
-    const int32_t n_vocab = model.n_vocab();
-
-    auto stream = [&](size_t end) {
-        if (end <= emitted) {
-            return;
-        }
-        const size_t begin = emitted;
-        emitted = end;
-        if (!on_piece || callback_error) {
-            return;
-        }
-        try {
-            on_piece(std::string_view(gen.data() + begin, end - begin));
-        } catch (...) {
-            callback_error = std::current_exception();
-        }
-    };
-
+    generation_output out(p, model, on_piece, res);
     {
         context_core::request_scope req(core_, request_id);
         const int64_t t0 = now_us();
-        if (!prompt.append) {
-            if (truncate_to(n_keep) != n_keep) {
-                // The memory could not keep that prefix (an SWA cache without swa_full that has already
-                // dropped what position n_keep needs): it was cleared, so start over.
-                to_decode = prompt_toks;
-                n_cached = 0;
-            }
-        } else if (continue_only && !has_logits_) {
-            // Continuing needs the logits after the last token (lost after an interrupt, reset of
-            // a sampled-but-undecoded state, ...): decode that token again.
-            const std::vector<llama_token> old = history_;
-            if (truncate_to(old.size() - 1) == old.size() - 1) {
-                to_decode.assign(1, old.back());
-            } else {
-                to_decode = old;
-            }
-        }
-        bool ok = true;
-        {
-            context_core::progress_scope progress(core_, on_progress);
-            ok = decode_tokens(to_decode.data(), to_decode.size(), true);
+        if (!take_prompt(plan, prompt.append, on_progress)) {
+            out.stop("interrupted");
         }
         const int64_t t1 = now_us();
         res.prompt_ms = elapsed_ms(t0, t1);
-        if (!ok) {
-            stop_reason = "interrupted";
-        }
-
-        while (stop_reason.empty()) {
+        while (!out.stopped()) {
             if (core_.interrupt_requested()) {
-                stop_reason = "interrupted";
+                out.stop("interrupted");
                 break;
             }
-            if (p.n_predict > 0 && n_sampled >= p.n_predict) {
-                stop_reason = "length";
+            if (!out.may_sample() || history_.size() >= core_.n_ctx_seq) {
+                out.stop("length");  // n_predict reached, or no room to decode another token
                 break;
             }
-            if (history_.size() >= core_.n_ctx_seq) {
-                stop_reason = "length";  // no room to decode another token
-                break;
-            }
-            const float * z = llama_get_logits_ith(core_.get(), -1);
-            if (z == nullptr) {
-                throw lloyal_error("no logits to sample from");
-            }
-            // The sampler needs the row's maximum (its greedy path finds the argmax from it); the
-            // log-sum-exp is only for surprisals, which generate() does not report.
-            const logits_row row{z, max_of(z, static_cast<size_t>(n_vocab)), std::numeric_limits<float>::quiet_NaN()};
-            const llama_token tok = sampler.sample(row, scratch).token;
-            if (tok == LLAMA_TOKEN_NULL) {
-                if (sampler.has_grammar()) {
-                    stop_reason = "eos";  // the grammar is complete and EOG is banned (ignore_eos)
-                    break;
-                }
-                throw lloyal_error("no token can be sampled: logit_bias/ignore_eos ban every token");
-            }
-            if (sampler.has_grammar()) {
-                sampler.set_grammar(sampler.grammar_after(tok));
-            }
-            sampler.accept(tok);
-            ++n_sampled;
-            if (!p.ignore_eos && llama_vocab_is_eog(vocab, tok)) {
-                stop_reason = "eos";
-                break;
-            }
-            res.tokens.push_back(tok);
-            gen += model.text_piece(tok, p.render_special);
-
-            const size_t match = find_stop(gen, emitted, p.stop);
-            if (match != std::string::npos) {
-                text_end = match;
-                stop_reason = "stop";
-                stream(match);
-            } else {
-                const size_t hold = std::max(stop_prefix_tail(gen, emitted, p.stop), incomplete_utf8_tail(gen, emitted));
-                stream(gen.size() - hold);
-            }
-            if (callback_error) {
+            const llama_token tok = choose_token(*sampler, llama_get_logits_ith(core_.get(), -1), model.n_vocab(), scratch);
+            if (out.push(tok) == generation_output::verdict::stop) {
                 break;  // not decoded: the history stays what it was before this token
             }
             if (!decode_tokens(&tok, 1, true)) {
-                if (stop_reason.empty()) {
-                    stop_reason = "interrupted";
-                }
-                break;
+                out.stop("interrupted");
             }
         }
-        if (text_end == std::string::npos) {
-            text_end = gen.size();
-        }
-        // Whatever was held back is final now (a stop prefix that never completed, a truncated
-        // UTF-8 sequence that becomes U+FFFD here exactly as in text).
-        stream(text_end);
+        out.finish();
         res.decode_ms = elapsed_ms(t1, now_us());
     }
-    if (callback_error) {
-        std::rethrow_exception(callback_error);
-    }
-    gen.resize(text_end);
-    res.n_prompt = prompt_toks.size();
-    res.n_decoded = n_sampled;
-    res.n_cached = n_cached;
+    res.n_prompt = plan.tokens.size();
+    res.n_cached = plan.n_cached;
     res.n_past = history_.size();
-    res.stop_reason = stop_reason.empty() ? std::string("length") : stop_reason;
     return res;
 }
 

@@ -8,6 +8,7 @@
 #include "sampling.hpp"
 
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -16,6 +17,7 @@
 namespace lloyal {
 
 class branch_driver;
+class sequence_driver;
 
 struct eval_result {
     size_t n_tokens = 0;  // of those given, now in the cache (fewer when interrupted)
@@ -40,6 +42,8 @@ struct generate_result {
     size_t n_prompt = 0;
     int32_t n_decoded = 0;
     size_t n_cached = 0;
+    size_t n_drafted = 0;   // speculative: tokens a drafter proposed
+    size_t n_accepted = 0;  // ... of which the target's sampler chose the same
     size_t n_past = 0;
     std::string stop_reason;  // "eos" | "length" | "stop" | "interrupted"
     double prompt_ms = 0.0;
@@ -49,6 +53,20 @@ struct generate_result {
 // Receives each piece of final text (bytes) as it is decided; may throw (the generation then stops
 // with the history consistent, and the exception propagates).
 using piece_fn = std::function<void(std::string_view)>;
+
+// Proposes up to n tokens to follow `context` (the target's history and its next token), for
+// speculative decoding (speculative.cpp). Fewer or none is fine.
+class drafter {
+  public:
+    virtual ~drafter() = default;
+    virtual std::vector<llama_token> draft(const std::vector<llama_token> & context, size_t n) = 0;
+};
+
+// speculative.cpp. ngram: prompt lookup over the context, matching its last n_max down to n_min tokens.
+// A model drafter holds the draft context's busy guard while it lives; ContextError when the draft model's
+// vocabulary is not the target's, ValueError when draft is target.
+std::unique_ptr<drafter> make_ngram_drafter(size_t n_min, size_t n_max);
+std::unique_ptr<drafter> make_model_drafter(sequence_driver & target, sequence_driver & draft);
 
 class sequence_driver {
   public:
@@ -69,10 +87,36 @@ class sequence_driver {
     // generate.cpp; the contract is the stub's Context.generate. on_progress: the prompt's decode only.
     generate_result generate(const prompt_input & prompt, const gen_params & p, uint64_t request_id,
                              const piece_fn & on_piece, const context_core::progress_fn & on_progress = nullptr);
+    // speculative.cpp: generate, with each step's continuation proposed by `draft` (at most n_draft
+    // tokens) and verified in one batched decode; every token is still the target sampler's choice.
+    generate_result generate_with_draft(const prompt_input & prompt, const gen_params & p, drafter & draft,
+                                        size_t n_draft, uint64_t request_id, const piece_fn & on_piece,
+                                        const context_core::progress_fn & on_progress = nullptr);
+    // For a draft context (speculative.cpp): brings the history to `context` (reusing the common prefix)
+    // and returns up to n greedy tokens after it. The caller holds this context's busy guard.
+    std::vector<llama_token> draft_greedy(const std::vector<llama_token> & context, size_t n);
+    context_core & core() const { return core_; }
     // Copies the last position's logits into the context's row in the region; LloyalError when there are none.
     void write_logits();
 
   private:
+    // A generation's prompt: its tokens, what of the history stays, what is decoded (generate.cpp).
+    struct prompt_plan {
+        std::vector<llama_token> tokens;
+        std::vector<llama_token> to_decode;
+        size_t n_keep = 0;
+        size_t n_cached = 0;
+        bool continue_only = false;  // append with an empty prompt
+    };
+    // Checks the prompt (ValueError when empty, ContextOverflowError) and plans it; changes nothing.
+    prompt_plan plan_prompt(const prompt_input & prompt, const gen_params & p) const;
+    // The tokens the penalty and DRY windows start with.
+    std::vector<llama_token> seen_tokens(const prompt_plan & plan) const;
+    // Trims the history as planned and decodes the rest; false when interrupted.
+    bool take_prompt(prompt_plan & plan, bool append, const context_core::progress_fn & on_progress);
+    // One llama_decode of toks at the end of sequence 0 with a logits row for every one of them (at most
+    // n_batch); committed to the history on success. False when interrupted (nothing committed).
+    bool decode_all_rows(const std::vector<llama_token> & toks);
     void require_sequence_mode(const char * what) const;  // ContextError in branch mode
     // Decodes toks at the end of sequence 0 in n_batch chunks, committing each chunk to the history
     // once llama_decode succeeded. want_logits: output row for the very last token only.

@@ -138,6 +138,28 @@ class Context:
 
         n_tokens: how many of these tokens are now in the cache (fewer than given when interrupted).
         (With an SWA cache without swa_full, trimming may have to clear the whole cache: n_past says.)"""
+    def generate_with_draft(
+        self,
+        prompt: str | Sequence[int],
+        params: dict[str, Any],
+        draft: str | Context,
+        n_draft: int = 8,
+        ngram_min: int = 2,
+        ngram_max: int = 4,
+        request_id: int = 0,
+        on_piece: Callable[[str], None] | None = None,
+        append: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]:
+        """generate with speculative decoding: each step, the drafter proposes up to n_draft tokens to follow
+        the target's next token; the target decodes them in one batch (logits for every row) and its own
+        sampler chain walks the rows, keeping drafts while it chooses the same token. Every emitted token is
+        the target sampler's choice, so the arguments, contract and result are generate()'s, plus n_drafted
+        and n_accepted. draft: "ngram" (the latest earlier occurrence of the context's last ngram_max down
+        to ngram_min tokens, and what followed it) or another Context whose model has the same vocabulary
+        (ContextError otherwise), used greedily and held busy for the call. ValueError for n_draft outside
+        [1, 1024], bad ngram sizes, or draft being this context; ContextError on a recurrent model or a
+        sliding-window one without swa_full."""
     def write_logits(self) -> None:
         """Copies the logits of the last decoded position (n_vocab float32) into the context's row of the
         region, at logits_offset. Raises LloyalError when nothing has been decoded yet (also after a

@@ -215,16 +215,38 @@ class Engine:
     @handles(p.Generate)
     def generate(self, req: p.Generate, call: Call) -> Result:
         entry = self._context(req.context)
-        params = req.params
+        on_piece = self._on_piece(call) if req.stream else None
+        return msgspec.convert(entry.native.generate(req.prompt, self._gen_params(req.params), call.request_id,
+                                                     on_piece, req.append, call.prompt_progress(req.progress)), Result)
+
+    @handles(p.GenerateWithDraft)
+    def generate_with_draft(self, req: p.GenerateWithDraft, call: Call) -> Result:
+        entry = self._context(req.context)
+        draft: str | Any = req.draft
+        if isinstance(req.draft, int):
+            if req.draft == req.context:
+                raise ValueError("the draft context must be another context than the target")
+            draft = self._context(req.draft).native
+        on_piece = self._on_piece(call) if req.stream else None
+        return msgspec.convert(entry.native.generate_with_draft(
+            req.prompt, self._gen_params(req.params), draft, req.n_draft, req.ngram_min, req.ngram_max,
+            call.request_id, on_piece, req.append, call.prompt_progress(req.progress)), Result)
+
+    def _gen_params(self, params: dict[str, Any]) -> dict[str, Any]:
         if isinstance(params.get("grammar"), dict):
-            params = {**params, "grammar": self._grammar(params["grammar"])}
-        on_piece = None
+            return {**params, "grammar": self._grammar(params["grammar"])}
+        return params
+
+    @staticmethod
+    def _on_piece(call: Call) -> Callable[[str], None] | None:
         emit = call.emit
-        if req.stream and emit is not None:
-            def on_piece(piece: str) -> None:
-                emit({"piece": piece})
-        return msgspec.convert(entry.native.generate(req.prompt, params, call.request_id, on_piece, req.append,
-                                                     call.prompt_progress(req.progress)), Result)
+        if emit is None:
+            return None
+
+        def on_piece(piece: str) -> None:
+            emit({"piece": piece})
+
+        return on_piece
 
     @handles(p.Logits)
     def logits(self, req: p.Logits, call: Call) -> p.LogitsAt:
