@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import metrics
 from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
-from .client import Context, Instance, Model, Pool, Stream
+from .client import Context, Instance, LoraAdapter, Model, Pool, Stream
 from .errors import (
     BranchError,
     ContextError,
@@ -15,6 +15,7 @@ from .errors import (
     InterruptedByClient,
     InvalidTokenError,
     LloyalError,
+    LoraError,
     ModelLoadError,
     PoolClosedError,
     ProtocolError,
@@ -58,6 +59,8 @@ __all__ = [
     "InvalidTokenError",
     "KVPressure",
     "LloyalError",
+    "LoraAdapter",
+    "LoraError",
     "Model",
     "ModelInfo",
     "ModelLoadError",
