@@ -5,8 +5,11 @@
 #include "errors.hpp"
 #include "sequence.hpp"
 
+#include "gguf.h"
+
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 
 #include <sys/stat.h>
 
@@ -32,6 +35,42 @@ std::string adapter_meta_string(meta_by_index_fn fn, const llama_adapter_lora * 
     return std::string(buf.data(), static_cast<size_t>(n));
 }
 
+// llama.cpp reads these keys with gguf getters that abort the process on a value of another type, and
+// multiplies lora_a/lora_b as matrices without checking that they are: refuse such files before it
+// sees them.
+void check_adapter_file(const std::string & path) {
+    ggml_context * meta = nullptr;
+    gguf_init_params params{};
+    params.no_alloc = true;
+    params.ctx = &meta;
+    const uint64_t mark = log_mark();
+    std::unique_ptr<gguf_context, void (*)(gguf_context *)> gguf(gguf_init_from_file(path.c_str(), params),
+                                                                 &gguf_free);
+    std::unique_ptr<ggml_context, void (*)(ggml_context *)> tensors(meta, &ggml_free);
+    if (!gguf) {
+        throw lora_error("not a readable GGUF file: '" + path + "'" + log_reason_since(mark));
+    }
+    const std::pair<const char *, gguf_type> typed_keys[] = {
+        {"general.type", GGUF_TYPE_STRING},
+        {"general.architecture", GGUF_TYPE_STRING},
+        {"adapter.type", GGUF_TYPE_STRING},
+        {"adapter.lora.alpha", GGUF_TYPE_FLOAT32},
+    };
+    for (const auto & [key, type] : typed_keys) {
+        const int64_t id = gguf_find_key(gguf.get(), key);
+        if (id >= 0 && gguf_get_kv_type(gguf.get(), id) != type) {
+            throw lora_error(std::string(key) + " must be a " + gguf_type_name(type) + ", but is a " +
+                             gguf_type_name(gguf_get_kv_type(gguf.get(), id)) + ": '" + path + "'");
+        }
+    }
+    for (ggml_tensor * t = ggml_get_first_tensor(meta); t != nullptr; t = ggml_get_next_tensor(meta, t)) {
+        if (ggml_n_dims(t) > 2) {
+            throw lora_error(std::string("LoRA tensor '") + ggml_get_name(t) + "' has " +
+                             std::to_string(ggml_n_dims(t)) + " dimensions, not 2: '" + path + "'");
+        }
+    }
+}
+
 }  // namespace
 
 lora_adapter::lora_adapter(std::shared_ptr<Model> model, const std::string & path)
@@ -50,6 +89,7 @@ lora_adapter::lora_adapter(std::shared_ptr<Model> model, const std::string & pat
     if (model_->vocab_only()) {
         throw lora_error("the model was loaded with vocab_only=True: it has no weights to adapt");
     }
+    check_adapter_file(path);
     const uint64_t mark = log_mark();
     adapter_ = llama_adapter_lora_init(model_->get(), path.c_str());
     if (adapter_ == nullptr) {

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from loras import attention_shapes, write_lora
@@ -191,6 +192,21 @@ def test_bad_adapter_files_are_typed_errors(tiny: Model, gemma: Model, tiny_lora
         tiny.load_lora(write_lora(tmp_path / "wider.gguf", "llama", wider))
     with pytest.raises(LoraError, match="does not exist"):
         tiny.load_lora(write_lora(tmp_path / "extra.gguf", "llama", {"blk.9.attn_q.weight": (64, 64)}))
+    # Files llama.cpp itself would abort the process on (a key of another type, a tensor that is no matrix).
+    for name, build in (("int-type", lambda w: w.add_uint32("general.type", 7)),
+                        ("f64-alpha", lambda w: (w.add_type("adapter"), w.add_string("adapter.type", "lora"),
+                                                 w.add_float64("adapter.lora.alpha", 4.0))),
+                        ("3d", lambda w: (w.add_type("adapter"), w.add_string("adapter.type", "lora"),
+                                          w.add_tensor("blk.0.attn_q.weight.lora_a",
+                                                       np.zeros((2, 4, 64), dtype=np.float32))))):
+        writer = gguf.GGUFWriter(tmp_path / f"{name}.gguf", "llama")
+        build(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(LoraError, match=r"must be a|dimensions"):
+            tiny.load_lora(tmp_path / f"{name}.gguf")
     # The worker goes on serving.
     assert tiny.detokenize(tiny.tokenize("still here", add_special=False)) == "still here"
     ctx = tiny.new_context(n_ctx=64)
