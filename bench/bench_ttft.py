@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import common_args, emit_report, model_path  # noqa: E402
+from bench_generate import common_args, emit_report, model_path
 
 QUESTIONS = [" Question: which item comes after item7? Answer:", " Question: how many items are listed? Answer:",
              " Question: name the first item. Answer:", " Question: is item3 in the list? Answer:"]

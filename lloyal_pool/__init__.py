@@ -8,7 +8,7 @@ import logging
 from . import metrics
 from ._link import PromptProgress
 from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
-from .client import Context, Instance, Model, Pool, ProgressCallback, Stream
+from .client import Context, Instance, LoraAdapter, Model, Pool, ProgressCallback, Stream
 from .errors import (
     BranchError,
     ContextError,
@@ -18,6 +18,7 @@ from .errors import (
     InterruptedByClient,
     InvalidTokenError,
     LloyalError,
+    LoraError,
     ModelLoadError,
     PoolClosedError,
     ProtocolError,
@@ -65,6 +66,8 @@ __all__ = [
     "InvalidTokenError",
     "KVPressure",
     "LloyalError",
+    "LoraAdapter",
+    "LoraError",
     "Model",
     "ModelInfo",
     "ModelLoadError",

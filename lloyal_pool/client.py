@@ -2,6 +2,7 @@
 
     Pool ──▶ Instance (one worker process = one isolated engine)
                 └─▶ Model (a loaded GGUF)  ──▶ Context (a KV cache + generation)
+                                           ──▶ LoraAdapter (applied per context: Context.set_lora)
 
 This process never loads llama.cpp. Every handle method is a request to its worker (_process.py) and
 returns when the reply arrives; ``*_async`` variants return the concurrent.futures.Future underneath.
@@ -28,7 +29,7 @@ from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
-from .errors import PoolClosedError, StaleHandleError
+from .errors import LoraError, PoolClosedError, StaleHandleError
 from .params import ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams
 from .protocol import Request
 from .shm import DEFAULT_SIZE
@@ -124,6 +125,7 @@ class Model:
         self.info = info
         self.path = path
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # freed with the model
+        self._loras: weakref.WeakSet[LoraAdapter] = weakref.WeakSet()  # freed with the model too
 
     def __repr__(self) -> str:
         return f"<Model {self.info.desc!r} worker={self.instance.worker_id} handle={self._handle}>"
@@ -175,15 +177,59 @@ class Model:
         self._contexts.add(ctx)
         return ctx
 
+    def load_lora(self, path: str | os.PathLike[str]) -> LoraAdapter:
+        """Loads a LoRA adapter GGUF for this model. It does nothing until a context applies it
+        (Context.set_lora); it is freed by close() or with the model. LoraError for a missing file, a file
+        that is not a LoRA adapter GGUF, or an adapter for another architecture or other tensor shapes."""
+        abspath = os.path.abspath(os.fspath(path))
+        loaded = self._call(p.LoadLora(model=self._handle, path=abspath))
+        adapter = LoraAdapter(self, loaded.lora, abspath, loaded.alpha, loaded.meta)
+        self._loras.add(adapter)
+        return adapter
+
     def close(self) -> None:
-        """Frees the model and every context created from it. Idempotent; a dead worker has nothing to free."""
+        """Frees the model, every context created from it and every LoRA adapter loaded for it.
+        Idempotent; a dead worker has nothing to free."""
         if self._closed:
             return
         self._closed = True
         for ctx in list(self._contexts):
             ctx._forget()  # the worker frees them with the model: their handles go stale here too
+        for adapter in list(self._loras):
+            adapter._closed = True
         if self._proc.alive:
             self._proc.call(p.FreeModel(model=self._handle)).result()
+
+
+class LoraAdapter:
+    """A LoRA adapter loaded in one worker for one model (Model.load_lora). Apply it to contexts of that
+    model with Context.set_lora; each context has its own configuration."""
+
+    def __init__(self, model: Model, handle: int, path: str, alpha: float, meta: Mapping[str, str]) -> None:
+        self.model = model
+        self._handle = handle
+        self._closed = False
+        self.path = path
+        self.alpha = alpha  # adapter.lora.alpha (0.0: the file has none)
+        self.meta = dict(meta)  # the adapter GGUF's scalar metadata, as strings
+
+    def __repr__(self) -> str:
+        state = " closed" if self.closed else ""
+        return f"<LoraAdapter {os.path.basename(self.path)!r} handle={self._handle}{state}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.model._closed
+
+    def close(self) -> None:
+        """Frees the adapter. LoraError while a context still applies it (set_lora([]) there first).
+        Idempotent; the model's close frees it too."""
+        if self.closed:
+            self._closed = True
+            return
+        if self.model._proc.alive:
+            self.model._proc.call(p.FreeLora(lora=self._handle)).result()
+        self._closed = True
 
 
 class Stream:
@@ -277,6 +323,7 @@ class Context:
         self._link = ContextLink(self._proc, desc.context, desc.interrupt_slot)
         self.branches = BranchStore(self._link, model.n_vocab)
         self.kv = KV(self._link, self.branches)
+        self._lora: list[tuple[LoraAdapter, float]] = []
 
     @property
     def handle(self) -> int:
@@ -413,6 +460,36 @@ class Context:
         """Clears the KV cache: the next generation starts from nothing. Every branch is released."""
         self._link.call(p.Reset(context=self.handle)).result()
         self.branches._forget_all()
+
+    def set_lora(self, adapters: Sequence[tuple[LoraAdapter, float]]) -> bool:
+        """Replaces the context's whole LoRA configuration with (adapter, scale) pairs; ``[]`` removes
+        every adapter. Scale 0 is the same as leaving the adapter out. The same configuration again (in
+        any order) keeps the KV cache and returns False. A different one empties the context's history
+        and KV cache, since what they hold was computed under the old adapters, and returns True; with
+        branches or detached sequences present it raises LoraError instead and changes nothing (prune
+        them or reset() first). LoraError for an adapter of another model, a non-finite scale or one
+        adapter twice; StaleHandleError for a closed adapter."""
+        pairs: list[tuple[LoraAdapter, float]] = []
+        for item in adapters:
+            adapter, scale = item
+            if not isinstance(adapter, LoraAdapter):
+                raise TypeError(f"set_lora takes (LoraAdapter, scale) pairs, got {type(adapter).__name__}")
+            if adapter.closed:
+                raise StaleHandleError(f"{adapter!r} was closed")
+            if adapter.model._proc is not self._proc:
+                # Handles are numbered per worker: another worker's would name something else here.
+                raise LoraError(f"{adapter!r} was loaded in another worker, for another model: load it with "
+                                f"this context's model")
+            pairs.append((adapter, float(scale)))
+        changed = self._link.call(p.SetLora(context=self.handle, adapters=[
+            (a._handle, s) for a, s in pairs])).result()
+        self._lora = pairs
+        return changed
+
+    @property
+    def lora(self) -> list[tuple[LoraAdapter, float]]:
+        """The configuration the last successful set_lora gave (``[]`` at first)."""
+        return list(self._lora)
 
     # -- branches -------------------------------------------------------------------------------------
     def branch(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,

@@ -9,6 +9,7 @@
     ├── GrammarError              a GBNF grammar or JSON schema that does not parse
     ├── DecodeError               llama_decode failed (KV full, compute error)
     ├── StaleHandleError          a model/context handle whose worker died or which was closed
+    ├── LoraError                 a LoRA adapter that cannot be loaded or applied (file, model, scale)
     ├── ProtocolError             a malformed frame or a protocol version mismatch
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
@@ -72,6 +73,13 @@ class StaleHandleError(LloyalError):
 class BranchError(LloyalError):
     """A branch operation that cannot be done as asked: pruning a branch that has children, the same
     branch twice in one batch, no free sequence to lease, writing to a sequence a branch owns."""
+
+
+class LoraError(LloyalError):
+    """A LoRA adapter that cannot be loaded or applied: a missing file, not a GGUF adapter, an adapter for
+    another architecture or other tensor shapes, an adapter loaded by another Model handle, a scale that
+    is not finite, one adapter twice in one configuration, or a configuration change on a context that
+    holds branches or detached sequences."""
 
 
 class InterruptedByClient(LloyalError):
@@ -196,7 +204,7 @@ class _RemoteTraceback(Exception):
 
 __all__ = [
     "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
-    "InterruptedByClient", "InvalidTokenError", "LloyalError", "ModelLoadError", "PoolClosedError", "ProtocolError",
-    "RemoteError", "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError", "describe_exit",
-    "error_class", "rebuild",
+    "InterruptedByClient", "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError",
+    "ProtocolError", "RemoteError", "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError",
+    "describe_exit", "error_class", "rebuild",
 ]

@@ -70,6 +70,10 @@ class Op(str, enum.Enum):
     RESET = "reset"
     TOKENS = "tokens"
     N_PAST = "n_past"
+    # LoRA adapters (client.LoraAdapter, Context.set_lora).
+    LOAD_LORA = "load_lora"
+    FREE_LORA = "free_lora"
+    SET_LORA = "set_lora"
     # Branches (branches.Branch / BranchStore), all on one context.
     BRANCH_CREATE = "branch_create"
     BRANCH_FORK = "branch_fork"
@@ -151,6 +155,12 @@ class ContextCreated(Reply):
     n_ubatch: int
     n_seq_max: int
     n_threads: int
+
+
+class LoraLoaded(Reply):
+    lora: int
+    alpha: float  # adapter.lora.alpha (0.0: absent)
+    meta: dict[str, str]
 
 
 class LogitsAt(Reply):
@@ -312,6 +322,24 @@ class Tokens(ContextRequest[list[int]]):
 
 class NPast(ContextRequest[int]):
     op = Op.N_PAST
+
+
+class LoadLora(Request[LoraLoaded]):
+    op = Op.LOAD_LORA
+    model: int
+    path: str
+
+
+class FreeLora(Request[None]):
+    op = Op.FREE_LORA
+    lora: int
+
+
+class SetLora(ContextRequest[bool]):
+    """The context's whole adapter configuration; True when it changed (the history was emptied)."""
+
+    op = Op.SET_LORA
+    adapters: list[tuple[int, float]]  # (lora handle, scale)
 
 
 class BranchCreate(ContextRequest[BranchCreated]):

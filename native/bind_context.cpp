@@ -109,6 +109,25 @@ void reset(py_context & c) {
     c.sequence->clear();
 }
 
+// (adapter, scale) pairs; TypeError for anything else. The checks that need the context are set_loras's.
+bool set_lora(py_context & c, py::handle adapters) {
+    std::vector<lora_weight> weights;
+    for (const py::object & item : sequence_items(adapters, "adapters")) {
+        const std::vector<py::object> pair = sequence_items(item, "a (Lora, scale) entry");
+        if (pair.size() != 2 || !py::isinstance<lora_adapter>(pair[0])) {
+            throw py::type_error("adapters must be (Lora, scale) pairs");
+        }
+        const py::object & adapter = pair[0];
+        const py::object & scale = pair[1];
+        if (!PyFloat_Check(scale.ptr()) && (PyBool_Check(scale.ptr()) || !PyLong_Check(scale.ptr()))) {
+            throw py::type_error("a LoRA scale must be a float");
+        }
+        weights.push_back({adapter.cast<std::shared_ptr<lora_adapter>>(), scale.cast<float>()});
+    }
+    gil_release nogil;
+    return set_loras(*c.core, *c.sequence, *c.branches, std::move(weights));
+}
+
 py::dict eval(py_context & c, py::handle tokens, uint64_t request_id, const py::object & on_progress) {
     const std::vector<llama_token> toks = tokens_from_py(tokens, c.core->model());
     const context_core::progress_fn progress = progress_arg(on_progress);
@@ -242,6 +261,11 @@ void register_context(py::module_ & m) {
         .def("n_past", [](const py_context & c) { return c.sequence->n_past(); })
         .def("tokens", [](const py_context & c) { return c.sequence->tokens(); })
         .def("reset", &reset)
+        .def("set_lora", &set_lora, py::arg("adapters"),
+             "Replaces the whole LoRA configuration with (Lora, scale) pairs ([] clears it). Returns True\n"
+             "when it changed, which empties the history and the KV cache; LoraError (nothing changed) for\n"
+             "an adapter of another model, a non-finite scale, an adapter twice, or a change while the\n"
+             "context holds branches or detached sequences.")
         .def("eval", &eval, py::arg("tokens"), py::arg("request_id") = 0, py::arg("on_progress") = py::none())
         .def(
             "write_logits",

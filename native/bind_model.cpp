@@ -1,6 +1,8 @@
-// native.Model: a loaded GGUF (model.hpp), its info as a dict, its tokenizer.
+// native.Model: a loaded GGUF (model.hpp), its info as a dict, its tokenizer; native.Lora: a LoRA adapter
+// loaded for one model (lora.hpp).
 #include "bind.hpp"
 #include "errors.hpp"
+#include "lora.hpp"
 
 #include <exception>
 
@@ -127,6 +129,25 @@ void register_model(py::module_ & m) {
             },
             py::arg("messages"), py::arg("template"), py::arg("add_assistant"),
             "(role, content) pairs through llama_chat_apply_template; template None = the model's own.");
+
+    py::class_<lora_adapter, std::shared_ptr<lora_adapter>>(m, "Lora")
+        .def(py::init([](std::shared_ptr<Model> model, const std::string & path) {
+                 gil_release nogil;
+                 return std::make_shared<lora_adapter>(std::move(model), path);
+             }),
+             py::arg("model"), py::arg("path"),
+             "Loads a LoRA adapter GGUF for model (GIL released). Raises LoraError (with llama.cpp's reason)\n"
+             "for a missing file, a file that is not a LoRA adapter GGUF, or one for another architecture\n"
+             "or other tensor shapes.")
+        .def_property_readonly("path", &lora_adapter::path)
+        .def_property_readonly("alpha", &lora_adapter::alpha)
+        .def("meta", [](const lora_adapter & a) {
+            py::dict d;
+            for (const auto & [key, val] : a.meta()) {
+                d[decode_utf8_replace(key)] = decode_utf8_replace(val);
+            }
+            return d;
+        });
 }
 
 }  // namespace lloyal

@@ -5,6 +5,7 @@
 
 #include "arena.hpp"
 #include "common.hpp"
+#include "lora.hpp"
 #include "model.hpp"
 
 #include <atomic>
@@ -41,6 +42,9 @@ class context_core {
     int32_t n_swa = 0;
     uint32_t n_cells = 0;  // the KV cache's real size
     bool swa_full = true;
+    // The adapters llama.cpp applies in this context (kept by lora.cpp's set_loras), held here so that
+    // none is freed while the llama_context points at it.
+    std::vector<lora_weight> loras;
 
     // Points the abort callback and the between-token checks at a u64 in shared memory (null: none).
     void set_interrupt_word(const uint64_t * word) { interrupt_word_ = word; }

@@ -47,6 +47,11 @@ struct branch_error : lloyal_error {
     using lloyal_error::lloyal_error;
 };
 
+// A LoRA adapter that cannot be loaded or applied as asked (see lora.hpp).
+struct lora_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
 // An all-or-nothing operation stopped by the interrupt word; nothing was changed.
 struct interrupted_error : lloyal_error {
     using lloyal_error::lloyal_error;

@@ -17,6 +17,7 @@ CACHE = ROOT / ".cache" / "test-models"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from gemmadraft import gemma_draft_path as _gemma_draft_path  # noqa: E402
 from reference_tools import tool  # noqa: E402
 from tinymodel import tiny_model_path  # noqa: E402
 
@@ -31,6 +32,13 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma_draft_path(gemma_path: Path) -> Path:
+    """Gemma 3 270M's first 4 of 18 blocks (tests/gemmadraft.py): a draft model with Gemma's vocabulary,
+    written once into the cache (about 200 MB, most of it the shared token embeddings)."""
+    return _gemma_draft_path(CACHE, gemma_path, n_layers=4)
 
 
 @pytest.fixture(scope="session")

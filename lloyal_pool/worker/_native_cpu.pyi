@@ -64,6 +64,22 @@ class Model:
         ValueError when the template is not one llama.cpp knows, or when template is None and the model
         has no template (llama.cpp itself would silently use chatml there)."""
 
+class Lora:
+    """A LoRA adapter loaded for one model; it keeps that model alive and is freed when the last reference
+    (this object, or a context applying it) goes."""
+    def __init__(self, model: Model, path: str) -> None:
+        """Loads a LoRA adapter GGUF (GIL released). Raises LoraError, with llama.cpp's reason, for a
+        missing file, a directory, a file that is not a LoRA adapter GGUF, an adapter of another
+        architecture or with tensors the model lacks or shapes other than the model's, or a vocab_only
+        model."""
+    @property
+    def path(self) -> str: ...
+    @property
+    def alpha(self) -> float:
+        """adapter.lora.alpha (0.0 when the file has none)."""
+    def meta(self) -> dict[str, str]:
+        """The adapter GGUF's scalar metadata as strings (array values left out)."""
+
 def sampler_fields() -> list[str]:
     """The sampler params' names in the order native/sampling.hpp declares them (LLOYAL_SAMPLER_FIELDS)."""
 
@@ -128,6 +144,13 @@ class Context:
         """The token history of sequence 0."""
     def reset(self) -> None:
         """Clears the KV cache and the token history."""
+    def set_lora(self, adapters: Sequence[tuple[Lora, float]]) -> bool:
+        """Replaces the context's whole LoRA configuration ([] clears it). Entries of scale 0 count as absent.
+        The same configuration again (any order) changes nothing and returns False. A different one
+        empties the token history and the KV cache and returns True; LoraError, with nothing changed,
+        while the context holds branches or detached sequences. LoraError also for an adapter loaded
+        for another Model object, a non-finite scale, or one adapter twice; TypeError for entries that
+        are not (Lora, float) pairs."""
     def eval(self, tokens: Sequence[int], request_id: int = 0,
              on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Decodes tokens at the end of sequence 0, one ubatch per llama_decode, without sampling; logits

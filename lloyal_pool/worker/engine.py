@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from .. import protocol as p
-from ..errors import ContextError, ModelLoadError, StaleHandleError
+from ..errors import ContextError, LoraError, ModelLoadError, StaleHandleError
 from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result
 from ..protocol import MAX_FRAME, Request
 from ..shm import BULK_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
@@ -78,6 +78,13 @@ class _ContextEntry:
     native: native_api.Context
     model_id: int
     slot: int  # interrupt word index
+    loras: frozenset[int] = frozenset()  # the adapters its configuration holds
+
+
+@dataclass
+class _LoraEntry:
+    native: native_api.Lora
+    model_id: int
 
 
 class Engine:
@@ -90,6 +97,7 @@ class Engine:
         self.arena = native.Arena(region.view, BULK_OFFSET, PAGE)
         self._models: dict[int, _ModelEntry] = {}
         self._contexts: dict[int, _ContextEntry] = {}
+        self._loras: dict[int, _LoraEntry] = {}
         self._free_slots = list(range(INTERRUPT_SLOTS - 1, -1, -1))
         self._next_id = 1
 
@@ -113,6 +121,13 @@ class Engine:
             return self._contexts[context_id]
         except KeyError:
             raise StaleHandleError(f"context handle {context_id} does not exist in this worker") from None
+
+    def _lora(self, lora_id: int) -> _LoraEntry:
+        try:
+            return self._loras[lora_id]
+        except KeyError:
+            raise StaleHandleError(f"LoRA adapter handle {lora_id} is not loaded in this worker (closed, or "
+                                   f"freed with its model)") from None
 
     # -- models ---------------------------------------------------------------------------------------
     @handles(p.Ping)
@@ -143,6 +158,8 @@ class Engine:
         entry = self._model(req.model)
         for ctx in list(entry.contexts):
             self._free_context(ctx)
+        for lora in [k for k, v in self._loras.items() if v.model_id == req.model]:
+            del self._loras[lora]
         del self._models[req.model]
 
     def _tokenize(self, model: int, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -168,6 +185,35 @@ class Engine:
     @handles(p.JsonSchemaToGrammar)
     def json_schema_to_grammar(self, req: p.JsonSchemaToGrammar, call: Call) -> str:
         return str(self.native.json_schema_to_grammar(req.schema))
+
+    # -- LoRA adapters --------------------------------------------------------------------------------
+    @handles(p.LoadLora)
+    def load_lora(self, req: p.LoadLora, call: Call) -> p.LoraLoaded:
+        model = self._model(req.model)
+        _check_gguf_file(req.path, LoraError, "LoRA adapter")
+        native = self.native.Lora(model.native, req.path)
+        lora_id = self._new_id()
+        self._loras[lora_id] = _LoraEntry(native, req.model)
+        return p.LoraLoaded(lora=lora_id, alpha=float(native.alpha), meta=dict(native.meta()))
+
+    @handles(p.FreeLora)
+    def free_lora(self, req: p.FreeLora, call: Call) -> None:
+        self._lora(req.lora)
+        users = sorted(c for c, e in self._contexts.items() if req.lora in e.loras)
+        if users:
+            # The native adapter would live on inside those contexts: a closed adapter still in effect.
+            raise LoraError(f"LoRA adapter {req.lora} is applied by context(s) {users}: set_lora([]) there "
+                            f"(or close them) before closing it")
+        del self._loras[req.lora]
+
+    @handles(p.SetLora)
+    def set_lora(self, req: p.SetLora, call: Call) -> bool:
+        entry = self._context(req.context)
+        weights = [(self._lora(lora).native, float(scale)) for lora, scale in req.adapters]
+        # The native side checks the model, the scales and duplicates, and refuses a change under branches.
+        changed = bool(entry.native.set_lora(weights))
+        entry.loras = frozenset(lora for lora, scale in req.adapters if scale != 0.0)
+        return changed
 
     # -- contexts -------------------------------------------------------------------------------------
     @handles(p.NewContext)
@@ -464,19 +510,19 @@ class Engine:
 
 
 
-def _check_gguf_file(path: str) -> None:
+def _check_gguf_file(path: str, error: type[Exception] = ModelLoadError, what: str = "model") -> None:
     """The cheap checks llama.cpp would otherwise report only as a log line and a null model."""
     if not os.path.exists(path):
-        raise ModelLoadError(f"model file not found: {path}")
+        raise error(f"{what} file not found: {path}")
     if os.path.isdir(path):
-        raise ModelLoadError(f"model path is a directory: {path}")
+        raise error(f"{what} path is a directory: {path}")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as exc:
-        raise ModelLoadError(f"cannot read model file {path}: {exc}") from exc
+        raise error(f"cannot read {what} file {path}: {exc}") from exc
     if magic != _GGUF_MAGIC:
-        raise ModelLoadError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
+        raise error(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
 
 
 __all__ = ["HANDLERS", "Call", "Engine", "EventSink", "handles"]
