@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench_generate import common_args, emit_report, model_path  # noqa: E402
 
 
-def default_draft(target: Path) -> Path:
-    from gemmadraft import truncated_gemma_path  # tests/gemmadraft.py
+def default_draft(target: Path, n_layers: int) -> Path:
+    from gemmadraft import gemma_draft_path  # tests/gemmadraft.py: the suite's fixture, same cache
 
-    return Path(truncated_gemma_path(target))
+    return gemma_draft_path(ROOT / ".cache" / "test-models", target, n_layers=n_layers)
 
 
 def run(ctx: Any, prompt: str, n: int, **kw: Any) -> dict[str, float]:
@@ -50,6 +50,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(ap)
     ap.add_argument("--draft-model", help="GGUF with the target's vocabulary (default: Gemma truncated to 4 blocks)")
+    ap.add_argument("--draft-layers", type=int, default=4, help="blocks of the default truncated-Gemma draft")
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("-n", "--tokens", type=int, default=256)
     ap.add_argument("--n-draft", type=int, default=8)
@@ -60,7 +61,7 @@ def main() -> int:
     from lloyal_pool import Pool
 
     path = model_path(args.model)
-    draft_path = Path(args.draft_model) if args.draft_model else default_draft(path)
+    draft_path = Path(args.draft_model) if args.draft_model else default_draft(path, args.draft_layers)
     rows: dict[str, list[dict[str, float]]] = {"plain": [], "ngram": [], "draft_model": []}
     with Pool(1, threads_per_worker=args.threads) as pool:
         target = pool[0].load_model(path)
