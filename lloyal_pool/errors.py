@@ -9,6 +9,7 @@
     ├── GrammarError              a GBNF grammar or JSON schema that does not parse
     ├── DecodeError               llama_decode failed (KV full, compute error)
     ├── StaleHandleError          a model/context handle whose worker died or which was closed
+    ├── ResultTooLargeError       a result (embeddings) that does not fit the worker's shared memory
     ├── ProtocolError             a malformed frame or a protocol version mismatch
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
@@ -72,6 +73,11 @@ class StaleHandleError(LloyalError):
 class BranchError(LloyalError):
     """A branch operation that cannot be done as asked: pruning a branch that has children, the same
     branch twice in one batch, no free sequence to lease, writing to a sequence a branch owns."""
+
+
+class ResultTooLargeError(LloyalError):
+    """A result that does not fit the worker's shared-memory region (embeddings of too many tokens at
+    once): nothing was computed. Embed fewer texts per call, or create the Pool with a larger shm_bytes."""
 
 
 class InterruptedByClient(LloyalError):
@@ -197,6 +203,6 @@ class _RemoteTraceback(Exception):
 __all__ = [
     "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
     "InterruptedByClient", "InvalidTokenError", "LloyalError", "ModelLoadError", "PoolClosedError", "ProtocolError",
-    "RemoteError", "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError", "describe_exit",
-    "error_class", "rebuild",
+    "RemoteError", "ResultTooLargeError", "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError",
+    "describe_exit", "error_class", "rebuild",
 ]
