@@ -29,10 +29,13 @@ TEXTS = [
     "Stocks fell sharply on Tuesday after the central bank raised interest rates again.",
     "Hello",
 ]
-# llama.cpp's CPU kernels are not batch invariant: a text's vector depends slightly on which other texts
-# share its decode (rows go through GEMM or GEMV paths by group). Batched against one at a time, the
-# vectors agree to this absolute tolerance per component (on L2-normalized vectors).
+# llama.cpp's CPU kernels are not batch invariant: a text's vector depends on which other texts share its
+# decode (e.g. quantized matmuls run groups of rows through a GEMM and the rest through a GEMV). Batched
+# against one at a time, the unit vectors agree to BATCH_ATOL per component with the tiny model's
+# f16/f32 weights, and to a cosine similarity of at least BATCH_MIN_COSINE with Gemma's Q4_K_M
+# (observed: 0.9987 pooled, 0.992 per token).
 BATCH_ATOL = 2e-3
+BATCH_MIN_COSINE = 0.99
 
 
 def _serves(model: Model) -> None:
@@ -187,6 +190,9 @@ def test_generation_and_embedding_contexts_refuse_each_other(tiny: Model) -> Non
         with pytest.raises(ContextError, match="pooling='rank'"):
             ectx.rerank("q", ["d"])
         assert ectx.embed("hello").shape == (tiny.info.n_embd,)
+        # What an embedding context does take besides embed: an embed leaves its cache empty.
+        ectx.reset()
+        assert ectx.n_past() == 0 and ectx.tokens() == [] and ectx.kv.pressure().cells_used == 0
         assert gctx.generate("hello", n_predict=2).n_decoded == 2
     finally:
         ectx.close()
@@ -334,10 +340,26 @@ def test_rank_pooling_scores_with_the_classifier_head(ranker: Model, ranker_path
 def test_gemma_embeddings_rank_a_paraphrase_above_an_unrelated_text(gemma: Model) -> None:
     ctx = gemma.new_context(n_ctx=512, embeddings=True)
     try:
-        v = ctx.embed(["The cat is sleeping on the sofa.", "A cat naps on the couch.",
-                       "Quarterly revenue grew by eight percent."])
+        texts = ["The cat is sleeping on the sofa.", "A cat naps on the couch.",
+                 "Quarterly revenue grew by eight percent."]
+        v = ctx.embed(texts)
         sim = v @ v.T
-        assert sim[0, 1] > sim[0, 2]
+        assert sim[0, 1] > sim[0, 2] and sim[0, 1] > sim[1, 2]
+        single = np.stack([ctx.embed(t) for t in texts])
+        assert float(np.min(np.sum(v * single, axis=1))) >= BATCH_MIN_COSINE
+    finally:
+        ctx.close()
+
+
+def test_gemma_per_token_vectors_batched_and_alone(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=512, embeddings=True, pooling="none")
+    try:
+        batched = ctx.embed(TEXTS)
+        for text, b in zip(TEXTS, batched, strict=True):
+            alone = ctx.embed(text)
+            assert b.shape == alone.shape == (len(gemma.tokenize(text)), gemma.info.n_embd)
+            assert float(np.min(np.sum(b * alone, axis=1))) >= BATCH_MIN_COSINE
+        np.testing.assert_array_equal(ctx.embed(TEXTS)[2], batched[2])  # the same call: the same bits
     finally:
         ctx.close()
 

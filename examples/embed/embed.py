@@ -46,7 +46,7 @@ def main() -> int:
             print(f"nearest to {i}: {j} ({row[j]:.3f})")
 
         judge = model.new_context(n_ctx=1024, n_seq_max=len(sentences))
-        scores = judge.rerank(args.query, sentences)  # log p(yes), all sentences in one decode
+        scores = judge.rerank(args.query, sentences)  # the query's mean log-prob, one decode for all
         print(f"rerank for {args.query!r}:")
         for score, text in sorted(zip(scores, sentences, strict=True), reverse=True):
             print(f"  {score:8.3f}  {text}")
