@@ -92,12 +92,18 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
     if (!cp.embeddings && cp.pooling_type != LLAMA_POOLING_TYPE_UNSPECIFIED) {
         throw context_error("pooling applies to embedding contexts: pass embeddings=True as well");
     }
-    if (cp.embeddings && cp.pooling_type == LLAMA_POOLING_TYPE_UNSPECIFIED) {
-        // llama.cpp would fall back to no pooling (a vector per token); one vector per text is what an
-        // embedding context is asked for far more often.
+    if (cp.embeddings) {
         const std::string arch = model_meta(lm, "general.architecture");
-        if (arch.empty() || model_meta(lm, arch + ".pooling_type").empty()) {
+        const std::string declared = arch.empty() ? std::string() : model_meta(lm, arch + ".pooling_type");
+        if (cp.pooling_type == LLAMA_POOLING_TYPE_UNSPECIFIED && declared.empty()) {
+            // llama.cpp would fall back to no pooling (a vector per token); one vector per text is what
+            // an embedding context is asked for far more often.
             cp.pooling_type = LLAMA_POOLING_TYPE_MEAN;
+        }
+        // Without a classification head llama.cpp's rank pooling reads stray hidden-state values as scores.
+        if (cp.pooling_type == LLAMA_POOLING_TYPE_RANK && declared != std::to_string(LLAMA_POOLING_TYPE_RANK)) {
+            throw context_error("pooling 'rank' needs a reranker: a model whose GGUF declares pooling type rank "
+                                "(it has a classification head); this one does not");
         }
     }
     if (cp.n_seq_max > n_batch_eff) {

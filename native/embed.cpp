@@ -26,6 +26,9 @@ class clear_on_exit {
     context_core & core_;
 };
 
+// The most logits one scoring decode may ask llama.cpp to keep.
+constexpr size_t k_max_logits_bytes = size_t{256} << 20;
+
 void normalize_row(float * row, size_t n) {
     double ss = 0.0;
     for (size_t i = 0; i < n; ++i) {
@@ -42,13 +45,16 @@ void normalize_row(float * row, size_t n) {
 }  // namespace
 
 std::vector<std::pair<size_t, size_t>> embed_driver::pack(const std::vector<std::vector<llama_token>> & inputs,
-                                                          size_t max_tokens) const {
+                                                          size_t max_tokens, const std::vector<size_t> & outputs,
+                                                          size_t max_outputs) const {
     std::vector<std::pair<size_t, size_t>> groups;
     const size_t max_seqs = std::max<uint32_t>(core_.n_seq_max, 1);
     size_t begin = 0;
     size_t tokens = 0;
+    size_t rows = 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
         const size_t n = inputs[i].size();
+        const size_t r = outputs.empty() ? 0 : outputs[i];
         if (n == 0) {
             throw std::invalid_argument("input " + std::to_string(i) + " has no tokens");
         }
@@ -59,12 +65,19 @@ std::vector<std::pair<size_t, size_t>> embed_driver::pack(const std::vector<std:
                                          ", n_batch " + std::to_string(core_.n_batch) + ", n_ubatch " +
                                          std::to_string(core_.n_ubatch) + ")");
         }
-        if (i > begin && (tokens + n > max_tokens || i - begin >= max_seqs)) {
+        if (r > max_outputs) {
+            throw context_overflow_error("input " + std::to_string(i) + " needs " + std::to_string(r) +
+                                         " rows of logits; one decode keeps at most " + std::to_string(max_outputs) +
+                                         " (" + std::to_string(k_max_logits_bytes >> 20) + " MiB at this vocabulary)");
+        }
+        if (i > begin && (tokens + n > max_tokens || rows + r > max_outputs || i - begin >= max_seqs)) {
             groups.emplace_back(begin, i);
             begin = i;
             tokens = 0;
+            rows = 0;
         }
         tokens += n;
+        rows += r;
     }
     if (begin < inputs.size()) {
         groups.emplace_back(begin, inputs.size());
@@ -114,7 +127,7 @@ embed_result embed_driver::embed(const std::vector<std::vector<llama_token>> & i
     r.width = static_cast<uint32_t>(rank ? llama_model_n_cls_out(model) : llama_model_n_embd_out(model));
     // Pooling is done per ubatch: an input is only pooled whole when a decode is one ubatch.
     const size_t max_tokens = std::min<size_t>(core_.n_ubatch, core_.n_ctx);
-    const auto groups = pack(inputs, max_tokens);
+    const auto groups = pack(inputs, max_tokens, {}, 0);
 
     size_t n_rows = 0;
     r.rows.reserve(inputs.size());
@@ -197,8 +210,12 @@ std::vector<double> embed_driver::score_tails(const std::vector<std::vector<llam
     }
     core_.reset_decode_timer();
     const size_t max_tokens = std::min<size_t>(core_.n_batch, core_.n_ctx);
-    const auto groups = pack(prompts, max_tokens);
     const int32_t n_vocab = core_.model().n_vocab();
+    // llama.cpp keeps every output row's logits: bound them per decode (a long query times many
+    // documents at a 262k vocabulary would otherwise ask for gigabytes).
+    const size_t max_outputs =
+        std::max<size_t>(1, k_max_logits_bytes / (static_cast<size_t>(n_vocab) * sizeof(float)));
+    const auto groups = pack(prompts, max_tokens, n_tail, max_outputs);
 
     std::vector<double> scores;
     scores.reserve(prompts.size());

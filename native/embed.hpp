@@ -40,10 +40,12 @@ class embed_driver {
                                     const std::vector<size_t> & n_tail, uint64_t request_id);
 
   private:
-    // [begin, end) ranges of inputs, each decoded in one llama_decode: at most max_tokens tokens and
-    // n_seq_max sequences. ContextOverflowError (naming the input) for one that alone exceeds max_tokens.
+    // [begin, end) ranges of inputs, each decoded in one llama_decode: at most max_tokens tokens,
+    // n_seq_max sequences and (when outputs is not empty) max_outputs output rows, outputs[i] being
+    // input i's. ContextOverflowError (naming the input) for one that alone exceeds a limit.
     std::vector<std::pair<size_t, size_t>> pack(const std::vector<std::vector<llama_token>> & inputs,
-                                                size_t max_tokens) const;
+                                                size_t max_tokens, const std::vector<size_t> & outputs,
+                                                size_t max_outputs) const;
     // Clears the cache and decodes inputs[begin, end), input k as sequence k - begin from position 0,
     // with an output row for each of its tokens from first_output[k] on (empty: every token). Returns
     // the batch index of each input's first token.

@@ -204,6 +204,7 @@ def test_generation_and_embedding_contexts_refuse_each_other(tiny: Model) -> Non
     ({"embeddings": True, "pooling": "average"}, "'average' is not a pooling type"),
     ({"embeddings": True, "pooling": 1}, "pooling must be one of"),
     ({"pooling": "mean"}, "pass embeddings=True"),
+    ({"embeddings": True, "pooling": "rank"}, "needs a reranker"),
 ])
 def test_bad_pooling_is_refused_at_creation(tiny: Model, params: dict[str, object], match: str) -> None:
     with pytest.raises(ContextError, match=match):
@@ -287,6 +288,13 @@ def test_rerank_refusals(tiny: Model) -> None:
             ctx.rerank("q", "d")  # type: ignore[arg-type]
         with pytest.raises(ContextOverflowError):
             ctx.rerank("q", [" ".join(["word"] * 300)])
+        # Every query token keeps a row of logits: 256 MiB of them per decode at most (2048 at this vocabulary).
+        big = tiny.new_context(n_ctx=4096, n_batch=4096)
+        try:
+            with pytest.raises(ContextOverflowError, match="rows of logits"):
+                big.rerank(" ".join(["word"] * 2100), ["d"])
+        finally:
+            big.close()
         assert len(ctx.rerank("q", ["d", "e"])) == 2
     finally:
         ctx.close()
