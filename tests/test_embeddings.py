@@ -388,3 +388,30 @@ def test_gemma_rerank_puts_the_relevant_document_first(gemma: Model, query: str,
         assert int(np.argmax(scores)) == best, scores
     finally:
         ctx.close()
+
+
+# -- interrupt ------------------------------------------------------------------------------------------
+def test_interrupted_embed_and_rerank_raise_and_the_context_goes_on(tiny_model: Path) -> None:
+    """In-process, with the interrupt word already naming the request: the check before each decode."""
+    import lloyal_pool.worker._native_cpu as native
+    from lloyal_pool.errors import InterruptedByClient
+    from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
+
+    region = Region.anonymous(1 << 22)
+    arena = native.Arena(region.view, BULK_OFFSET, PAGE)
+    model = native.Model(str(tiny_model))
+    word = np.zeros(1, dtype=np.uint64)
+    word[0] = 7
+    for params in ({"n_ctx": 256, "embeddings": True}, {"n_ctx": 256}):
+        ctx = native.Context(model, params, arena)
+        ctx.set_interrupt_word(memoryview(word))
+        if params.get("embeddings"):
+            with pytest.raises(InterruptedByClient):
+                ctx.embed([[1, 100, 200]], True, 7)
+            assert ctx.embed([[1, 100, 200]], True, 8)["rows"] == [1]
+        else:
+            with pytest.raises(InterruptedByClient):
+                ctx.score_tails([[1, 100, 200]], [1], 7)
+            assert len(ctx.score_tails([[1, 100, 200]], [1], 8)) == 1
+            assert ctx.n_past() == 0
+        ctx.set_interrupt_word(None)

@@ -120,7 +120,8 @@ class Context:
 
         With embeddings=True: pooling missing = the model's GGUF pooling_type, or "mean" when it declares
         none; n_batch and n_ubatch default to 512 together, or both to the one given (llama.cpp pools per
-        ubatch); n_seq_max defaults to min(16, n_batch).
+        ubatch); n_seq_max defaults to min(16, n_batch). pooling "rank" needs a model whose GGUF declares
+        rank pooling (a reranker), and any pooling needs embeddings=True: ContextError otherwise.
 
         A missing (or None) key takes llama.cpp's default (n_ctx 512, n_batch 2048, n_ubatch 512,
         n_seq_max 1, f16 cache, flash_attn "auto"), threads: build_info()["default_threads"],
@@ -232,8 +233,9 @@ class Context:
         the mean log-probability of its last n_tail[i] tokens, each given all the tokens before it. The
         prompts are decoded side by side, one sequence each, n_seq_max and n_batch (at most n_ctx) tokens
         per llama_decode; the cache is empty again afterwards. Raises ContextError (an embedding context),
-        ValueError (n_tail[i] not in [1, len(prompts[i]) - 1]), ContextOverflowError, InvalidTokenError,
-        DecodeError, InterruptedByClient."""
+        ValueError (n_tail[i] not in [1, len(prompts[i]) - 1]), ContextOverflowError (a prompt longer than
+        one decode takes, or an n_tail needing more than 256 MiB of logits rows; the prompts are spread over
+        decodes to keep each within that), InvalidTokenError, DecodeError, InterruptedByClient."""
 
     # -- branches: this stub is their contract (docs/BRANCHES.md explains them to users) -----------------
     # Every method takes the context's busy guard; those that decode release the GIL and honour the
