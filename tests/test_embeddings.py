@@ -344,6 +344,28 @@ def test_rank_pooling_scores_with_the_classifier_head(ranker: Model, ranker_path
         last.close()
 
 
+def test_rank_pairs_follow_the_models_rerank_template(pool: Pool) -> None:
+    template = "<s>query: {query}\ndocument: {document}</s>"
+    path = tiny_model_path(CACHE, arch="qwen3", cls_labels=("yes", "no"), rerank_template=template)
+    model = pool[1].load_model(path)
+    try:
+        ctx = model.new_context(n_ctx=512, embeddings=True)
+        last = model.new_context(n_ctx=512, embeddings=True, pooling="last")
+        w = next(t for t in gguf.GGUFReader(path).tensors if t.name == "cls.output.weight")
+        head = np.asarray(w.data, dtype=np.float64).reshape(2, model.info.n_embd)
+        # A query holding "{document}" stays text: the placeholders are filled in one pass.
+        query = "Where is {document}?"
+        scores = ctx.rerank(query, DOCS)
+        for doc, score in zip(DOCS, scores, strict=True):
+            text = template.replace("{document}", doc).replace("{query}", query.replace("{document}", "\0"))
+            tokens = model.tokenize(text.replace("\0", "{document}"), add_special=False, parse_special=True)
+            assert tokens[0] == model.info.bos and tokens[-1] == model.info.eos  # "<s>", "</s>" parsed
+            logits = head @ last.embed(tokens, normalize=False).astype(np.float64)
+            assert score == pytest.approx(np.exp(logits[0] - np.logaddexp(logits[0], logits[1])), abs=1e-3)
+    finally:
+        model.close()
+
+
 # -- Gemma: do the numbers mean something -------------------------------------------------------------
 def test_gemma_embeddings_rank_a_paraphrase_above_an_unrelated_text(gemma: Model) -> None:
     ctx = gemma.new_context(n_ctx=512, embeddings=True)

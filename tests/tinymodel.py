@@ -114,6 +114,7 @@ def make_tiny_model(
     suppress_special: bool = True,
     arch: str = ARCH,
     cls_labels: Sequence[str] = (),
+    rerank_template: str | None = None,
 ) -> Path:
     """Write a random-weight llama GGUF with the tokenizer of *vocab_gguf* to *path*; return *path*.
 
@@ -126,6 +127,8 @@ def make_tiny_model(
     ``cls.output`` of one row per label, the labels, and pooling type "rank", which is what
     a converted Qwen3 reranker has; llama.cpp then scores a sequence as the softmax of
     ``cls.output @ h`` over the labels, h being the last token's final (normed) hidden state.
+    *rerank_template* is written as ``tokenizer.chat_template.rerank`` (with ``{query}`` and
+    ``{document}`` placeholders, as llama.cpp reads it).
     """
     if arch not in (ARCH, "qwen3"):
         raise ValueError(f"unsupported arch {arch!r}")
@@ -165,6 +168,8 @@ def make_tiny_model(
         w.add_classifier_output_labels(list(cls_labels))
         w.add_pooling_type(gguf.PoolingType.RANK)
     _copy_tokenizer(reader, w)
+    if rerank_template is not None:
+        w.add_key_value("tokenizer.chat_template.rerank", rerank_template, GGUFValueType.STRING)
 
     # ggml {n_embd, n_vocab} == numpy (n_vocab, n_embd)
     w.add_tensor("token_embd.weight", normal((n_vocab, n_embd), _EMBD_STD, np.float16))
