@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ._link import ContextLink, PromptProgress, events, spread_progress
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import LoraError, PoolClosedError, StaleHandleError
-from .params import ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams
+from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams
 from .protocol import Request
 from .shm import DEFAULT_SIZE
 
@@ -318,7 +318,12 @@ class Context:
         self.n_ubatch = desc.n_ubatch
         self.n_seq_max = desc.n_seq_max
         self.n_threads = desc.n_threads
+        #: An embedding context's pooling ("none", "mean", "cls", "last", "rank"); None: a generation context.
+        self.pooling = desc.pooling
         self._proc = model._proc
+        # embed() and rerank() reuse one block of the region per context: a call frees the previous
+        # call's rows, so each call holds this from its request until its rows are copied out.
+        self._embed_lock = threading.Lock()
         self._logits_offset = desc.logits_offset
         self._link = ContextLink(self._proc, desc.context, desc.interrupt_slot)
         self.branches = BranchStore(self._link, model.n_vocab)
@@ -448,6 +453,55 @@ class Context:
         arr = self._proc.region.floats(at.offset, at.count)
         return arr.copy() if copy else arr
 
+    # -- embeddings and rerank ------------------------------------------------------------------------
+    @property
+    def embeddings(self) -> bool:
+        """Whether this is an embedding context (created with embeddings=True)."""
+        return self.pooling is not None
+
+    def embed(self, texts: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+              normalize: bool = True) -> np.ndarray | list[np.ndarray]:
+        """Embeddings (float32) of one text or of several, in an embedding context. A text may also be
+        given as token ids. Several texts are decoded side by side, one sequence each, n_seq_max of them
+        and at most n_ubatch tokens per decode; no text may be longer than that (ContextOverflowError).
+
+        One text: a 1-D array (n_embd,), or with pooling "none" a 2-D array (n_tokens, n_embd) of its
+        per-token vectors. A list of texts: a 2-D array (n_texts, n_embd), or with pooling "none" a list
+        of 2-D arrays. normalize scales every vector to L2 norm 1. The arrays are copies: nothing refers
+        to the worker's shared memory afterwards. ResultTooLargeError when the vectors of one call do not
+        fit the worker's shared memory (nothing is computed): embed fewer texts at a time."""
+        single = isinstance(texts, str) or (len(texts) > 0 and all(_is_int(t) for t in texts))
+        items = [cast("str | Sequence[int]", texts)] if single else list(cast("Sequence[str | Sequence[int]]", texts))
+        if not items:
+            raise ValueError("embed needs at least one text")
+        wire = [t if isinstance(t, str) else [int(x) for x in t] for t in items]
+        with self._embed_lock:
+            at = self._link.call(p.Embed(context=self.handle, inputs=wire, normalize=bool(normalize))).result()
+            flat = self._proc.region.floats(at.offset, sum(at.rows) * at.width).copy()
+        if self.pooling == "none":
+            bounds = np.cumsum(at.rows)[:-1]
+            per_text: list[np.ndarray] = [a.reshape(-1, at.width) for a in np.split(flat, bounds * at.width)]
+            return per_text[0] if single else per_text
+        rows = flat.reshape(len(items), at.width)
+        first: np.ndarray = rows[0]
+        return first if single else rows
+
+    def rerank(self, query: str, documents: Sequence[str], *, prompt: str = RERANK_PROMPT) -> list[float]:
+        """A relevance score per document for query, higher is more relevant; all documents are decoded
+        side by side, one sequence each (n_seq_max per decode).
+
+        In an embedding context with pooling="rank" (a reranker model with a classifier head): the
+        classifier's first output for the pair, formatted by the model's rerank template, or as
+        [BOS] query [EOS] [SEP] document [EOS] when it has none. In a generation context (a causal LM,
+        which must hold nothing: reset() it first): the mean log-probability of the query's tokens after
+        ``prompt`` with its {document} filled in (the prompt ends with {query}), which is <= 0: how well
+        the document predicts the query."""
+        if isinstance(documents, str):
+            raise TypeError("documents must be a list of str, not a str")
+        req = p.Rerank(context=self.handle, query=query, documents=list(documents), prompt=prompt)
+        with self._embed_lock:
+            return self._link.call(req).result()
+
     def n_past(self) -> int:
         """How many tokens the context's history holds (sequence mode; 0 with branches)."""
         return self._link.call(p.NPast(context=self.handle)).result()
@@ -520,6 +574,10 @@ class Context:
         self._forget()
         if self._proc.alive:
             self._proc.call(p.FreeContext(context=self.handle)).result()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _close_procs(procs: list[WorkerProcess], timeout: float) -> None:

@@ -10,6 +10,7 @@
     ├── DecodeError               llama_decode failed (KV full, compute error)
     ├── StaleHandleError          a model/context handle whose worker died or which was closed
     ├── LoraError                 a LoRA adapter that cannot be loaded or applied (file, model, scale)
+    ├── ResultTooLargeError       a result (embeddings) that does not fit the worker's shared memory
     ├── ProtocolError             a malformed frame or a protocol version mismatch
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
@@ -80,6 +81,11 @@ class LoraError(LloyalError):
     another architecture or other tensor shapes, an adapter loaded by another Model handle, a scale that
     is not finite, one adapter twice in one configuration, or a configuration change on a context that
     holds branches or detached sequences."""
+
+
+class ResultTooLargeError(LloyalError):
+    """A result that does not fit the worker's shared-memory region (embeddings of too many tokens at
+    once): nothing was computed. Embed fewer texts per call, or create the Pool with a larger shm_bytes."""
 
 
 class InterruptedByClient(LloyalError):
@@ -205,6 +211,7 @@ class _RemoteTraceback(Exception):
 __all__ = [
     "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
     "InterruptedByClient", "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError",
-    "ProtocolError", "RemoteError", "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError",
+    "ProtocolError", "RemoteError", "ResultTooLargeError", "StaleHandleError", "WorkerCrashedError", "WorkerError",
+    "WorkerStartupError",
     "describe_exit", "error_class", "rebuild",
 ]

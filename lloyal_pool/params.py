@@ -20,6 +20,9 @@ import msgspec
 
 MAX_SEED = 0xFFFFFFFE  # llama.cpp reads 0xFFFFFFFF as "pick a random seed"
 
+#: How Context.rerank puts a document before the query for a causal LM, which scores the query's tokens.
+RERANK_PROMPT = "Passage: {document}\nPlease write a question based on this passage.\nQuestion: {query}"
+
 
 class StopReason(str, enum.Enum):
     EOS = "eos"
@@ -163,15 +166,22 @@ class Grammar:
 @dataclass(frozen=True)
 class ContextParams:
     """Per-context settings. None leaves a value to llama.cpp (n_batch, n_ubatch) or the worker (threads:
-    the CPUs it may use). n_ctx 0 asks for the model's training length."""
+    the CPUs it may use). n_ctx 0 asks for the model's training length.
+
+    ``embeddings=True`` makes an embedding context (Context.embed, and Context.rerank with
+    ``pooling="rank"``), which cannot generate. ``pooling``: "none" (a vector per token), "mean", "cls",
+    "last" or "rank"; None is the model's own, or "mean" when the model declares none. In an embedding
+    context a decode is one ubatch (n_batch and n_ubatch default to 512 together, or both to the one
+    given) and n_seq_max, the texts one decode takes, defaults to 16; elsewhere n_seq_max defaults to 1."""
 
     n_ctx: int = 4096
     n_batch: int | None = None
     n_ubatch: int | None = None
     n_threads: int | None = None
     n_threads_batch: int | None = None
-    n_seq_max: int = 1
+    n_seq_max: int | None = None
     embeddings: bool = False
+    pooling: str | None = None  # "none" | "mean" | "cls" | "last" | "rank"; embedding contexts only
     rope_freq_base: float = 0.0
     rope_freq_scale: float = 0.0
     type_k: str | None = None

@@ -74,6 +74,8 @@ class Op(str, enum.Enum):
     LOAD_LORA = "load_lora"
     FREE_LORA = "free_lora"
     SET_LORA = "set_lora"
+    EMBED = "embed"
+    RERANK = "rerank"
     # Branches (branches.Branch / BranchStore), all on one context.
     BRANCH_CREATE = "branch_create"
     BRANCH_FORK = "branch_fork"
@@ -155,6 +157,7 @@ class ContextCreated(Reply):
     n_ubatch: int
     n_seq_max: int
     n_threads: int
+    pooling: str | None = None  # an embedding context's pooling; None: a generation context
 
 
 class LoraLoaded(Reply):
@@ -168,6 +171,15 @@ class LogitsAt(Reply):
 
     offset: int
     count: int
+
+
+class Embedded(Reply):
+    """float32 rows at this offset of the worker's shared region, ``width`` floats each: rows[i] of them
+    for input i, one input after the other. The block stays the context's until its next embed call."""
+
+    offset: int
+    rows: list[int]
+    width: int
 
 
 class BranchState(Reply):
@@ -340,6 +352,28 @@ class SetLora(ContextRequest[bool]):
 
     op = Op.SET_LORA
     adapters: list[tuple[int, float]]  # (lora handle, scale)
+
+
+class Embed(ContextRequest[Embedded]):
+    """An embedding context: the vectors of each input (text, tokenized with the model's special tokens,
+    or token ids)."""
+
+    op = Op.EMBED
+    decodes = True
+    inputs: list[str | list[int]]
+    normalize: bool = True
+
+
+class Rerank(ContextRequest[list[float]]):
+    """A score per document: a rank-pooling embedding context's classifier output, or in a generation
+    context the mean log-probability of the query's tokens after ``prompt`` (its {document} filled in;
+    it ends with {query})."""
+
+    op = Op.RERANK
+    decodes = True
+    query: str
+    documents: list[str]
+    prompt: str
 
 
 class BranchCreate(ContextRequest[BranchCreated]):

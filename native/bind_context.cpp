@@ -25,6 +25,7 @@ py_context::py_context(std::shared_ptr<Model> model, const py::dict & params, st
     branches = std::make_unique<branch_driver>(*core);
     sequence->set_branches(branches.get());
     branches->set_sequence(sequence.get());
+    embedder = std::make_unique<embed_driver>(*core, *sequence, *branches);
 }
 
 py_context::~py_context() = default;
@@ -238,6 +239,53 @@ py::dict generate_with_draft(py_context & c, py::handle prompt, const py::dict &
     return result_dict(r);
 }
 
+std::vector<std::vector<llama_token>> token_lists(py::handle inputs, const Model & model, const char * what) {
+    if (PyUnicode_Check(inputs.ptr()) || !py::isinstance<py::iterable>(inputs)) {
+        throw py::type_error(std::string(what) + " must be a list of token lists");
+    }
+    std::vector<std::vector<llama_token>> out;
+    for (auto item : py::iter(inputs)) {
+        out.push_back(tokens_from_py(item, model));
+    }
+    return out;
+}
+
+py::dict embed(py_context & c, py::handle inputs, bool normalize, uint64_t request_id) {
+    const auto lists = token_lists(inputs, c.core->model(), "inputs");
+    embed_result r;
+    {
+        gil_release nogil;
+        r = c.embedder->embed(lists, normalize, request_id);
+    }
+    py::dict d;
+    d["offset"] = r.offset;
+    d["rows"] = r.rows;
+    d["width"] = r.width;
+    return d;
+}
+
+std::vector<double> score_tails(py_context & c, py::handle prompts, const std::vector<size_t> & n_tail,
+                                uint64_t request_id) {
+    const auto lists = token_lists(prompts, c.core->model(), "prompts");
+    gil_release nogil;
+    return c.embedder->score_tails(lists, n_tail, request_id);
+}
+
+const char * pooling_name(enum llama_pooling_type t) {
+    switch (t) {
+        case LLAMA_POOLING_TYPE_MEAN:
+            return "mean";
+        case LLAMA_POOLING_TYPE_CLS:
+            return "cls";
+        case LLAMA_POOLING_TYPE_LAST:
+            return "last";
+        case LLAMA_POOLING_TYPE_RANK:
+            return "rank";
+        default:
+            return "none";
+    }
+}
+
 }  // namespace
 
 void register_context(py::module_ & m) {
@@ -257,6 +305,14 @@ void register_context(py::module_ & m) {
         .def_property_readonly("last_decode_ms", [](const py_context & c) { return c.core->decode_ms(); })
         .def_property_readonly("logits_offset", [](const py_context & c) { return c.core->logits_block().offset(); })
         .def_property_readonly("model", [](const py_context & c) { return c.core->model_ptr(); })
+        .def_property_readonly("embeddings", [](const py_context & c) { return c.core->embeddings; })
+        .def_property_readonly("pooling",
+                               [](const py_context & c) -> py::object {
+                                   if (!c.core->embeddings) {
+                                       return py::none();
+                                   }
+                                   return py::str(pooling_name(c.core->pooling));
+                               })
         .def("set_interrupt_word", &set_interrupt_word, py::arg("control"), py::arg("index") = 0)
         .def("n_past", [](const py_context & c) { return c.sequence->n_past(); })
         .def("tokens", [](const py_context & c) { return c.sequence->tokens(); })
@@ -277,7 +333,9 @@ void register_context(py::module_ & m) {
              py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none())
         .def("generate_with_draft", &generate_with_draft, py::arg("prompt"), py::arg("params"), py::arg("draft"),
              py::arg("n_draft") = 8, py::arg("ngram_min") = 2, py::arg("ngram_max") = 4, py::arg("request_id") = 0,
-             py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none());
+             py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none())
+        .def("embed", &embed, py::arg("inputs"), py::arg("normalize"), py::arg("request_id") = 0)
+        .def("score_tails", &score_tails, py::arg("prompts"), py::arg("n_tail"), py::arg("request_id") = 0);
     register_branch_methods(cls);
 }
 

@@ -5,6 +5,7 @@
 #include "bind.hpp"
 #include "branch.hpp"
 #include "context_core.hpp"
+#include "embed.hpp"
 #include "sequence.hpp"
 
 #include <memory>
@@ -25,6 +26,7 @@ struct py_context {
     std::unique_ptr<context_core> core;
     std::unique_ptr<sequence_driver> sequence;
     std::unique_ptr<branch_driver> branches;
+    std::unique_ptr<embed_driver> embedder;
     std::unique_ptr<held_buffer> control;  // the interrupt word's buffer
 };
 

@@ -67,6 +67,11 @@ py::dict info(const Model & m) {
     d["eot"] = llama_vocab_eot(vocab);
     d["add_bos"] = llama_vocab_get_add_bos(vocab);
     d["add_eos"] = llama_vocab_get_add_eos(vocab);
+    d["sep"] = llama_vocab_sep(vocab);
+    d["add_sep"] = llama_vocab_get_add_sep(vocab);
+    d["n_embd_out"] = llama_model_n_embd_out(model);
+    const char * rerank = llama_model_chat_template(model, "rerank");
+    d["rerank_template"] = rerank != nullptr ? py::object(py::str(rerank)) : py::object(py::none());
     d["eog_tokens"] = m.eog_tokens();
     const char * tmpl = llama_model_chat_template(model, nullptr);
     d["chat_template"] = tmpl != nullptr ? py::object(py::str(tmpl)) : py::object(py::none());

@@ -21,6 +21,8 @@ constexpr uint64_t k_max_seed = 0xFFFFFFFEull;
 // llama.cpp truncates longer DRY sequence breakers (with a log line); here they are refused.
 constexpr size_t k_max_breaker_bytes = 40;
 constexpr int64_t k_i32_max = std::numeric_limits<int32_t>::max();
+// The n_seq_max of an embedding context unless it is given: how many texts one decode may take.
+constexpr uint32_t k_embed_seq_max = 16;
 
 const std::set<std::string> & sampler_keys() {
     static const std::set<std::string> keys(sampler_field_names().begin(), sampler_field_names().end());
@@ -209,6 +211,7 @@ const std::set<std::string> & known_context_keys() {
     static const std::set<std::string> keys = {
         "n_ctx",      "n_batch",         "n_ubatch", "n_threads", "n_threads_batch", "n_seq_max", "embeddings",
         "rope_freq_base", "rope_freq_scale", "type_k", "type_v",  "swa_full",        "flash_attn",
+        "pooling",
     };
     return keys;
 }
@@ -239,6 +242,23 @@ bool ctx_bool(const py::dict & d, const char * key) {
         throw context_error(std::string(key) + " must be a bool");
     }
     return v.ptr() == Py_True;
+}
+
+enum llama_pooling_type ctx_pooling(const py::dict & d, const char * key) {
+    py::object v = d[key];
+    static const std::pair<const char *, enum llama_pooling_type> names[] = {
+        {"none", LLAMA_POOLING_TYPE_NONE}, {"mean", LLAMA_POOLING_TYPE_MEAN}, {"cls", LLAMA_POOLING_TYPE_CLS},
+        {"last", LLAMA_POOLING_TYPE_LAST}, {"rank", LLAMA_POOLING_TYPE_RANK}};
+    if (PyUnicode_Check(v.ptr())) {
+        const std::string name = v.cast<std::string>();
+        for (const auto & [n, t] : names) {
+            if (name == n) {
+                return t;
+            }
+        }
+        throw context_error(std::string(key) + " '" + name + "' is not a pooling type (none, mean, cls, last, rank)");
+    }
+    throw context_error(std::string(key) + " must be one of \"none\", \"mean\", \"cls\", \"last\", \"rank\"");
 }
 
 ggml_type ctx_cache_type(const py::dict & d, const char * key) {
@@ -454,6 +474,24 @@ llama_context_params parse_context_params(const py::dict & params) {
     }
     if (has("embeddings")) {
         cp.embeddings = ctx_bool(params, "embeddings");
+    }
+    if (has("pooling")) {
+        cp.pooling_type = ctx_pooling(params, "pooling");
+    }
+    if (cp.embeddings) {
+        // llama.cpp pools per ubatch, so a text is pooled whole only when a decode is a single ubatch:
+        // the two sizes go together here (512 unless one of them is given).
+        if (!has("n_batch") && !has("n_ubatch")) {
+            cp.n_batch = cp.n_ubatch = 512;
+        } else if (!has("n_ubatch")) {
+            cp.n_ubatch = cp.n_batch;
+        } else if (!has("n_batch")) {
+            cp.n_batch = cp.n_ubatch;
+        }
+        // Several texts per decode, one sequence each (the cache is unified: sequences cost nothing).
+        if (!has("n_seq_max")) {
+            cp.n_seq_max = std::min({k_embed_seq_max, cp.n_batch, static_cast<uint32_t>(llama_max_parallel_sequences())});
+        }
     }
     if (has("rope_freq_base")) {
         cp.rope_freq_base = ctx_float(params, "rope_freq_base");

@@ -89,6 +89,23 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
     // llama.cpp reserves one output row per sequence within n_batch (itself at most n_ctx) and aborts the
     // process when they do not fit.
     const uint64_t n_batch_eff = std::min<uint64_t>(cp.n_batch, n_ctx_eff);
+    if (!cp.embeddings && cp.pooling_type != LLAMA_POOLING_TYPE_UNSPECIFIED) {
+        throw context_error("pooling applies to embedding contexts: pass embeddings=True as well");
+    }
+    if (cp.embeddings) {
+        const std::string arch = model_meta(lm, "general.architecture");
+        const std::string declared = arch.empty() ? std::string() : model_meta(lm, arch + ".pooling_type");
+        if (cp.pooling_type == LLAMA_POOLING_TYPE_UNSPECIFIED && declared.empty()) {
+            // llama.cpp would fall back to no pooling (a vector per token); one vector per text is what
+            // an embedding context is asked for far more often.
+            cp.pooling_type = LLAMA_POOLING_TYPE_MEAN;
+        }
+        // Without a classification head llama.cpp's rank pooling reads stray hidden-state values as scores.
+        if (cp.pooling_type == LLAMA_POOLING_TYPE_RANK && declared != std::to_string(LLAMA_POOLING_TYPE_RANK)) {
+            throw context_error("pooling 'rank' needs a reranker: a model whose GGUF declares pooling type rank "
+                                "(it has a classification head); this one does not");
+        }
+    }
     if (cp.n_seq_max > n_batch_eff) {
         throw context_error("n_seq_max " + std::to_string(cp.n_seq_max) + " needs n_batch >= n_seq_max (n_batch is " +
                             std::to_string(n_batch_eff) + ")");
@@ -125,6 +142,8 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
     n_swa = llama_model_n_swa(lm);
     n_cells = llama_n_ctx(ctx_);
     swa_full = cp.swa_full;
+    embeddings = cp.embeddings;
+    pooling = embeddings ? llama_pooling_type(ctx_) : LLAMA_POOLING_TYPE_NONE;
 
     batch_ = llama_batch_init(static_cast<int32_t>(n_batch), 0, 1);
     llama_set_abort_callback(ctx_, &context_core::abort_callback, this);

@@ -17,7 +17,9 @@ namespace lloyal {
 class context_core {
   public:
     // cp as parsed from the context params (bind_params.cpp); ContextError when llama.cpp refuses it, or
-    // when its KV cache could never fit the machine's memory (CPU build). arena: where the context's
+    // when its KV cache could never fit the machine's memory (CPU build), or for a pooling type on a
+    // context without embeddings. An embedding context whose pooling is left unspecified gets the
+    // model's own (GGUF <arch>.pooling_type), or mean pooling when the model declares none. arena: where the context's
     // logits row (and its branches' snapshots) live.
     context_core(std::shared_ptr<Model> model, const llama_context_params & cp, std::shared_ptr<region_arena> arena);
     ~context_core();
@@ -45,6 +47,8 @@ class context_core {
     // The adapters llama.cpp applies in this context (kept by lora.cpp's set_loras), held here so that
     // none is freed while the llama_context points at it.
     std::vector<lora_weight> loras;
+    bool embeddings = false;  // an embedding context (embed.hpp): every token of a decode has an output row
+    enum llama_pooling_type pooling = LLAMA_POOLING_TYPE_NONE;  // as llama.cpp resolved it
 
     // Points the abort callback and the between-token checks at a u64 in shared memory (null: none).
     void set_interrupt_word(const uint64_t * word) { interrupt_word_ = word; }

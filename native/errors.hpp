@@ -52,6 +52,11 @@ struct lora_error : lloyal_error {
     using lloyal_error::lloyal_error;
 };
 
+// A result that does not fit the worker's shared-memory region (nothing was computed).
+struct result_too_large_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
 // An all-or-nothing operation stopped by the interrupt word; nothing was changed.
 struct interrupted_error : lloyal_error {
     using lloyal_error::lloyal_error;

@@ -13,6 +13,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 CASES = {
     "best_of_n": (["-n", "3", "-t", "12"], "best (ppl"),
+    "embed": ([], "nearest to 0: 1 ("),
     "speculative": (["-k", "3", "-t", "16"], "tokens per target step"),
     "entropy": (["-t", "20"], "explored"),
     "grammar": (["-n", "2"], "fork 1:"),

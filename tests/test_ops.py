@@ -45,6 +45,8 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.LoadLora(model=1, path="/a.gguf"),
     p.FreeLora(lora=3),
     p.SetLora(context=2, adapters=[(3, 0.5), (4, 1.0)]),
+    p.Embed(context=2, inputs=["héllo", [1, 2]], normalize=False),
+    p.Rerank(context=2, query="q", documents=["a", "b"], prompt="{document} {query}"),
     p.BranchCreate(context=2, params={"temperature": 0.5}, grammar={"gbnf": 'root ::= "a"'}, prompt=[1, 2]),
     p.BranchFork(context=2, branch=65537),
     p.BranchAdopt(context=2, seq=3, params={}, grammar=None),

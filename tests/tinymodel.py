@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -111,13 +112,28 @@ def make_tiny_model(
     n_ctx_train: int = 512,
     seed: int = 0,
     suppress_special: bool = True,
+    arch: str = ARCH,
+    cls_labels: Sequence[str] = (),
+    rerank_template: str | None = None,
 ) -> Path:
     """Write a random-weight llama GGUF with the tokenizer of *vocab_gguf* to *path*; return *path*.
 
     The vocabulary size is the number of tokens in *vocab_gguf*.  With
     *suppress_special* the lm-head rows of special/end-of-generation tokens are zero
     (see module docstring).  The same arguments always give the same bytes.
+
+    *arch* "qwen3" writes the same network as a Qwen3 (llama plus per-head q/k norms, here
+    all ones).  *cls_labels* (qwen3 only) adds a reranker's classification head: a random
+    ``cls.output`` of one row per label, the labels, and pooling type "rank", which is what
+    a converted Qwen3 reranker has; llama.cpp then scores a sequence as the softmax of
+    ``cls.output @ h`` over the labels, h being the last token's final (normed) hidden state.
+    *rerank_template* is written as ``tokenizer.chat_template.rerank`` (with ``{query}`` and
+    ``{document}`` placeholders, as llama.cpp reads it).
     """
+    if arch not in (ARCH, "qwen3"):
+        raise ValueError(f"unsupported arch {arch!r}")
+    if cls_labels and arch != "qwen3":
+        raise ValueError("a classification head needs arch='qwen3'")
     path = Path(path)
     if n_embd % n_head:
         raise ValueError("n_embd must be a multiple of n_head")
@@ -135,7 +151,7 @@ def make_tiny_model(
     def normal(shape: tuple[int, ...], std: float, dtype: type = np.float32) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(dtype)
 
-    w = gguf.GGUFWriter(None, ARCH)  # add_architecture() is done by the constructor
+    w = gguf.GGUFWriter(None, arch)  # add_architecture() is done by the constructor
     w.add_name("lloyal-tiny-random")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_context_length(n_ctx_train)
@@ -148,7 +164,12 @@ def make_tiny_model(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
+    if cls_labels:
+        w.add_classifier_output_labels(list(cls_labels))
+        w.add_pooling_type(gguf.PoolingType.RANK)
     _copy_tokenizer(reader, w)
+    if rerank_template is not None:
+        w.add_key_value("tokenizer.chat_template.rerank", rerank_template, GGUFValueType.STRING)
 
     # ggml {n_embd, n_vocab} == numpy (n_vocab, n_embd)
     w.add_tensor("token_embd.weight", normal((n_vocab, n_embd), _EMBD_STD, np.float16))
@@ -159,6 +180,9 @@ def make_tiny_model(
         w.add_tensor(p + "attn_k.weight", normal((n_head_kv * head_dim, n_embd), _LAYER_STD))
         w.add_tensor(p + "attn_v.weight", normal((n_head_kv * head_dim, n_embd), _LAYER_STD))
         w.add_tensor(p + "attn_output.weight", normal((n_embd, n_head * head_dim), _LAYER_STD))
+        if arch == "qwen3":
+            w.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            w.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
         w.add_tensor(p + "ffn_gate.weight", normal((n_ff, n_embd), _LAYER_STD))
         w.add_tensor(p + "ffn_up.weight", normal((n_ff, n_embd), _LAYER_STD))
@@ -168,6 +192,9 @@ def make_tiny_model(
     if suppress_special:
         out[_special_ids(reader)] = 0
     w.add_tensor("output.weight", out)
+    if cls_labels:
+        # ggml {n_embd, n_cls_out}; std 1 so that the label logits are spread (the hidden state is RMS-normed).
+        w.add_tensor("cls.output.weight", normal((len(cls_labels), n_embd), 1.0))
 
     path.parent.mkdir(parents=True, exist_ok=True)
     w.write_header_to_file(path)
@@ -196,7 +223,8 @@ def tiny_model_path(cache_dir: Path | str, vocab_gguf: Path | str = DEFAULT_VOCA
     cache_dir = Path(cache_dir)
     vocab_gguf = Path(vocab_gguf)
     key = json.dumps(
-        {"v": FORMAT_VERSION, "vocab": _file_digest(vocab_gguf), "params": params},
+        {"v": FORMAT_VERSION, "vocab": _file_digest(vocab_gguf),
+         "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}},
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -48,7 +48,9 @@ class Model:
     def info(self) -> dict[str, Any]:
         """desc, n_params, size, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, n_swa, n_vocab,
         has_encoder, has_decoder, bos, eos, add_bos, chat_template (str or None), meta (dict[str, str]).
-        Also: path, vocab_only, ftype, vocab_type, is_recurrent, is_hybrid, eot, add_eos, eog_tokens.
+        Also: path, vocab_only, ftype, vocab_type, is_recurrent, is_hybrid, eot, add_eos, eog_tokens, sep,
+        add_sep, n_embd_out (the width of an embedding), rerank_template (the GGUF's
+        tokenizer.chat_template.rerank, or None).
         Token ids (bos, eos, eot) are -1 when the vocabulary has none. meta leaves out array values."""
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
     def detokenize(self, tokens: Sequence[int], remove_special: bool, unparse_special: bool) -> str:
@@ -118,11 +120,24 @@ class Context:
     @property
     def logits_offset(self) -> int:
         """Where the context's logits row (write_logits) lies in the region."""
+    @property
+    def embeddings(self) -> bool:
+        """Created with embeddings=True: an embedding context."""
+    @property
+    def pooling(self) -> str | None:
+        """An embedding context's pooling as llama.cpp resolved it ("none", "mean", "cls", "last", "rank");
+        None for a generation context."""
     def __init__(self, model: Model, params: dict[str, Any], arena: Arena) -> None:
         """params keys (all optional): n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch, n_seq_max,
-        embeddings, rope_freq_base, rope_freq_scale, type_k, type_v (ggml type names, e.g. "f16", "q8_0"),
-        swa_full (default True), flash_attn ("auto"/"on"/"off"). n_ctx 0 = the model's n_ctx_train.
-        Raises ContextError for invalid values.
+        embeddings, pooling ("none", "mean", "cls", "last", "rank"; embeddings=True only), rope_freq_base,
+        rope_freq_scale, type_k, type_v (ggml type names, e.g. "f16", "q8_0"), swa_full (default True),
+        flash_attn ("auto"/"on"/"off"). n_ctx 0 = the model's n_ctx_train. Raises ContextError for invalid
+        values.
+
+        With embeddings=True: pooling missing = the model's GGUF pooling_type, or "mean" when it declares
+        none; n_batch and n_ubatch default to 512 together, or both to the one given (llama.cpp pools per
+        ubatch); n_seq_max defaults to min(16, n_batch). pooling "rank" needs a model whose GGUF declares
+        rank pooling (a reranker), and any pooling needs embeddings=True: ContextError otherwise.
 
         A missing (or None) key takes llama.cpp's default (n_ctx 512, n_batch 2048, n_ubatch 512,
         n_seq_max 1, f16 cache, flash_attn "auto"), threads: build_info()["default_threads"],
@@ -258,6 +273,25 @@ class Context:
           - "length": n_predict reached, or no room left to decode another token.
           - Also in the result: n_past (the history length afterwards).
           - ValueError for an empty prompt (without append, or on an empty context)."""
+
+    def embed(self, inputs: Sequence[Sequence[int]], normalize: bool, request_id: int = 0) -> dict[str, Any]:
+        """An embedding context's vectors of each token list in inputs, one sequence per input, as few
+        llama_decode calls as n_seq_max and n_ubatch (at most n_ctx tokens) allow, starting from an empty
+        cache and leaving it empty. -> {offset, rows, width}: the float32 rows of every input, one after
+        the other, at offset of the region (a block the context holds until its next embed call); rows[i]
+        is input i's count (its token count with pooling "none", else 1); width is n_embd_out, or the
+        classifier's n_cls_out with pooling "rank". normalize: each row to L2 norm 1 (not with "rank").
+        Raises ContextError (a generation context), ContextOverflowError (an input longer than one decode
+        takes), ResultTooLargeError (the rows do not fit the region; nothing is decoded),
+        InvalidTokenError, ValueError (no inputs, or an empty one), DecodeError, InterruptedByClient."""
+    def score_tails(self, prompts: Sequence[Sequence[int]], n_tail: Sequence[int], request_id: int = 0) -> list[float]:
+        """A generation context that holds nothing (no history, no branches, else ContextError): per prompt,
+        the mean log-probability of its last n_tail[i] tokens, each given all the tokens before it. The
+        prompts are decoded side by side, one sequence each, n_seq_max and n_batch (at most n_ctx) tokens
+        per llama_decode; the cache is empty again afterwards. Raises ContextError (an embedding context),
+        ValueError (n_tail[i] not in [1, len(prompts[i]) - 1]), ContextOverflowError (a prompt longer than
+        one decode takes, or an n_tail needing more than 256 MiB of logits rows; the prompts are spread over
+        decodes to keep each within that), InvalidTokenError, DecodeError, InterruptedByClient."""
 
     # -- branches: this stub is their contract (docs/BRANCHES.md explains them to users) -----------------
     # Every method takes the context's busy guard; those that decode release the GIL and honour the

@@ -9,6 +9,7 @@ the request's type. Bulk results are written into the shared-memory region and r
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -51,6 +52,10 @@ class Call:
 Q = TypeVar("Q", bound=Request[Any])
 Handler = Callable[["Engine", Any, Call], Any]
 HANDLERS: dict[type[Request[Any]], Handler] = {}
+# What an embedding context (embeddings=True) takes; every other context request is refused there.
+_EMBEDDING_OPS: frozenset[type[Request[Any]]] = frozenset(
+    {p.FreeContext, p.Embed, p.Rerank, p.Reset, p.Tokens, p.NPast, p.KvPressureRequest, p.SetLora})
+_PLACEHOLDER = re.compile(r"\{query\}|\{document\}")
 
 
 def handles(request: type[Q]) -> Callable[[Callable[[Engine, Q, Call], Any]], Callable[[Engine, Q, Call], Any]]:
@@ -103,6 +108,11 @@ class Engine:
 
     def handle(self, req: Request[Any], request_id: int = 0, emit: EventSink | None = None) -> Any:
         """Runs one request through its registered handler."""
+        if isinstance(req, p.ContextRequest) and type(req) not in _EMBEDDING_OPS:
+            entry = self._contexts.get(req.context)
+            if entry is not None and entry.native.embeddings:
+                raise ContextError(f"{req.op.value} needs a generation context; this one was created with "
+                                   "embeddings=True (it can embed, and rerank with pooling='rank')")
         return HANDLERS[type(req)](self, req, Call(request_id, emit))
 
     def _new_id(self) -> int:
@@ -235,7 +245,7 @@ class Engine:
         return p.ContextCreated(
             context=context_id, interrupt_slot=slot, logits_offset=native.logits_offset, n_vocab=entry.n_vocab,
             n_ctx=native.n_ctx, n_batch=native.n_batch, n_ubatch=native.n_ubatch, n_seq_max=native.n_seq_max,
-            n_threads=native.n_threads)
+            n_threads=native.n_threads, pooling=native.pooling)
 
     @handles(p.FreeContext)
     def free_context(self, req: p.FreeContext, call: Call) -> None:
@@ -273,6 +283,8 @@ class Engine:
             if req.draft == req.context:
                 raise ValueError("the draft context must be another context than the target")
             draft = self._context(req.draft).native
+            if draft.embeddings:
+                raise ContextError("the draft context is an embedding context: drafting needs a generation context")
         on_piece = self._on_piece(call) if req.stream else None
         return msgspec.convert(entry.native.generate_with_draft(
             req.prompt, self._gen_params(req.params), draft, req.n_draft, req.ngram_min, req.ngram_max,
@@ -311,6 +323,74 @@ class Engine:
     @handles(p.NPast)
     def n_past(self, req: p.NPast, call: Call) -> int:
         return int(self._context(req.context).native.n_past())
+
+    # -- embeddings and rerank ------------------------------------------------------------------------
+    @handles(p.Embed)
+    def embed(self, req: p.Embed, call: Call) -> p.Embedded:
+        entry = self._context(req.context)
+        if entry.native.pooling == "rank":
+            raise ContextError("a pooling='rank' context scores (query, document) pairs: use rerank()")
+        # Texts are data: special-token text in them stays text.
+        inputs = [self._tokenize(entry.model_id, x, True, False) if isinstance(x, str) else x for x in req.inputs]
+        r = entry.native.embed(inputs, req.normalize, call.request_id)
+        return p.Embedded(offset=int(r["offset"]), rows=[int(n) for n in r["rows"]], width=int(r["width"]))
+
+    @handles(p.Rerank)
+    def rerank(self, req: p.Rerank, call: Call) -> list[float]:
+        entry = self._context(req.context)
+        native = entry.native
+        if native.embeddings and native.pooling != "rank":
+            raise ContextError(f"rerank in an embedding context needs pooling='rank' (a reranker model), this one "
+                               f"pools with {native.pooling!r}; a causal LM reranks in a generation context")
+        if not req.documents:
+            return []
+        if native.embeddings:
+            info = self._model(entry.model_id).native.info()
+            pairs = [self._rank_pair(entry.model_id, info, req.query, d) for d in req.documents]
+            r = native.embed(pairs, False, call.request_id)
+            width = int(r["width"])
+            # The classifier's first output is the score (a reranker's "relevant" class).
+            scores = self.region.floats(int(r["offset"]), len(pairs) * width)[::width]
+            return [float(x) for x in scores]
+        if not req.query.strip():
+            raise ValueError("the query is empty")
+        template = req.prompt.rstrip()
+        if not template.endswith("{query}") or "{document}" not in template:
+            raise ValueError("the rerank prompt must contain {document} and end with {query}")
+        before = template[:-len("{query}")]
+        prompts: list[list[int]] = []
+        n_tail: list[int] = []
+        for doc in req.documents:
+            head = _fill(before, req.query, doc)
+            full = self._tokenize(entry.model_id, head + req.query, True, False)
+            # The query's tokens: what follows the longest common prefix with the prompt alone (a
+            # space before the query may merge into its first token).
+            alone = self._tokenize(entry.model_id, head.rstrip(), True, False)
+            k = _common_prefix(alone, full)
+            if k == len(full):
+                raise ValueError("the query has no tokens")
+            prompts.append(full)
+            n_tail.append(len(full) - k)
+        return [float(x) for x in native.score_tails(prompts, n_tail, call.request_id)]
+
+    def _rank_pair(self, model: int, info: dict[str, Any], query: str, document: str) -> list[int]:
+        """A (query, document) pair as a reranker takes it: the model's rerank template when its GGUF has
+        one (special tokens parsed, as its author wrote them), else the BERT-style convention
+        [BOS] query [EOS] [SEP] document [EOS], each marker where the vocabulary asks for it."""
+        template = info.get("rerank_template")
+        if template:
+            return self._tokenize(model, _fill(template, query, document), False, True)
+        eos = info["eos"] if info["eos"] >= 0 else info["sep"]
+        out: list[int] = [info["bos"]] if info["add_bos"] and info["bos"] >= 0 else []
+        out += self._tokenize(model, query, False, False)
+        if info["add_eos"] and eos >= 0:
+            out.append(eos)
+        if info["add_sep"] and info["sep"] >= 0:
+            out.append(info["sep"])
+        out += self._tokenize(model, document, False, False)
+        if info["add_eos"] and eos >= 0:
+            out.append(eos)
+        return out
 
     # -- branches -------------------------------------------------------------------------------------
     # A branch's logits snapshot is a block of the shared region that the native side owns: written on
@@ -508,6 +588,16 @@ class Engine:
         for model in list(self._models):
             self.free_model(p.FreeModel(model=model), Call())
 
+
+
+def _common_prefix(x: Sequence[int], y: Sequence[int]) -> int:
+    n = min(len(x), len(y))
+    return next((i for i in range(n) if x[i] != y[i]), n)
+
+
+def _fill(template: str, query: str, document: str) -> str:
+    """template with {query} and {document} replaced in one pass (a query holding "{document}" stays text)."""
+    return _PLACEHOLDER.sub(lambda m: query if m.group(0) == "{query}" else document, template)
 
 
 def _check_gguf_file(path: str, error: type[Exception] = ModelLoadError, what: str = "model") -> None:
