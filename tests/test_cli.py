@@ -62,3 +62,14 @@ def test_the_client_never_loads_llama_cpp(tiny_model: Path) -> None:
         "print('clean')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr
+
+
+def test_generate_reads_a_prompt_file_and_shows_its_progress(tmp_path: Path, tiny_model: Path) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time " * 100)
+    out = _run("generate", "-m", str(tiny_model), "-n", "4", "-f", str(prompt))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    assert "prompt: done" in out.stderr  # the bar, as it ends when stderr is not a terminal
+    quiet = _run("generate", "-m", str(tiny_model), "-n", "4", "-q", "-f", str(prompt))
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == out.stdout

@@ -30,3 +30,17 @@ def test_example_runs(name: str, gemma_path: Path) -> None:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert expect in out.stdout, out.stdout[-2000:]
+
+
+README = EXAMPLES.parent / "README.md"
+
+
+def test_the_readme_tour_runs_as_written(gemma_path: Path) -> None:
+    # The tour is the first thing a new user runs; run as written, it must work and do what it says.
+    text = README.read_text()
+    tour = text[text.index("## A short tour"):]
+    code = tour[tour.index("```python\n") + len("```python\n"):tour.index("```\n", tour.index("```python\n") + 10)]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr == ""  # quiet: no native warnings on stderr
+    assert "prompt tokens reused" in out.stdout
