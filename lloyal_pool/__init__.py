@@ -20,6 +20,7 @@ from .errors import (
     ProtocolError,
     RemoteError,
     StaleHandleError,
+    StateError,
     WorkerCrashedError,
     WorkerError,
     WorkerStartupError,
@@ -33,6 +34,7 @@ from .params import (
     ModelInfo,
     Result,
     SamplerParams,
+    Score,
     StopReason,
 )
 
@@ -68,7 +70,9 @@ __all__ = [
     "RemoteError",
     "Result",
     "SamplerParams",
+    "Score",
     "StaleHandleError",
+    "StateError",
     "StopReason",
     "Stream",
     "WorkerCrashedError",

@@ -9,6 +9,8 @@
     ├── GrammarError              a GBNF grammar or JSON schema that does not parse
     ├── DecodeError               llama_decode failed (KV full, compute error)
     ├── StaleHandleError          a model/context handle whose worker died or which was closed
+    ├── StateError                a saved context state that cannot be used (garbage, truncated, corrupted,
+    │                             another model or format version, a file that cannot be read or written)
     ├── ProtocolError             a malformed frame or a protocol version mismatch
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
@@ -72,6 +74,12 @@ class StaleHandleError(LloyalError):
 class BranchError(LloyalError):
     """A branch operation that cannot be done as asked: pruning a branch that has children, the same
     branch twice in one batch, no free sequence to lease, writing to a sequence a branch owns."""
+
+
+class StateError(LloyalError):
+    """A saved context state that cannot be used: not a state at all (garbage, truncated, corrupted), one
+    of another model or format version, or a file that cannot be read or written. The context it was
+    meant for is left as it was."""
 
 
 class InterruptedByClient(LloyalError):
@@ -197,6 +205,6 @@ class _RemoteTraceback(Exception):
 __all__ = [
     "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
     "InterruptedByClient", "InvalidTokenError", "LloyalError", "ModelLoadError", "PoolClosedError", "ProtocolError",
-    "RemoteError", "StaleHandleError", "WorkerCrashedError", "WorkerError", "WorkerStartupError", "describe_exit",
-    "error_class", "rebuild",
+    "RemoteError", "StaleHandleError", "StateError", "WorkerCrashedError", "WorkerError", "WorkerStartupError",
+    "describe_exit", "error_class", "rebuild",
 ]

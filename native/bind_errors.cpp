@@ -20,6 +20,7 @@ struct error_classes {
     PyObject * stale_handle = nullptr;
     PyObject * branch = nullptr;
     PyObject * interrupted = nullptr;
+    PyObject * state = nullptr;
 };
 
 error_classes g_classes;
@@ -47,6 +48,7 @@ void register_errors(py::module_ &) {
     g_classes.stale_handle = load_class(errors, "StaleHandleError");
     g_classes.branch = load_class(errors, "BranchError");
     g_classes.interrupted = load_class(errors, "InterruptedByClient");
+    g_classes.state = load_class(errors, "StateError");
 
     // Most derived first: a catch clause for lloyal_error would also take every subclass.
     py::register_exception_translator([](std::exception_ptr p) {
@@ -72,6 +74,8 @@ void register_errors(py::module_ &) {
             PyErr_SetString(g_classes.branch, e.what());
         } catch (const interrupted_error & e) {
             PyErr_SetString(g_classes.interrupted, e.what());
+        } catch (const state_error & e) {
+            PyErr_SetString(g_classes.state, e.what());
         } catch (const lloyal_error & e) {
             PyErr_SetString(g_classes.base, e.what());
         } catch (const std::invalid_argument & e) {

@@ -238,7 +238,7 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
                 stop_reason = "length";  // no room to decode another token
                 break;
             }
-            const float * z = llama_get_logits_ith(core_.get(), -1);
+            const float * z = last_logits();
             if (z == nullptr) {
                 throw lloyal_error("no logits to sample from");
             }
