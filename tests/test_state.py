@@ -4,6 +4,8 @@ variants, restored in another worker process, and every way a state can be refus
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,9 @@ from lloyal_pool import (
     ContextOverflowError,
     Model,
     Pool,
+    StaleHandleError,
     StateError,
+    WorkerCrashedError,
 )
 from lloyal_pool.client import Context
 
@@ -186,3 +190,53 @@ def test_state_needs_a_plain_history(gemma: Model) -> None:
     ctx.reset()
     assert ctx.load_state(data) == len(src.tokens())
     assert ctx.instance.ping() >= 0
+
+
+def _transfer_fds() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "lloyal_pool_state" in os.readlink(f"/proc/self/fd/{fd}"):
+                found.add(fd)
+        except OSError:
+            pass
+    return found
+
+
+def _state_call(ctx: Context, op: str, data: bytes, outcome: list[BaseException | None]) -> None:
+    try:
+        if op == "load":
+            ctx.load_state(data)
+        else:
+            ctx.save_state()
+        outcome.append(None)
+    except BaseException as exc:
+        outcome.append(exc)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="the memfd transfer is Linux's")
+def test_a_worker_dying_midway_leaves_nothing_behind(fresh_pool: Pool, gemma_path: Path, gemma: Model) -> None:
+    src = gemma.new_context(n_ctx=256)
+    src.eval("Hello there")
+    data = src.save_state()
+    ctx = fresh_pool[0].load_model(gemma_path).new_context(n_ctx=256)
+    ctx.eval("Hello there")
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not _transfer_fds()
+    for op in ("load", "save"):
+        fresh_pool[0].fault("hang", seconds=120)  # the worker is stuck: the state call waits behind it
+        outcome: list[BaseException | None] = []
+        t = threading.Thread(target=_state_call, args=(ctx, op, data, outcome))
+        t.start()
+        while not _transfer_fds():  # the parent made its transfer file: now the worker dies
+            assert t.is_alive()
+            time.sleep(0.005)
+        fresh_pool[0].kill()
+        t.join()
+        assert isinstance(outcome[0], (WorkerCrashedError, StaleHandleError))
+        assert not _transfer_fds()  # closed: the memory went with it
+        if os.path.isdir("/dev/shm"):
+            assert set(os.listdir("/dev/shm")) == shm_before
+        ctx = fresh_pool.replace(0).load_model(gemma_path).new_context(n_ctx=256)
+        ctx.eval("Hello there")
+    assert ctx.load_state(data) == len(src.tokens())  # a fresh worker takes it
