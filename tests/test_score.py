@@ -186,3 +186,25 @@ def test_scoring_can_be_interrupted(gemma: Model) -> None:
     kept = ctx.tokens()
     assert kept == gemma.tokenize(TEXT * 4)[:len(kept)]
     assert ctx.score(TEXT).n_scored == len(gemma.tokenize(TEXT)) - 1  # serving
+
+
+def test_score_choices_on_a_sliding_window_cache_without_swa_full(gemma: Model) -> None:
+    # Gemma 3 has sliding-window layers: without swa_full, sequence 0 never takes a choice.
+    choices = [" Paris, of course", " Banana bread", " Lyon"]
+    one = gemma.new_context(n_ctx=256, swa_full=False)
+    one.eval(PREFIX)
+    with pytest.raises(ContextError, match="swa_full"):
+        one.score_choices(choices)
+    assert one.score(TEXT).n_scored == len(gemma.tokenize(TEXT)) - 1  # still serving
+    # n_ubatch 1 (see the module's docstring): the grouping cannot change a row's numerics.
+    ctx = gemma.new_context(n_ctx=256, swa_full=False, n_seq_max=2, n_batch=4, n_ubatch=1)  # on sequence 1
+    ctx.eval(PREFIX)
+    tokens, logits = ctx.tokens(), ctx.logits(copy=True)
+    got = ctx.score_choices(choices)
+    ref = gemma.new_context(n_ctx=256, n_seq_max=2, n_batch=4, n_ubatch=1)  # swa_full: sequences 0 and 1
+    ref.eval(PREFIX)
+    want = [s.nll for s in ref.score_choices(choices)]
+    assert [s.nll for s in got] == pytest.approx(want, rel=1e-4)
+    assert got[0].nll < got[1].nll
+    assert ctx.tokens() == tokens
+    assert np.array_equal(ctx.logits(), logits)
