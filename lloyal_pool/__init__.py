@@ -25,6 +25,7 @@ from .errors import (
     RemoteError,
     ResultTooLargeError,
     StaleHandleError,
+    StateError,
     WorkerCrashedError,
     WorkerError,
     WorkerStartupError,
@@ -38,6 +39,7 @@ from .params import (
     ModelInfo,
     Result,
     SamplerParams,
+    Score,
     StopReason,
 )
 
@@ -82,7 +84,9 @@ __all__ = [
     "Result",
     "ResultTooLargeError",
     "SamplerParams",
+    "Score",
     "StaleHandleError",
+    "StateError",
     "StopReason",
     "Stream",
     "WorkerCrashedError",

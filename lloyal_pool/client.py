@@ -30,9 +30,9 @@ from ._link import ContextLink, PromptProgress, events, spread_progress
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import LoraError, PoolClosedError, StaleHandleError
-from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams
+from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams, Score
 from .protocol import Request
-from .shm import DEFAULT_SIZE
+from .shm import DEFAULT_SIZE, TransferFile
 
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
@@ -544,6 +544,59 @@ class Context:
     def lora(self) -> list[tuple[LoraAdapter, float]]:
         """The configuration the last successful set_lora gave (``[]`` at first)."""
         return list(self._lora)
+
+    # -- whole-context state ---------------------------------------------------------------------------
+    def save_state(self) -> bytes:
+        """The context's whole state (KV cache, token history, logits of the last position) as bytes that
+        load_state() takes in any context of the same model, in any worker or process. The bytes travel
+        through a temporary shared-memory file, never through the pipe. ContextError for a context that
+        holds branches or nothing."""
+        with TransferFile() as f:
+            self._link.call(p.SaveState(context=self.handle, path=f.path, in_place=True)).result()
+            return f.read()
+
+    def load_state(self, data: bytes | bytearray | memoryview) -> int:
+        """Replaces what the context holds with a saved state; returns its n_past. StateError for bytes
+        that are not a state (garbage, truncated, corrupted) or one of another model,
+        ContextOverflowError for a state longer than n_ctx: then the context is left as it was."""
+        with TransferFile() as f:
+            f.write(data)
+            return self._link.call(p.LoadState(context=self.handle, path=f.path)).result()
+
+    def save_state_file(self, path: str | os.PathLike[str]) -> int:
+        """save_state() straight into a file, written by the worker (replaced whole: a reader sees the old
+        file or the new one); returns its size in bytes."""
+        return self._link.call(p.SaveState(context=self.handle, path=os.path.abspath(os.fspath(path)))).result()
+
+    def load_state_file(self, path: str | os.PathLike[str]) -> int:
+        """load_state() from a file the worker reads (StateError also for a missing file)."""
+        return self._link.call(p.LoadState(context=self.handle, path=os.path.abspath(os.fspath(path)))).result()
+
+    # -- scoring ---------------------------------------------------------------------------------------
+    def score(self, text: str | Sequence[int]) -> Score:
+        """Teacher-forced score of a whole text (text gets the model's BOS; token ids are taken as they
+        are): every token after the first is scored against the logits of the tokens before it, so
+        n_scored = n_tokens - 1. Like a generate prompt, the text replaces what the context held and stays
+        in it afterwards. ValueError for fewer than two tokens, ContextOverflowError past n_ctx."""
+        return self.score_async(text).result()
+
+    def score_async(self, text: str | Sequence[int]) -> Future[Score]:
+        wire: str | list[int] = text if isinstance(text, str) else [int(t) for t in text]
+        return self._link.call(p.ScoreText(context=self.handle, text=wire))
+
+    def score_choices(self, choices: Sequence[str | Sequence[int]]) -> list[Score]:
+        """Scores each choice (text without BOS, or token ids) as the continuation of what the context
+        holds; every token of a choice is scored (n_scored = n_tokens). The context is left as it was:
+        its cache is rolled back and its last logits kept. With n_seq_max > 1 the choices are decoded
+        together, one sequence each (as many at once as there are sequences); with n_seq_max 1 one
+        after another."""
+        return self.score_choices_async(choices).result()
+
+    def score_choices_async(self, choices: Sequence[str | Sequence[int]]) -> Future[list[Score]]:
+        if isinstance(choices, str):
+            raise TypeError("choices must be a list of texts or token lists, not one str")
+        wire: list[str | list[int]] = [c if isinstance(c, str) else [int(t) for t in c] for c in choices]
+        return self._link.call(p.ScoreChoices(context=self.handle, choices=wire))
 
     # -- branches -------------------------------------------------------------------------------------
     def branch(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,

@@ -11,6 +11,8 @@
     ├── StaleHandleError          a model/context handle whose worker died or which was closed
     ├── LoraError                 a LoRA adapter that cannot be loaded or applied (file, model, scale)
     ├── ResultTooLargeError       a result (embeddings) that does not fit the worker's shared memory
+    ├── StateError                a saved context state that cannot be used (garbage, truncated, corrupted,
+    │                             another model or format version, a file that cannot be read or written)
     ├── ProtocolError             a malformed frame or a protocol version mismatch
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
@@ -86,6 +88,12 @@ class LoraError(LloyalError):
 class ResultTooLargeError(LloyalError):
     """A result that does not fit the worker's shared-memory region (embeddings of too many tokens at
     once): nothing was computed. Embed fewer texts per call, or create the Pool with a larger shm_bytes."""
+
+
+class StateError(LloyalError):
+    """A saved context state that cannot be used: not a state at all (garbage, truncated, corrupted), one
+    of another model or format version, or a file that cannot be read or written. The context it was
+    meant for is left as it was."""
 
 
 class InterruptedByClient(LloyalError):
@@ -211,7 +219,7 @@ class _RemoteTraceback(Exception):
 __all__ = [
     "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
     "InterruptedByClient", "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError",
-    "ProtocolError", "RemoteError", "ResultTooLargeError", "StaleHandleError", "WorkerCrashedError", "WorkerError",
-    "WorkerStartupError",
+    "ProtocolError", "RemoteError", "ResultTooLargeError", "StaleHandleError", "StateError", "WorkerCrashedError",
+    "WorkerError", "WorkerStartupError",
     "describe_exit", "error_class", "rebuild",
 ]

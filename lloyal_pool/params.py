@@ -224,6 +224,22 @@ class Result(msgspec.Struct, frozen=True):
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
 
+class Score(msgspec.Struct, frozen=True):
+    """A teacher-forced score (Context.score / score_choices): ``nll`` is the sum over the ``n_scored``
+    predicted tokens of -log p(token | everything before it), in nats, and ``perplexity`` is
+    exp(nll / n_scored). ``n_tokens`` counts the tokens of the text (of the choice, for score_choices)."""
+
+    n_tokens: int
+    n_scored: int
+    nll: float
+    perplexity: float
+
+    @property
+    def mean_nll(self) -> float:
+        """nll per scored token (nats)."""
+        return self.nll / self.n_scored if self.n_scored else float("nan")
+
+
 class EvalResult(msgspec.Struct, frozen=True):
     """What an eval() decoded: ``n_tokens`` of the prompt are in the cache now (fewer when interrupted),
     which holds ``n_past`` tokens in all."""

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Generic, TypeVar, get_args
 import msgspec
 
 from .errors import BadRequestError, ProtocolError
-from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result
+from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 
 PROTOCOL_VERSION = 3
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
@@ -76,6 +76,10 @@ class Op(str, enum.Enum):
     SET_LORA = "set_lora"
     EMBED = "embed"
     RERANK = "rerank"
+    SAVE_STATE = "save_state"
+    LOAD_STATE = "load_state"
+    SCORE = "score"
+    SCORE_CHOICES = "score_choices"
     # Branches (branches.Branch / BranchStore), all on one context.
     BRANCH_CREATE = "branch_create"
     BRANCH_FORK = "branch_fork"
@@ -374,6 +378,36 @@ class Rerank(ContextRequest[list[float]]):
     query: str
     documents: list[str]
     prompt: str
+
+
+class SaveState(ContextRequest[int]):
+    """Writes the context's whole state to path (a file the worker creates or replaces, or the parent's
+    transfer memfd as /proc/<pid>/fd/<n>); replies with its size. The state itself never rides in a frame:
+    a long context's is gigabytes. in_place: write path directly (a transfer file) instead of a temporary
+    file renamed over it."""
+
+    op = Op.SAVE_STATE
+    path: str
+    in_place: bool = False
+
+
+class LoadState(ContextRequest[int]):
+    """Replaces the context's state with the one in path; replies with the restored n_past."""
+
+    op = Op.LOAD_STATE
+    path: str
+
+
+class ScoreText(ContextRequest[Score]):
+    op = Op.SCORE
+    decodes = True
+    text: str | list[int]  # text: tokenized with the model's BOS, special tokens parsed
+
+
+class ScoreChoices(ContextRequest[list[Score]]):
+    op = Op.SCORE_CHOICES
+    decodes = True
+    choices: list[str | list[int]]  # text: tokenized without BOS, special tokens parsed
 
 
 class BranchCreate(ContextRequest[BranchCreated]):

@@ -191,6 +191,82 @@ class Region:
                 pass
 
 
+class TransferFile:
+    """A temporary file for bulk data that must not ride in a frame (a context's state, gigabytes for a
+    long context), created by the parent; the worker reads or writes it by ``path``.
+
+    On Linux it is an anonymous memfd that the worker opens as /proc/<parent pid>/fd/<n>: it has no name
+    anywhere, so nothing is left behind whoever crashes (the memory goes with the last descriptor), and
+    there is no resource tracker to fight. Before the parent maps it, it seals the file against
+    shrinking and growing, so a worker cannot turn the parent's read into a SIGBUS; data for the worker
+    is written with write(2) (never through a mapping) and sealed read-only before the worker sees it.
+    Elsewhere a file in the temporary directory, removed on close (a parent SIGKILLed in between leaves
+    it behind there).
+    """
+
+    def __init__(self) -> None:
+        self._memfd = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+        self._tmp_path: str | None = None
+        if self._memfd:
+            self._fd = os.memfd_create("lloyal_pool_state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        else:
+            import tempfile
+
+            self._fd, self._tmp_path = tempfile.mkstemp(prefix="lloyal_pool_state_")
+            self.path = self._tmp_path
+
+    def __enter__(self) -> TransferFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _seal(self, seals: int) -> None:
+        if self._memfd:
+            import fcntl
+
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """The worker's input: all of data, then sealed (no write, shrink or grow from then on)."""
+        view = memoryview(data).cast("B")
+        os.ftruncate(self._fd, 0)
+        off = 0
+        while off < len(view):
+            off += os.pwrite(self._fd, view[off:off + (1 << 30)], off)
+        if self._memfd:
+            import fcntl
+
+            self._seal(fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+
+    def read(self) -> bytes:
+        """What the worker wrote, once it replied."""
+        if self._memfd:
+            import fcntl
+
+            self._seal(fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return b""
+        # MAP_POPULATE: one pass over the page tables instead of a fault per page.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ) as mm:
+            return mm[:]
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tmp_path is not None:
+            try:
+                os.unlink(self._tmp_path)
+            except FileNotFoundError:
+                pass
+            self._tmp_path = None
+
+
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 

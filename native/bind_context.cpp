@@ -4,6 +4,7 @@
 #include "bind_context.hpp"
 #include "errors.hpp"
 
+#include <cmath>
 #include <limits>
 
 namespace lloyal {
@@ -250,6 +251,43 @@ std::vector<std::vector<llama_token>> token_lists(py::handle inputs, const Model
     return out;
 }
 
+py::dict score_dict(const score_result & r) {
+    py::dict d;
+    d["n_tokens"] = r.n_tokens;
+    d["n_scored"] = r.n_scored;
+    d["nll"] = r.nll;
+    d["perplexity"] = r.n_scored > 0 ? std::exp(r.nll / static_cast<double>(r.n_scored))
+                                     : std::numeric_limits<double>::quiet_NaN();
+    return d;
+}
+
+py::dict score(py_context & c, py::handle tokens, uint64_t request_id) {
+    const std::vector<llama_token> toks = tokens_from_py(tokens, c.core->model());
+    score_result r;
+    {
+        gil_release nogil;
+        r = c.sequence->score(toks, request_id);
+    }
+    return score_dict(r);
+}
+
+py::list score_choices(py_context & c, py::handle choices, uint64_t request_id) {
+    std::vector<std::vector<llama_token>> items;
+    for (const py::object & item : sequence_items(choices, "choices")) {
+        items.push_back(tokens_from_py(item, c.core->model()));
+    }
+    std::vector<score_result> rs;
+    {
+        gil_release nogil;
+        rs = c.sequence->score_choices(items, request_id);
+    }
+    py::list out;
+    for (const score_result & r : rs) {
+        out.append(score_dict(r));
+    }
+    return out;
+}
+
 py::dict embed(py_context & c, py::handle inputs, bool normalize, uint64_t request_id) {
     const auto lists = token_lists(inputs, c.core->model(), "inputs");
     embed_result r;
@@ -329,6 +367,22 @@ void register_context(py::module_ & m) {
                 gil_release nogil;
                 c.sequence->write_logits();
             })
+        .def(
+            "save_state",
+            [](py_context & c, const std::string & path) {
+                gil_release nogil;
+                return c.sequence->save_state(path);
+            },
+            py::arg("path"))
+        .def(
+            "load_state",
+            [](py_context & c, const std::string & path) {
+                gil_release nogil;
+                return c.sequence->load_state(path);
+            },
+            py::arg("path"))
+        .def("score", &score, py::arg("tokens"), py::arg("request_id") = 0)
+        .def("score_choices", &score_choices, py::arg("choices"), py::arg("request_id") = 0)
         .def("generate", &generate, py::arg("prompt"), py::arg("params"), py::arg("request_id") = 0,
              py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none())
         .def("generate_with_draft", &generate_with_draft, py::arg("prompt"), py::arg("params"), py::arg("draft"),

@@ -22,6 +22,7 @@ struct error_classes {
     PyObject * interrupted = nullptr;
     PyObject * lora = nullptr;
     PyObject * result_too_large = nullptr;
+    PyObject * state = nullptr;
 };
 
 error_classes g_classes;
@@ -51,6 +52,7 @@ void register_errors(py::module_ &) {
     g_classes.interrupted = load_class(errors, "InterruptedByClient");
     g_classes.lora = load_class(errors, "LoraError");
     g_classes.result_too_large = load_class(errors, "ResultTooLargeError");
+    g_classes.state = load_class(errors, "StateError");
 
     // Most derived first: a catch clause for lloyal_error would also take every subclass.
     py::register_exception_translator([](std::exception_ptr p) {
@@ -80,6 +82,8 @@ void register_errors(py::module_ &) {
             PyErr_SetString(g_classes.lora, e.what());
         } catch (const result_too_large_error & e) {
             PyErr_SetString(g_classes.result_too_large, e.what());
+        } catch (const state_error & e) {
+            PyErr_SetString(g_classes.state, e.what());
         } catch (const lloyal_error & e) {
             PyErr_SetString(g_classes.base, e.what());
         } catch (const std::invalid_argument & e) {

@@ -181,6 +181,7 @@ bool context_core::interrupt_requested() const {
 int32_t context_core::decode(int32_t n) {
     const int64_t t0 = now_us();
     batch_.n_tokens = n;
+    ++n_decodes_;
     const int32_t ret = llama_decode(ctx_, batch_);
     if (aborting_.exchange(false, std::memory_order_relaxed)) {
         log_abort_end();

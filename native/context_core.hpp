@@ -109,6 +109,9 @@ class context_core {
     // added to the decode timer, which every decoding call of a driver starts from zero.
     int32_t decode(int32_t n);
     void reset_decode_timer() { decode_us_ = 0; }
+    // How many llama_decode calls this context has made: logits kept aside (a state load, a scoring
+    // pass) belong to the context only while no decode has replaced llama.cpp's output since.
+    uint64_t n_decodes() const { return n_decodes_; }
     double decode_ms() const { return static_cast<double>(decode_us_) / 1000.0; }
     // The typed error for a failed decode that left nothing changed (ret 2: interrupted).
     [[noreturn]] void throw_decode_failure(int32_t ret, size_t n_tokens, uint64_t log_mark_before) const;
@@ -123,6 +126,7 @@ class context_core {
     llama_batch batch_{};  // all null until llama_batch_init: llama_batch_free is a no-op on it
     int64_t decode_us_ = 0;
     progress_fn progress_;
+    uint64_t n_decodes_ = 0;
 
     std::atomic<bool> busy_{false};
     const uint64_t * interrupt_word_ = nullptr;

@@ -57,6 +57,12 @@ struct result_too_large_error : lloyal_error {
     using lloyal_error::lloyal_error;
 };
 
+// A saved context state that cannot be used: not one (garbage, truncated, corrupted), of another model
+// or format version, or a file that cannot be read or written.
+struct state_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
 // An all-or-nothing operation stopped by the interrupt word; nothing was changed.
 struct interrupted_error : lloyal_error {
     using lloyal_error::lloyal_error;

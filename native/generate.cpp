@@ -318,7 +318,7 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
                 out.stop("length");  // n_predict reached, or no room to decode another token
                 break;
             }
-            const llama_token tok = choose_token(*sampler, llama_get_logits_ith(core_.get(), -1), model.n_vocab(), scratch);
+            const llama_token tok = choose_token(*sampler, last_logits(), model.n_vocab(), scratch);
             if (out.push(tok) == generation_output::verdict::stop) {
                 break;  // not decoded: the history stays what it was before this token
             }

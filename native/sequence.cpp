@@ -174,7 +174,7 @@ void sequence_driver::write_logits() {
     if (!has_logits_) {
         throw lloyal_error("no logits: nothing has been decoded since the context was created, reset or interrupted");
     }
-    const float * logits = llama_get_logits_ith(core_.get(), -1);
+    const float * logits = last_logits();
     if (logits == nullptr) {
         throw lloyal_error("llama.cpp has no logits for the last position");
     }

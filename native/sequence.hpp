@@ -50,6 +50,13 @@ struct generate_result {
     double decode_ms = 0.0;
 };
 
+// What score() and score_choices() report for one text (score.cpp).
+struct score_result {
+    size_t n_tokens = 0;  // tokens of the text (a choice's own tokens, for score_choices)
+    size_t n_scored = 0;  // of them, how many had a prediction to score
+    double nll = 0.0;     // sum of -log p(token | everything before it), nats
+};
+
 // Receives each piece of final text (bytes) as it is decided; may throw (the generation then stops
 // with the history consistent, and the exception propagates).
 using piece_fn = std::function<void(std::string_view)>;
@@ -99,6 +106,15 @@ class sequence_driver {
     // Copies the last position's logits into the context's row in the region; LloyalError when there are none.
     void write_logits();
 
+    // state.cpp: the whole context (KV memory, history, last logits) to and from a file (the stub's
+    // Context.save_state / load_state). load_state returns the restored n_past.
+    size_t save_state(const std::string & path);
+    size_t load_state(const std::string & path);
+    // score.cpp: the contracts are the stub's Context.score / score_choices.
+    score_result score(const std::vector<llama_token> & toks, uint64_t request_id);
+    std::vector<score_result> score_choices(const std::vector<std::vector<llama_token>> & choices,
+                                            uint64_t request_id);
+
   private:
     // A generation's prompt: its tokens, what of the history stays, what is decoded (generate.cpp).
     struct prompt_plan {
@@ -132,6 +148,11 @@ class sequence_driver {
     // How much of a common prefix of n_keep_max tokens cache_prompt keeps (see sequence.cpp).
     size_t reuse_point(size_t n_keep_max) const;
     void append_history(const llama_token * toks, size_t n);
+    // The logits of the last position: llama.cpp's output, or the row kept aside by a state load or a
+    // scoring pass, as long as no decode came since. Meaningful only while has_logits_.
+    const float * last_logits() const;
+    // Keeps the current last logits aside (before a pass that decodes other rows and rolls back).
+    void keep_logits(const float * row);
 
     context_core & core_;
     const branch_driver * branches_ = nullptr;
@@ -141,6 +162,8 @@ class sequence_driver {
     // history_[:fresh_upto_] is in the KV cache exactly as a decode from scratch in n_batch chunks
     // would have put it there (same ubatches, so bit-identical); always a ubatch boundary.
     size_t fresh_upto_ = 0;
+    std::vector<float> kept_logits_;
+    uint64_t kept_at_ = 0;  // core_.n_decodes() when kept_logits_ was set
 };
 
 }  // namespace lloyal

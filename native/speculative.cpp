@@ -119,7 +119,7 @@ std::vector<llama_token> sequence_driver::draft_greedy(const std::vector<llama_t
     const int32_t n_vocab = core_.model().n_vocab();
     std::vector<llama_token> out;
     while (out.size() < n) {
-        const llama_token t = argmax(llama_get_logits_ith(core_.get(), -1), n_vocab);
+        const llama_token t = argmax(last_logits(), n_vocab);
         out.push_back(t);
         if (out.size() == n || llama_vocab_is_eog(core_.model().vocab(), t) || !decode_tokens(&t, 1, true)) {
             break;
@@ -197,7 +197,7 @@ generate_result sequence_driver::generate_with_draft(const prompt_input & prompt
                 out.stop("length");
                 break;
             }
-            const llama_token tok = choose_token(*sampler, llama_get_logits_ith(core_.get(), -1), n_vocab, scratch);
+            const llama_token tok = choose_token(*sampler, last_logits(), n_vocab, scratch);
             const verdict v = out.push(tok);
             if (v == verdict::stop) {
                 break;

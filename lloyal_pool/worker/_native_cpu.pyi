@@ -293,6 +293,42 @@ class Context:
         one decode takes, or an n_tail needing more than 256 MiB of logits rows; the prompts are spread over
         decodes to keep each within that), InvalidTokenError, DecodeError, InterruptedByClient."""
 
+    # -- whole-context state (native/state.cpp) and scoring (native/score.cpp) -------------------------
+    def save_state(self, path: str) -> int:
+        """Writes the sequence-mode context to path (created or truncated; mapped, so llama.cpp writes the
+        KV memory straight into it) and returns its size: a 256-byte header (magic "LLOYALST", format
+        version, total size, a checksum of the whole file, the model's fingerprint: a hash of its
+        description and scalar GGUF metadata, n_params, size, n_vocab, n_embd, n_layer, n_head_kv; the
+        history length, n_batch/n_ubatch and how much of the history is a fresh decode), the token
+        history, the logits of the last position (when there are any), then llama_state_get_data's bytes.
+        ContextError when the context holds branches or nothing; StateError when the file cannot be
+        written (no room: reserved with posix_fallocate before it is mapped)."""
+    def load_state(self, path: str) -> int:
+        """Replaces the context's cache, history and last logits with a file save_state wrote; returns
+        the history length. Checked before anything changes: StateError for a missing or unreadable file,
+        garbage, a truncated or corrupted file (size, checksum), another format version or another model
+        (fingerprint); ContextOverflowError for a history longer than n_ctx; ContextError when the context
+        holds branches. What llama.cpp refuses after that (a cache of another type or layout) puts the
+        context's previous state back and raises StateError. A history whose chunks were cut with the same
+        n_batch/n_ubatch keeps its fresh-decode mark (cache_prompt's reuse stays result-neutral)."""
+    def score(self, tokens: Sequence[int], request_id: int = 0) -> dict[str, Any]:
+        """Replaces the history with tokens (decoded from position 0, every position with its output row,
+        at most 64 MiB of logits per llama_decode) and scores each token after the first by the log-softmax
+        of the row before it, computed here. -> {n_tokens, n_scored (n_tokens - 1), nll (sum, nats),
+        perplexity (exp(nll / n_scored))}. Afterwards the context holds tokens, with the last position's
+        logits. ValueError for fewer than two tokens, ContextOverflowError past n_ctx, ContextError with
+        branches, InterruptedByClient (the history then holds the whole chunks decoded before)."""
+    def score_choices(self, choices: Sequence[Sequence[int]], request_id: int = 0) -> list[dict[str, Any]]:
+        """Scores each choice as the continuation of the history: its first token by the kept logits of the
+        last position, each further token by the row of the one before it, so n_scored = n_tokens. The
+        history's prefix is shared with sequences 1.. (llama_memory_seq_cp) and the choices decoded
+        together, one per sequence (sequence 0 included, unless a sliding-window cache is not swa_full),
+        as many per group as there are sequences and free cells; with n_seq_max 1 one at a time. Every
+        sequence is rolled back afterwards and the last logits kept, so the context is as before.
+        ValueError for no choices or an empty one, ContextOverflowError for a choice past n_ctx,
+        ContextError for an empty context, one without last logits, or branches; InterruptedByClient
+        (nothing changed)."""
+
     # -- branches: this stub is their contract (docs/BRANCHES.md explains them to users) -----------------
     # Every method takes the context's busy guard; those that decode release the GIL and honour the
     # interrupt word (checked before every llama_decode and inside it, through the abort callback).

@@ -19,7 +19,7 @@ import msgspec
 
 from .. import protocol as p
 from ..errors import ContextError, LoraError, ModelLoadError, StaleHandleError
-from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result
+from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
 from ..shm import BULK_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
 
@@ -391,6 +391,41 @@ class Engine:
         if info["add_eos"] and eos >= 0:
             out.append(eos)
         return out
+
+    # -- whole-context state and scoring ------------------------------------------------------------------
+    @handles(p.SaveState)
+    def save_state(self, req: p.SaveState, call: Call) -> int:
+        native = self._context(req.context).native
+        if req.in_place:
+            return int(native.save_state(req.path))
+        # A file that is there is either the old state or the new one, never half of the new one.
+        tmp = f"{req.path}.{os.getpid()}.tmp"
+        try:
+            n = int(native.save_state(tmp))
+            os.replace(tmp, req.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return n
+
+    @handles(p.LoadState)
+    def load_state(self, req: p.LoadState, call: Call) -> int:
+        return int(self._context(req.context).native.load_state(req.path))
+
+    @handles(p.ScoreText)
+    def score(self, req: p.ScoreText, call: Call) -> Score:
+        entry = self._context(req.context)
+        tokens = self._prompt_tokens(entry, req.text, bos=True)
+        return msgspec.convert(entry.native.score(tokens, call.request_id), Score)
+
+    @handles(p.ScoreChoices)
+    def score_choices(self, req: p.ScoreChoices, call: Call) -> list[Score]:
+        entry = self._context(req.context)
+        choices = [self._prompt_tokens(entry, c, bos=False) for c in req.choices]
+        return msgspec.convert(entry.native.score_choices(choices, call.request_id), list[Score])
 
     # -- branches -------------------------------------------------------------------------------------
     # A branch's logits snapshot is a block of the shared region that the native side owns: written on
