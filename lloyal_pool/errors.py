@@ -44,31 +44,46 @@ class RemoteError(LloyalError):
 
 
 class ModelLoadError(LloyalError):
-    pass
+    """A model that could not be loaded (Instance.load_model): a missing file, a directory, a file that
+    is not a GGUF llama.cpp can load, or a load cancelled by its progress callback. Also raised by
+    default_model_path() when the default model's package is not installed. The worker keeps serving."""
 
 
 class ContextError(LloyalError):
-    pass
+    """A context that cannot be made or cannot do what was asked: invalid ContextParams (an unknown
+    name, a value of the wrong type or range), a model loaded with vocab_only, llama.cpp refusing to
+    create the context, generating in an embedding context (or embedding in a generation one), branches
+    on a context that holds an eval/generate history, or a KV state that cannot be saved or loaded."""
 
 
 class InvalidTokenError(LloyalError, ValueError):
-    pass
+    """A token id outside [0, n_vocab), in a prompt, a commit or anything else that takes token ids. It
+    is checked before anything is decoded: the context is unchanged."""
 
 
 class ContextOverflowError(LloyalError):
-    pass
+    """The tokens do not fit: a prompt (with the tokens already held, for eval or ``append``) longer than
+    the context window, or an embed() text longer than one decode (n_ubatch). Nothing was decoded."""
 
 
 class GrammarError(LloyalError, ValueError):
-    pass
+    """A grammar that cannot be used: GBNF that does not parse, an invalid JSON schema or trigger
+    pattern, an empty grammar, or a committed token the branch's grammar does not allow there. Raised
+    when the grammar is set or the request is made, before anything is generated."""
 
 
 class DecodeError(LloyalError):
-    pass
+    """llama_decode failed: no KV slot for the batch (the cache is full), a batch it rejected, or a
+    compute error; or llama.cpp returned no logits or embeddings where it should have. Branch commits
+    and prefills are all or nothing: after a DecodeError every branch is as it was."""
 
 
 class StaleHandleError(LloyalError):
-    pass
+    """A handle that no longer names anything, raised when it is used: a Model, Context, LoraAdapter or
+    Branch that was closed (or pruned, detached, retained away), whose model was closed, or whose worker
+    died (then ``__cause__`` is the WorkerCrashedError; Pool.replace() starts a fresh worker, and models
+    must be loaded again). Calls that were already waiting when a worker died raise WorkerCrashedError
+    instead."""
 
 
 class BranchError(LloyalError):
@@ -93,7 +108,10 @@ class InterruptedByClient(LloyalError):
 
 
 class ProtocolError(LloyalError):
-    pass
+    """A frame that breaks the protocol: a request that cannot be encoded (a value msgpack cannot carry,
+    a frame over the size limit), a malformed frame or a reply of the wrong type. A worker that sends
+    garbage is killed (its calls then raise WorkerCrashedError); a protocol version mismatch at start-up
+    is a WorkerStartupError."""
 
 
 class BadRequestError(ProtocolError, TypeError):
@@ -102,7 +120,8 @@ class BadRequestError(ProtocolError, TypeError):
 
 
 class PoolClosedError(LloyalError):
-    pass
+    """The pool was closed: raised by calls made on its handles afterwards, by calls still waiting when
+    it closed, and by Pool.replace()."""
 
 
 class WorkerError(LloyalError):
@@ -120,7 +139,10 @@ class WorkerError(LloyalError):
 
 
 class WorkerStartupError(WorkerError):
-    pass
+    """A worker that did not complete its handshake (Pool(), Pool.replace()): it exited or failed while
+    starting (a native module that cannot load, a strict variant that is missing), spoke another protocol
+    version, or sent nothing within ``start_timeout``. The message says how it ended; ``stderr_tail``
+    holds its last output."""
 
 
 class WorkerCrashedError(WorkerError):
@@ -133,6 +155,8 @@ class WorkerCrashedError(WorkerError):
 
     @property
     def signal_name(self) -> str | None:
+        """The signal that killed the worker ("SIGKILL", "SIGSEGV", ...), or None when it exited by itself
+        or its status is unknown."""
         if self.returncode is None or self.returncode >= 0:
             return None
         try:
