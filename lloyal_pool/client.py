@@ -128,8 +128,8 @@ class Instance:
 class Model:
     """A model loaded in one worker (Instance.load_model). Contexts created from it share its weights.
     ``info`` is its ModelInfo, ``path`` the absolute path it was loaded from, ``instance`` its worker.
-    Its methods block until the worker replies; once it is closed, or its worker died, they raise
-    StaleHandleError."""
+    Its methods that ask the worker block until it replies; once the model is closed, or its worker died,
+    they raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
     def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str) -> None:
         self.instance = instance
@@ -172,7 +172,8 @@ class Model:
 
     def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False,
                    unparse_special: bool = False) -> str:
-        """The text of tokens. ``remove_special`` drops a leading BOS and trailing EOS;
+        """The text of tokens. ``remove_special`` drops a leading BOS and a trailing EOS (where the model
+        adds them);
         ``unparse_special`` renders control tokens as their text instead of leaving them out. Bytes
         that are not valid UTF-8 become U+FFFD. InvalidTokenError for an id outside [0, n_vocab)."""
         return self._call(p.Detokenize(model=self._handle, tokens=[int(t) for t in tokens],
@@ -185,9 +186,10 @@ class Model:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template: str | None = None,
                             add_assistant: bool = True) -> str:
         """Formats ``messages`` (``{"role": ..., "content": ...}`` mappings) as a prompt with the model's
-        chat template, or with ``template`` (a template name such as "chatml", or template text).
-        ``add_assistant`` ends it with the start of an assistant turn. ValueError when the model has no
-        template and none is given, or the template is not one llama.cpp supports."""
+        chat template, or with ``template`` (a built-in template's name such as "chatml", or a template's
+        text). ``add_assistant`` ends it with the start of an assistant turn. llama.cpp formats with its
+        built-in templates only: ValueError when the model has no template and none is given, or when the
+        template is not one of them."""
         pairs = [(m["role"], m["content"]) for m in messages]
         return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
                                               add_assistant=add_assistant))
@@ -343,7 +345,7 @@ class Context:
     a KV). ``n_ctx``, ``n_batch``, ``n_ubatch``, ``n_seq_max`` and ``n_threads`` are the values it was
     created with. Calls on one context run in the order they were made; a blocking method returns when
     its request has been served. Once it is closed (or its model is), or its worker died, its methods
-    raise StaleHandleError."""
+    raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
     def __init__(self, model: Model, desc: p.ContextCreated) -> None:
         self.model = model

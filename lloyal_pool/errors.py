@@ -2,16 +2,18 @@
 
     LloyalError
     ├── RemoteError               an unexpected exception inside a worker (remote traceback attached)
-    ├── ModelLoadError            missing/unreadable/invalid GGUF, cancelled load
+    ├── ModelLoadError            missing/unreadable/invalid GGUF
     ├── ContextError              invalid context parameters, context creation failed
     ├── InvalidTokenError         a token id outside [0, n_vocab)
     ├── ContextOverflowError      the tokens do not fit in the context window
     ├── GrammarError              a GBNF grammar or JSON schema that does not parse
     ├── DecodeError               llama_decode failed (KV full, compute error)
-    ├── StaleHandleError          a model/context handle whose worker died or which was closed
+    ├── StaleHandleError          a handle that was closed, or whose model was closed or worker died
+    ├── BranchError               a branch operation that cannot be done as asked
+    ├── InterruptedByClient       an all-or-nothing operation (commit, prefill) interrupted; nothing changed
     ├── LoraError                 a LoRA adapter that cannot be loaded or applied (file, model, scale)
     ├── ResultTooLargeError       a result (embeddings) that does not fit the worker's shared memory
-    ├── ProtocolError             a malformed frame or a protocol version mismatch
+    ├── ProtocolError             a frame that cannot be encoded or decoded, or a reply of the wrong type
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
     └── WorkerError
@@ -45,8 +47,8 @@ class RemoteError(LloyalError):
 
 class ModelLoadError(LloyalError):
     """A model that could not be loaded (Instance.load_model): a missing file, a directory, a file that
-    is not a GGUF llama.cpp can load, or a load cancelled by its progress callback. Also raised by
-    default_model_path() when the default model's package is not installed. The worker keeps serving."""
+    is not a GGUF llama.cpp can load. Also raised by default_model_path() when the default model's
+    package is not installed. The worker keeps serving."""
 
 
 class ContextError(LloyalError):
@@ -63,7 +65,8 @@ class InvalidTokenError(LloyalError, ValueError):
 
 class ContextOverflowError(LloyalError):
     """The tokens do not fit: a prompt (with the tokens already held, for eval or ``append``) longer than
-    the context window, or an embed() text longer than one decode (n_ubatch). Nothing was decoded."""
+    the context window, or an embed() or rerank() input longer than one decode takes. Nothing was
+    decoded."""
 
 
 class GrammarError(LloyalError, ValueError):
@@ -81,9 +84,8 @@ class DecodeError(LloyalError):
 class StaleHandleError(LloyalError):
     """A handle that no longer names anything, raised when it is used: a Model, Context, LoraAdapter or
     Branch that was closed (or pruned, detached, retained away), whose model was closed, or whose worker
-    died (then ``__cause__`` is the WorkerCrashedError; Pool.replace() starts a fresh worker, and models
-    must be loaded again). Calls that were already waiting when a worker died raise WorkerCrashedError
-    instead."""
+    died (Pool.replace() starts a fresh worker, in which models must be loaded again). Calls that were
+    already waiting when a worker died raise WorkerCrashedError instead."""
 
 
 class BranchError(LloyalError):

@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-MAX_SEED = 0xFFFFFFFE  # llama.cpp reads 0xFFFFFFFF as "pick a random seed"
+#: The largest seed SamplerParams takes: llama.cpp reads 0xFFFFFFFF as "pick a random seed".
+MAX_SEED = 0xFFFFFFFE
 
 #: How Context.rerank puts a document before the query for a causal LM, which scores the query's tokens.
 RERANK_PROMPT = "Passage: {document}\nPlease write a question based on this passage.\nQuestion: {query}"
