@@ -270,7 +270,7 @@ class Stream:
 
     Leaving early stops the generation: ``close()`` (or the end of a ``with`` block, or the stream being
     garbage-collected while it runs) interrupts the request, so the context is free again at once
-    instead of generating on for nobody::
+    instead of generating on for nobody:
 
         with ctx.stream("Once upon a time", n_predict=400) as stream:
             for piece in stream:
