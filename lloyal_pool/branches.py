@@ -100,7 +100,8 @@ class Branch:
     @property
     def alive(self) -> bool:
         """False once the branch was pruned, detached or dropped by retain_only, or its context was reset
-        or closed; then its methods raise StaleHandleError. Does not ask the worker."""
+        or closed; then its methods raise StaleHandleError, as they do once its worker died. Does not ask
+        the worker."""
         return self._alive
 
     # -- tree ---------------------------------------------------------------------------------------------
