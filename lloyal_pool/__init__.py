@@ -1,5 +1,23 @@
 """lloyal_pool: forkable, crash-isolated llama.cpp inference. Every engine runs in its own worker process;
-this process never loads llama.cpp."""
+this process never loads llama.cpp.
+
+A Pool starts the worker processes; ``pool[i].load_model(path)`` loads a Model into one of them, and
+``model.new_context()`` gives a Context to generate, stream, evaluate or embed with, or to grow a tree of
+forkable branches on (Context.branch, Branch, BranchStore, KV). Every handle method is a request to its
+worker and blocks until the reply arrives (``*_async`` variants return a Future). Parameters and results
+are in ``lloyal_pool.params``, the errors in ``lloyal_pool.errors`` (all derive from LloyalError),
+entropy and surprisal over logits in ``lloyal_pool.metrics``.
+
+The callback types:
+
+- ``PromptProgress``: ``Callable[[int, int], None]``, called as ``progress(done, total)`` after each
+  micro-batch of a prompt (Context.generate, stream, eval, branch; Branch.prefill) with the prompt tokens
+  decoded so far and the number to decode.
+- ``ProgressCallback``: ``Callable[[float], None]``, called as ``progress(fraction)`` while a model loads
+  (Instance.load_model), with the fraction loaded, 0.0 to 1.0.
+
+Callbacks run on a client thread, the one that reads that worker's replies: a slow callback delays them.
+"""
 
 from __future__ import annotations
 

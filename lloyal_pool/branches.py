@@ -99,6 +99,9 @@ class Branch:
 
     @property
     def alive(self) -> bool:
+        """False once the branch was pruned, detached or dropped by retain_only, or its context was reset
+        or closed; then its methods raise StaleHandleError, as they do once its worker died. Does not ask
+        the worker."""
         return self._alive
 
     # -- tree ---------------------------------------------------------------------------------------------
@@ -141,11 +144,14 @@ class Branch:
 
     @property
     def n_accepted(self) -> int:
+        """Tokens committed to this branch (a fork starts with its parent's count); prefilled tokens are
+        context, not choices, and do not count."""
         self._live()
         return self._state.n_accepted
 
     @property
     def parent(self) -> Branch | None:
+        """The branch this one was forked from, or None for a root (or once the parent is gone)."""
         self._live()
         return self._parent if self._parent is not None and self._parent._alive else None
 
@@ -157,6 +163,7 @@ class Branch:
 
     @property
     def is_leaf(self) -> bool:
+        """Whether the branch has no live children."""
         return not self.children
 
     @property
@@ -226,6 +233,7 @@ class Branch:
         self._call(p.BranchSetLogitBias(context=self._ctx, branch=self._live(), bias=pairs))
 
     def clear_logit_bias(self) -> None:
+        """Removes the logit bias: set_logit_bias(None)."""
         self.set_logit_bias(None)
 
     # -- logits and metrics ---------------------------------------------------------------------------
@@ -238,9 +246,12 @@ class Branch:
         return self.store._link.proc.region.floats(self._logits_offset, self.store.n_vocab)
 
     def logits_at(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The logits of the given token ids (a float32 copy), read locally like ``logits``."""
         return np.array(self.logits[np.asarray(tokens, dtype=np.int64)], dtype=np.float32)
 
     def set_logits(self, logits: np.ndarray | Sequence[float]) -> None:
+        """Replaces the logits the next token is sampled from with ``logits`` (n_vocab floats; ValueError
+        for another shape): steer sampling with logits computed here."""
         arr = np.ascontiguousarray(logits, dtype=np.float32)
         if arr.shape != (self.store.n_vocab,):
             raise ValueError(f"logits must have shape ({self.store.n_vocab},), got {arr.shape}")
@@ -252,9 +263,13 @@ class Branch:
                                        experts=[self.store._own(e) for e in experts], alpha=float(alpha)))
 
     def model_entropy(self, base: str = "nats") -> float:
+        """metrics.entropy of this branch's logits (in "nats" or "bits"), computed here with no round
+        trip: how uncertain the model is about the next token."""
         return metrics.entropy(self.logits, base)
 
     def model_surprisal(self, token: int, base: str = "nats", logits: np.ndarray | None = None) -> float:
+        """metrics.surprisal of token under this branch's logits (or the ``logits`` given, e.g. a copy
+        taken before a commit), computed here with no round trip."""
         return metrics.surprisal(self.logits if logits is None else logits, token, base)
 
 
@@ -349,6 +364,7 @@ class BranchStore:
         return self.commit_async(pairs).result()
 
     def commit_async(self, pairs: Iterable[tuple[Branch, int]]) -> Future[float]:
+        """commit() without waiting: a Future of the ms spent decoding."""
         req = p.Commit(context=self._link.handle, pairs=[(self._own(b), int(t)) for b, t in pairs])
         return mapped(self._link.call(req), self._decoded)
 
@@ -370,6 +386,7 @@ class BranchStore:
         return self.step_async(branches).result()
 
     def step_async(self, branches: Sequence[Branch]) -> Future[StepResult]:
+        """step() without waiting: a Future of the StepResult."""
         req = p.Step(context=self._link.handle, branches=[self._own(b) for b in branches])
 
         def done(reply: p.Stepped) -> StepResult:
@@ -410,12 +427,17 @@ class KV:
         self._call(p.KvCopy(context=self._ctx, src=int(src), dst=int(dst), p0=int(p0), p1=int(p1)))
 
     def keep(self, seq: int) -> None:
+        """Removes every sequence but seq from the cache (llama_memory_seq_keep). BranchError while
+        branches live (BranchStore.retain_only keeps one branch)."""
         self._call(p.KvKeep(context=self._ctx, seq=int(seq)))
 
     def remove(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
+        """Removes seq's cells in [p0, p1) (p1 -1: to the end). False when the cache cannot remove that
+        part of a sequence (llama_memory_seq_rm), else True."""
         return self._call(p.KvRemove(context=self._ctx, seq=int(seq), p0=int(p0), p1=int(p1)))
 
     def pos_min(self, seq: int) -> int:
+        """First position in seq, -1 when it is empty."""
         return self._call(p.KvPosMin(context=self._ctx, seq=int(seq)))
 
     def pos_max(self, seq: int) -> int:
@@ -432,6 +454,7 @@ class KV:
         self._branches._forget_all()
 
     def pressure(self) -> KVPressure:
+        """How full the cache is: cells used and remaining, sequences leased and free."""
         return self._call(p.KvPressureRequest(context=self._ctx))
 
     def state_size(self, seq: int) -> int:
@@ -439,15 +462,22 @@ class KV:
         return self._call(p.StateSeqSize(context=self._ctx, seq=int(seq)))
 
     def save(self, seq: int) -> bytes:
-        """seq's KV state (llama_state_seq_get_data): that sequence only, never the whole context."""
+        """seq's KV state (llama_state_seq_get_data): that sequence only, never the whole context.
+        ContextError for an empty sequence, or a state larger than one protocol frame (use save_file)."""
         return self._call(p.StateSeqGet(context=self._ctx, seq=int(seq)))
 
     def load(self, seq: int, data: bytes) -> int:
+        """Loads a state from save() into seq, which must be a detached sequence or the empty sequence of a
+        new branch (that branch then continues after it; BranchError otherwise). Returns the bytes read.
+        ContextError for a state of another model or one that does not fit."""
         loaded = self._call(p.StateSeqSet(context=self._ctx, seq=int(seq), data=bytes(data)))
         self._branches._update(loaded.states)
         return loaded.n_bytes
 
     def save_file(self, seq: int, path: str | os.PathLike[str], tokens: Sequence[int] = ()) -> int:
+        """Writes seq's KV state to a file on the worker's machine, with ``tokens`` (e.g. the ones it
+        holds) stored beside it for load_file to return. Returns the bytes written. ContextError for an
+        empty sequence or a file that cannot be written. Unlike save(), not limited by the frame size."""
         return self._call(p.StateSeqSaveFile(context=self._ctx, seq=int(seq), path=os.path.abspath(os.fspath(path)),
                                              tokens=[int(t) for t in tokens]))
 

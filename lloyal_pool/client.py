@@ -51,18 +51,23 @@ class Instance:
 
     @property
     def worker_id(self) -> int:
+        """The worker's number in its pool, unique per Pool (a replacement gets a new one)."""
         return int(self._proc.worker_id)
 
     @property
     def pid(self) -> int:
+        """The worker's process id."""
         return int(self._proc.pid)
 
     @property
     def alive(self) -> bool:
+        """False once the worker has died or its pool was closed; then its handles are stale."""
         return self._proc.alive
 
     @property
     def variant(self) -> str:
+        """The native build the worker loaded ("cpu", "cuda", "vulkan"): the one asked for, or "cpu" when
+        that one could not load and the pool is not strict."""
         return str(self._proc.hello.get("variant"))
 
     @property
@@ -83,11 +88,17 @@ class Instance:
 
     def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
                    vocab_only: bool = False, progress: ProgressCallback | None = None) -> Model:
+        """Loads a GGUF model into this worker and returns its handle; blocks until it is loaded.
+        ``n_gpu_layers`` layers go to the GPU (GPU variants only), ``use_mmap`` maps the file instead of
+        reading it, ``vocab_only`` loads the vocabulary alone (tokenize, templates; no contexts).
+        ``progress(fraction)`` is called on a client thread as the load proceeds. ModelLoadError for a
+        missing, unreadable or invalid file; the worker keeps serving."""
         return self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
                                      vocab_only=vocab_only, progress=progress).result()
 
     def load_model_async(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
                          vocab_only: bool = False, progress: ProgressCallback | None = None) -> Future[Model]:
+        """load_model() without waiting: a Future of the Model."""
         abspath = os.path.abspath(os.fspath(path))
         req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
@@ -115,7 +126,10 @@ class Instance:
 
 
 class Model:
-    """A model loaded in one worker. Contexts created from it share its weights."""
+    """A model loaded in one worker (Instance.load_model). Contexts created from it share its weights.
+    ``info`` is its ModelInfo, ``path`` the absolute path it was loaded from, ``instance`` its worker.
+    Its methods that ask the worker block until it replies; once the model is closed, or its worker died,
+    they raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
     def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str) -> None:
         self.instance = instance
@@ -137,6 +151,7 @@ class Model:
 
     @property
     def n_vocab(self) -> int:
+        """The vocabulary size: token ids are in [0, n_vocab)."""
         return self.info.n_vocab
 
     @property
@@ -149,11 +164,18 @@ class Model:
         return int(token) in self.info.eog_tokens
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of text, by the model's tokenizer. ``add_special`` adds BOS/EOS as the model asks;
+        ``parse_special`` reads control-token text such as ``<start_of_turn>`` as those tokens instead of
+        as plain text."""
         return self._call(p.Tokenize(model=self._handle, text=text, add_special=add_special,
                                      parse_special=parse_special))
 
     def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False,
                    unparse_special: bool = False) -> str:
+        """The text of tokens. ``remove_special`` drops a leading BOS and a trailing EOS (where the model
+        adds them);
+        ``unparse_special`` renders control tokens as their text instead of leaving them out. Bytes
+        that are not valid UTF-8 become U+FFFD. InvalidTokenError for an id outside [0, n_vocab)."""
         return self._call(p.Detokenize(model=self._handle, tokens=[int(t) for t in tokens],
                                        remove_special=remove_special, unparse_special=unparse_special))
 
@@ -163,11 +185,20 @@ class Model:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template: str | None = None,
                             add_assistant: bool = True) -> str:
+        """Formats ``messages`` (``{"role": ..., "content": ...}`` mappings) as a prompt with the model's
+        chat template, or with ``template`` (a built-in template's name such as "chatml", or a template's
+        text). ``add_assistant`` ends it with the start of an assistant turn. llama.cpp formats with its
+        built-in templates only: ValueError when the model has no template and none is given, or when the
+        template is not one of them."""
         pairs = [(m["role"], m["content"]) for m in messages]
         return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
                                               add_assistant=add_assistant))
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
+        """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
+        ContextParams fields (``model.new_context(n_ctx=2048)``). ContextError for invalid parameters, a
+        context llama.cpp cannot create, or a worker that already holds 512 contexts. Free it with
+        Context.close(); the model's close() frees it too."""
         if overrides:
             from dataclasses import replace
 
@@ -219,6 +250,7 @@ class LoraAdapter:
 
     @property
     def closed(self) -> bool:
+        """Whether the adapter was freed (by close() or with its model)."""
         return self._closed or self.model._closed
 
     def close(self) -> None:
@@ -238,7 +270,7 @@ class Stream:
 
     Leaving early stops the generation: ``close()`` (or the end of a ``with`` block, or the stream being
     garbage-collected while it runs) interrupts the request, so the context is free again at once
-    instead of generating on for nobody::
+    instead of generating on for nobody:
 
         with ctx.stream("Once upon a time", n_predict=400) as stream:
             for piece in stream:
@@ -308,7 +340,12 @@ class Stream:
 
 
 class Context:
-    """A context (KV cache) in one worker: generate, stream, evaluate, read logits, interrupt."""
+    """A context (KV cache) in one worker: generate, stream, evaluate, read logits, interrupt; embed and
+    rerank in an embedding context; branches (``branches``, a BranchStore) and raw KV sequences (``kv``,
+    a KV). ``n_ctx``, ``n_batch``, ``n_ubatch``, ``n_seq_max`` and ``n_threads`` are the values it was
+    created with. Calls on one context run in the order they were made; a blocking method returns when
+    its request has been served. Once it is closed (or its model is), or its worker died, its methods
+    raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
     def __init__(self, model: Model, desc: p.ContextCreated) -> None:
         self.model = model
@@ -332,6 +369,7 @@ class Context:
 
     @property
     def handle(self) -> int:
+        """The context's id in its worker (for logs and repr; handles are numbered per worker)."""
         return self._link.handle
 
     def __repr__(self) -> str:
@@ -581,6 +619,7 @@ class Context:
         return self.score_async(text).result()
 
     def score_async(self, text: str | Sequence[int]) -> Future[Score]:
+        """score() without waiting: a Future of the Score."""
         wire: str | list[int] = text if isinstance(text, str) else [int(t) for t in text]
         return self._link.call(p.ScoreText(context=self.handle, text=wire))
 
@@ -593,6 +632,7 @@ class Context:
         return self.score_choices_async(choices).result()
 
     def score_choices_async(self, choices: Sequence[str | Sequence[int]]) -> Future[list[Score]]:
+        """score_choices() without waiting: a Future of the list of Scores."""
         if isinstance(choices, str):
             raise TypeError("choices must be a list of texts or token lists, not one str")
         wire: list[str | list[int]] = [c if isinstance(c, str) else [int(t) for t in c] for c in choices]
@@ -615,6 +655,8 @@ class Context:
 
     @property
     def closed(self) -> bool:
+        """Whether the context was freed (close(), or its model's close()); its methods then raise
+        StaleHandleError. A context whose worker died is not closed, but stale all the same."""
         return self._link.closed
 
     def _forget(self) -> None:
@@ -622,6 +664,9 @@ class Context:
         self.branches._forget_all()
 
     def close(self) -> None:
+        """Frees the context's KV cache in the worker; every branch is released and the handle goes
+        stale. Blocks until the worker has freed it (after the calls queued before it). Idempotent; a
+        dead worker has nothing to free."""
         if self._link.closed:
             return
         self._forget()
@@ -645,7 +690,18 @@ def _close_procs(procs: list[WorkerProcess], timeout: float) -> None:
 
 
 class Pool:
-    """N worker processes, each an isolated engine instance.
+    """N worker processes, each an isolated engine instance. The constructor starts ``size`` workers and
+    blocks until every one has completed its handshake (WorkerStartupError otherwise, after the others
+    are stopped). ``pool[i]`` is the i-th Instance.
+
+    ``variant``: the native build ("cpu", "cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else
+    "cpu"), falling back to CPU unless ``strict_variant``. ``shm_bytes``: each worker's shared-memory
+    region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"). ``memory_limit``: a
+    cap in bytes on a worker's data (RLIMIT_DATA), so that it fails an allocation instead of growing.
+    ``start_timeout``: seconds a worker has for its handshake. ``env``: extra environment variables for
+    the workers (they see only the locale, paths and library settings of ours). ``native_log_level``:
+    the llama.cpp messages forwarded to the ``lloyal_pool.worker.<id>`` loggers ("debug" ... "none").
+    ``threads_per_worker``: a context's default n_threads (default: the CPUs shared among the workers).
 
     >>> with Pool(2) as pool:
     ...     model = pool[0].load_model("model.gguf")
@@ -708,6 +764,7 @@ class Pool:
 
     @property
     def instances(self) -> list[Instance]:
+        """The workers, in index order (a copy: replace() changes the pool, not this list)."""
         return list(self._instances)
 
     def replace(self, instance: Instance | int) -> Instance:
@@ -726,6 +783,7 @@ class Pool:
         return self._instances[index]
 
     def stats(self) -> list[dict[str, Any]]:
+        """Instance.stats() of every worker, in index order."""
         return [inst.stats() for inst in self._instances]
 
     def close(self, timeout: float = 5.0) -> None:
@@ -737,5 +795,6 @@ class Pool:
 
     @property
     def closed(self) -> bool:
+        """Whether close() was called; calls on the pool's handles then raise PoolClosedError."""
         return self._closed
 

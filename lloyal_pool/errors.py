@@ -2,18 +2,20 @@
 
     LloyalError
     ├── RemoteError               an unexpected exception inside a worker (remote traceback attached)
-    ├── ModelLoadError            missing/unreadable/invalid GGUF, cancelled load
+    ├── ModelLoadError            missing/unreadable/invalid GGUF
     ├── ContextError              invalid context parameters, context creation failed
     ├── InvalidTokenError         a token id outside [0, n_vocab)
     ├── ContextOverflowError      the tokens do not fit in the context window
     ├── GrammarError              a GBNF grammar or JSON schema that does not parse
     ├── DecodeError               llama_decode failed (KV full, compute error)
-    ├── StaleHandleError          a model/context handle whose worker died or which was closed
+    ├── StaleHandleError          a handle that was closed, or whose model was closed or worker died
+    ├── BranchError               a branch operation that cannot be done as asked
+    ├── InterruptedByClient       an all-or-nothing operation (commit, prefill) interrupted; nothing changed
     ├── LoraError                 a LoRA adapter that cannot be loaded or applied (file, model, scale)
     ├── ResultTooLargeError       a result (embeddings) that does not fit the worker's shared memory
     ├── StateError                a saved context state that cannot be used (garbage, truncated, corrupted,
     │                             another model or format version, a file that cannot be read or written)
-    ├── ProtocolError             a malformed frame or a protocol version mismatch
+    ├── ProtocolError             a frame that cannot be encoded or decoded, or a reply of the wrong type
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
     └── WorkerError
@@ -46,31 +48,46 @@ class RemoteError(LloyalError):
 
 
 class ModelLoadError(LloyalError):
-    pass
+    """A model that could not be loaded (Instance.load_model): a missing file, a directory, a file that
+    is not a GGUF llama.cpp can load. Also raised by default_model_path() when the default model's
+    package is not installed. The worker keeps serving."""
 
 
 class ContextError(LloyalError):
-    pass
+    """A context that cannot be made or cannot do what was asked: invalid ContextParams (an unknown
+    name, a value of the wrong type or range), a model loaded with vocab_only, llama.cpp refusing to
+    create the context, generating in an embedding context (or embedding in a generation one), branches
+    on a context that holds an eval/generate history, or a KV state that cannot be saved or loaded."""
 
 
 class InvalidTokenError(LloyalError, ValueError):
-    pass
+    """A token id outside [0, n_vocab), in a prompt, a commit or anything else that takes token ids. It
+    is checked before anything is decoded: the context is unchanged."""
 
 
 class ContextOverflowError(LloyalError):
-    pass
+    """The tokens do not fit: a prompt (with the tokens already held, for eval or ``append``) longer than
+    the context window, or an embed() or rerank() input longer than one decode takes. Nothing was
+    decoded."""
 
 
 class GrammarError(LloyalError, ValueError):
-    pass
+    """A grammar that cannot be used: GBNF that does not parse, an invalid JSON schema or trigger
+    pattern, an empty grammar, or a committed token the branch's grammar does not allow there. Raised
+    when the grammar is set or the request is made, before anything is generated."""
 
 
 class DecodeError(LloyalError):
-    pass
+    """llama_decode failed: no KV slot for the batch (the cache is full), a batch it rejected, or a
+    compute error; or llama.cpp returned no logits or embeddings where it should have. Branch commits
+    and prefills are all or nothing: after a DecodeError every branch is as it was."""
 
 
 class StaleHandleError(LloyalError):
-    pass
+    """A handle that no longer names anything, raised when it is used: a Model, Context, LoraAdapter or
+    Branch that was closed (or pruned, detached, retained away), whose model was closed, or whose worker
+    died (Pool.replace() starts a fresh worker, in which models must be loaded again). Calls that were
+    already waiting when a worker died raise WorkerCrashedError instead."""
 
 
 class BranchError(LloyalError):
@@ -101,7 +118,10 @@ class InterruptedByClient(LloyalError):
 
 
 class ProtocolError(LloyalError):
-    pass
+    """A frame that breaks the protocol: a request that cannot be encoded (a value msgpack cannot carry,
+    a frame over the size limit), a malformed frame or a reply of the wrong type. A worker that sends
+    garbage is killed (its calls then raise WorkerCrashedError); a protocol version mismatch at start-up
+    is a WorkerStartupError."""
 
 
 class BadRequestError(ProtocolError, TypeError):
@@ -110,7 +130,8 @@ class BadRequestError(ProtocolError, TypeError):
 
 
 class PoolClosedError(LloyalError):
-    pass
+    """The pool was closed: raised by calls made on its handles afterwards, by calls still waiting when
+    it closed, and by Pool.replace()."""
 
 
 class WorkerError(LloyalError):
@@ -128,7 +149,10 @@ class WorkerError(LloyalError):
 
 
 class WorkerStartupError(WorkerError):
-    pass
+    """A worker that did not complete its handshake (Pool(), Pool.replace()): it exited or failed while
+    starting (a native module that cannot load, a strict variant that is missing), spoke another protocol
+    version, or sent nothing within ``start_timeout``. The message says how it ended; ``stderr_tail``
+    holds its last output."""
 
 
 class WorkerCrashedError(WorkerError):
@@ -141,6 +165,8 @@ class WorkerCrashedError(WorkerError):
 
     @property
     def signal_name(self) -> str | None:
+        """The signal that killed the worker ("SIGKILL", "SIGSEGV", ...), or None when it exited by itself
+        or its status is unknown."""
         if self.returncode is None or self.returncode >= 0:
             return None
         try:

@@ -18,13 +18,18 @@ from typing import Any, TypeVar
 
 import msgspec
 
-MAX_SEED = 0xFFFFFFFE  # llama.cpp reads 0xFFFFFFFF as "pick a random seed"
+#: The largest seed SamplerParams takes: llama.cpp reads 0xFFFFFFFF as "pick a random seed".
+MAX_SEED = 0xFFFFFFFE
 
 #: How Context.rerank puts a document before the query for a causal LM, which scores the query's tokens.
 RERANK_PROMPT = "Passage: {document}\nPlease write a question based on this passage.\nQuestion: {query}"
 
 
 class StopReason(str, enum.Enum):
+    """Why a generation ended (Result.stop_reason): ``EOS``, an end-of-generation token (or no token that
+    the grammar and logit bias allow); ``LENGTH``, n_predict tokens or a full context; ``STOP``, a stop
+    string; ``INTERRUPTED``, interrupt() or a closed Stream. A str, so it equals its value ("eos", ...)."""
+
     EOS = "eos"
     LENGTH = "length"
     STOP = "stop"
@@ -78,6 +83,7 @@ class SamplerParams:
             raise TypeError("dry_sequence_breakers must be a sequence of strings, not a string")
 
     def to_wire(self) -> dict[str, Any]:
+        """The fields as the plain dict a request carries to the worker."""
         out = asdict(self)
         out["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
         return out
@@ -121,6 +127,8 @@ class GenerateParams(SamplerParams):
             raise ValueError("stop strings must be non-empty")
 
     def to_wire(self) -> dict[str, Any]:
+        """The fields as the plain dict a request carries to the worker (the grammar as GBNF text or
+        Grammar.to_wire())."""
         out = super().to_wire()
         out["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         out["stop"] = list(self.stop)
@@ -152,6 +160,7 @@ class Grammar:
             raise ValueError("a lazy grammar needs at least one trigger (word, pattern or token)")
 
     def to_wire(self) -> dict[str, Any]:
+        """The grammar as the plain dict a request carries to the worker (a JSON schema as JSON text)."""
         out: dict[str, Any] = {"root": self.root, "lazy": self.lazy, "trigger_words": list(self.trigger_words),
                                "trigger_patterns": list(self.trigger_patterns),
                                "trigger_tokens": [int(t) for t in self.trigger_tokens]}
@@ -190,6 +199,8 @@ class ContextParams:
     flash_attn: str | None = None  # "auto" | "on" | "off"
 
     def to_wire(self) -> dict[str, Any]:
+        """The fields as the plain dict a request carries to the worker; None values are left out, so
+        that the worker or llama.cpp chooses them."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
@@ -211,6 +222,7 @@ class Result(msgspec.Struct, frozen=True):
 
     @property
     def interrupted(self) -> bool:
+        """Whether interrupt() (or closing its Stream) ended the generation."""
         return self.stop_reason is StopReason.INTERRUPTED
 
     @property
@@ -273,6 +285,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     meta: dict[str, str] = {}
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as a plain dict (e.g. for JSON)."""
         return msgspec.structs.asdict(self)
 
 
