@@ -34,7 +34,7 @@ import msgspec
 from .errors import BadRequestError, ProtocolError
 from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()

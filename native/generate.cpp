@@ -292,6 +292,12 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
                                           const piece_fn & on_piece, const context_core::progress_fn & on_progress) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("generate");
+    return run_generation(prompt, p, nullptr, 0, request_id, on_piece, on_progress);
+}
+
+generate_result sequence_driver::run_generation(const prompt_input & prompt, const gen_params & p, drafter * draft,
+                                                size_t n_draft, uint64_t request_id, const piece_fn & on_piece,
+                                                const context_core::progress_fn & on_progress) {
     core_.reset_decode_timer();
     const Model & model = core_.model();
     prompt_plan plan = plan_prompt(prompt, p);
@@ -309,6 +315,7 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
         }
         const int64_t t1 = now_us();
         res.prompt_ms = elapsed_ms(t0, t1);
+        // At the top of each round everything emitted is decoded, and the last logits are the history's.
         while (!out.stopped()) {
             if (core_.interrupt_requested()) {
                 out.stop("interrupted");
@@ -319,8 +326,13 @@ generate_result sequence_driver::generate(const prompt_input & prompt, const gen
                 break;
             }
             const llama_token tok = choose_token(*sampler, last_logits(), model.n_vocab(), scratch);
-            if (out.push(tok) == generation_output::verdict::stop) {
+            const generation_output::verdict v = out.push(tok);
+            if (v == generation_output::verdict::stop) {
                 break;  // not decoded: the history stays what it was before this token
+            }
+            if (draft != nullptr && v == generation_output::verdict::more &&
+                speculate(tok, *draft, n_draft, *sampler, scratch, out, res)) {
+                continue;  // tok, and what of the drafts the sampler chose, are decoded
             }
             if (!decode_tokens(&tok, 1, true)) {
                 out.stop("interrupted");

@@ -45,6 +45,7 @@ class generation_output {
         }
     }
     bool stopped() const { return !stop_reason_.empty(); }
+    const gen_params & params() const { return p_; }
     int32_t n_sampled() const { return n_sampled_; }
     // Whether n_predict leaves room for another token.
     bool may_sample() const { return p_.n_predict <= 0 || n_sampled_ < p_.n_predict; }

@@ -18,6 +18,8 @@ namespace lloyal {
 
 class branch_driver;
 class sequence_driver;
+class chain_sampler;
+class generation_output;
 
 struct eval_result {
     size_t n_tokens = 0;  // of those given, now in the cache (fewer when interrupted)
@@ -130,6 +132,17 @@ class sequence_driver {
     std::vector<llama_token> seen_tokens(const prompt_plan & plan) const;
     // Trims the history as planned and decodes the rest; false when interrupted.
     bool take_prompt(prompt_plan & plan, bool append, const context_core::progress_fn & on_progress);
+    // The generation loop of generate (draft null) and generate_with_draft (generate.cpp); the caller holds
+    // the busy guard and has checked the mode.
+    generate_result run_generation(const prompt_input & prompt, const gen_params & p, drafter * draft, size_t n_draft,
+                                   uint64_t request_id, const piece_fn & on_piece,
+                                   const context_core::progress_fn & on_progress);
+    // One speculative step after the sampler chose tok (speculative.cpp): drafts, one batched decode of tok
+    // and the drafts, the sampler's choices row by row, the rejected drafts removed. False when there was
+    // nothing to draft (tok is not decoded yet); true when tok and the kept choices are decoded (or the
+    // generation stopped).
+    bool speculate(llama_token tok, drafter & draft, size_t n_draft, chain_sampler & sampler,
+                   std::vector<llama_token_data> & scratch, generation_output & out, generate_result & res);
     // One llama_decode of toks at the end of sequence 0 with a logits row for every one of them (at most
     // n_batch); committed to the history on success. False when interrupted (nothing committed).
     bool decode_all_rows(const std::vector<llama_token> & toks);

@@ -168,101 +168,63 @@ generate_result sequence_driver::generate_with_draft(const prompt_input & prompt
     }
     // The target decodes its next token and the drafts in one batch.
     n_draft = std::min<size_t>(n_draft, core_.n_batch - 1);
-    core_.reset_decode_timer();
-    const Model & model = core_.model();
-    const int32_t n_vocab = model.n_vocab();
-    prompt_plan plan = plan_prompt(prompt, p);
-    const std::unique_ptr<chain_sampler> sampler = make_generation_sampler(p, model, core_.n_ctx_seq, seen_tokens(plan));
-    std::vector<llama_token_data> scratch;
-    using verdict = generation_output::verdict;
+    return run_generation(prompt, p, &draft, n_draft, request_id, on_piece, on_progress);
+}
 
-    generate_result res;
-    generation_output out(p, model, on_piece, res);
-    {
-        context_core::request_scope req(core_, request_id);
-        const int64_t t0 = now_us();
-        if (!take_prompt(plan, prompt.append, on_progress)) {
+bool sequence_driver::speculate(llama_token tok, drafter & draft, size_t n_draft, chain_sampler & sampler,
+                                std::vector<llama_token_data> & scratch, generation_output & out,
+                                generate_result & res) {
+    using verdict = generation_output::verdict;
+    // Room for tok, the drafts, and a token after them; no more drafts than n_predict can use.
+    size_t n = std::min(n_draft, core_.n_ctx_seq - history_.size() - 1);
+    if (out.params().n_predict > 0) {
+        n = std::min<size_t>(n, static_cast<size_t>(out.params().n_predict - out.n_sampled()));
+    }
+    if (n == 0) {
+        return false;
+    }
+    std::vector<llama_token> batch = history_;
+    batch.push_back(tok);
+    std::vector<llama_token> drafts = draft.draft(batch, n);
+    if (drafts.empty()) {
+        return false;
+    }
+    drafts.resize(std::min(drafts.size(), n));
+    batch.assign(1, tok);
+    batch.insert(batch.end(), drafts.begin(), drafts.end());
+    const size_t pos0 = history_.size();
+    if (!decode_all_rows(batch)) {
+        out.stop("interrupted");
+        return true;
+    }
+    res.n_drafted += drafts.size();
+    const int32_t n_vocab = core_.model().n_vocab();
+    // Row i holds the logits after batch[i]: the target's choice there is checked against drafts[i].
+    for (size_t i = 0; i < drafts.size(); ++i) {
+        if (!out.may_sample()) {
+            truncate_to(pos0 + 1 + i);
+            out.stop("length");
+            return true;
+        }
+        const llama_token s = choose_token(sampler, llama_get_logits_ith(core_.get(), static_cast<int32_t>(i)), n_vocab,
+                                           scratch);
+        const verdict vs = out.push(s);
+        if (s == drafts[i] && vs != verdict::stop) {
+            ++res.n_accepted;
+            if (vs == verdict::last_decoded) {
+                truncate_to(pos0 + 2 + i);
+                return true;
+            }
+            continue;  // all drafts kept: the next choice comes from the last row, at the top
+        }
+        // Rejected (or the end): drop the drafts from i on; a different choice is decoded now.
+        truncate_to(pos0 + 1 + i);
+        if (vs != verdict::stop && !decode_tokens(&s, 1, true)) {
             out.stop("interrupted");
         }
-        const int64_t t1 = now_us();
-        res.prompt_ms = elapsed_ms(t0, t1);
-        std::vector<llama_token> batch;
-        // Invariant at the top: everything emitted is decoded, and the last logits row is the history's.
-        while (!out.stopped()) {
-            if (core_.interrupt_requested()) {
-                out.stop("interrupted");
-                break;
-            }
-            if (!out.may_sample() || history_.size() >= core_.n_ctx_seq) {
-                out.stop("length");
-                break;
-            }
-            const llama_token tok = choose_token(*sampler, last_logits(), n_vocab, scratch);
-            const verdict v = out.push(tok);
-            if (v == verdict::stop) {
-                break;
-            }
-            // Room for tok, the drafts, and a token after them; no more drafts than n_predict can use.
-            size_t n = std::min(n_draft, core_.n_ctx_seq - history_.size() - 1);
-            if (p.n_predict > 0) {
-                n = std::min<size_t>(n, static_cast<size_t>(p.n_predict - out.n_sampled()));
-            }
-            std::vector<llama_token> drafts;
-            if (v == verdict::more && n > 0) {
-                batch = history_;
-                batch.push_back(tok);
-                drafts = draft.draft(batch, n);
-                if (drafts.size() > n) {
-                    drafts.resize(n);
-                }
-            }
-            if (drafts.empty()) {
-                if (!decode_tokens(&tok, 1, true)) {
-                    out.stop("interrupted");
-                }
-                continue;
-            }
-            batch.assign(1, tok);
-            batch.insert(batch.end(), drafts.begin(), drafts.end());
-            const size_t pos0 = history_.size();
-            if (!decode_all_rows(batch)) {
-                out.stop("interrupted");
-                break;
-            }
-            res.n_drafted += drafts.size();
-            // Row i holds the logits after batch[i]: the target's choice there is checked against drafts[i].
-            for (size_t i = 0; i < drafts.size(); ++i) {
-                if (!out.may_sample()) {
-                    truncate_to(pos0 + 1 + i);
-                    out.stop("length");
-                    break;
-                }
-                const llama_token s = choose_token(*sampler, llama_get_logits_ith(core_.get(), static_cast<int32_t>(i)),
-                                                   n_vocab, scratch);
-                const verdict vs = out.push(s);
-                if (s == drafts[i] && vs != verdict::stop) {
-                    ++res.n_accepted;
-                    if (vs == verdict::last_decoded) {
-                        truncate_to(pos0 + 2 + i);
-                        break;
-                    }
-                    continue;  // all drafts kept: the next choice comes from the last row, at the top
-                }
-                // Rejected (or the end): drop the drafts from i on; a different choice is decoded now.
-                truncate_to(pos0 + 1 + i);
-                if (vs != verdict::stop && !decode_tokens(&s, 1, true)) {
-                    out.stop("interrupted");
-                }
-                break;
-            }
-        }
-        out.finish();
-        res.decode_ms = elapsed_ms(t1, now_us());
+        return true;
     }
-    res.n_prompt = plan.tokens.size();
-    res.n_cached = plan.n_cached;
-    res.n_past = history_.size();
-    return res;
+    return true;
 }
 
 }  // namespace lloyal
