@@ -313,7 +313,8 @@ class Stream:
         self.close()
 
     def __del__(self) -> None:
-        if self._request_id and not self.future.done():
+        fut = getattr(self, "future", None)  # absent when the request could not even be sent
+        if self._request_id and fut is not None and not fut.done():
             self._link.interrupt_request(self._request_id)
 
     @property

@@ -146,3 +146,18 @@ def test_native_logs_reach_python_logging(gemma_path: Path) -> None:
     # error (which the GrammarError reports) leave no warning.
     assert any(r.getMessage().startswith("[llama.cpp I]") and r.levelno == logging.DEBUG for r in records)
     assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+
+
+def test_a_crash_message_has_a_stderr_section_only_when_there_is_stderr(fresh_pool: Pool,
+                                                                         tiny_model: Path) -> None:
+    from lloyal_pool import WorkerCrashedError
+
+    inst = fresh_pool[0]
+    ctx = inst.load_model(tiny_model).new_context(n_ctx=512)  # its training length: no warning
+    running = ctx.generate_async("Hi", n_predict=0, ignore_eos=True)  # until the context is full
+    inst.kill()
+    with pytest.raises(WorkerCrashedError) as info:
+        running.result(timeout=60)
+    err = info.value
+    assert err.stderr_tail.strip() == ""  # a quiet worker, killed: it wrote nothing
+    assert "stderr" not in str(err), str(err)

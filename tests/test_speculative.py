@@ -74,6 +74,25 @@ def test_a_draft_context_of_the_same_model_is_accepted_almost_always(gemma: Mode
     assert again.n_decoded == 48
 
 
+@pytest.mark.gemma
+def test_a_truncated_gemma_drafter_changes_nothing_but_the_speed(gemma: Model, pool: Pool,
+                                                                  gemma_draft_path: Path) -> None:
+    # Gemma's first 4 blocks share its vocabulary but were never trained to predict from there: most
+    # drafts are rejected, and the output must still be the target's own.
+    small = pool[0].load_model(gemma_draft_path)
+    ctx = gemma.new_context(n_ctx=512)
+    draft = small.new_context(n_ctx=512)
+    try:
+        plain = ctx.generate(REPEATS, n_predict=32, cache_prompt=False)
+        spec = ctx.generate_with_draft(REPEATS, draft=draft, n_draft=4, n_predict=32, cache_prompt=False)
+    finally:
+        ctx.close()
+        draft.close()
+        small.close()
+    assert spec.n_drafted > 0 and spec.n_decoded == 32
+    _assert_same_greedy(gemma, REPEATS, plain, spec)
+
+
 def test_tiny_model_speculation_is_exact(tiny: Model) -> None:
     # The tiny model's logits are well spread (no near ties): here greedy output is identical.
     ctx = tiny.new_context(n_ctx=512)
