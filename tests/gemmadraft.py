@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import gguf
-from gguf import GGUFValueType
+from tinymodel import copy_field
 
 __all__ = ["FORMAT_VERSION", "gemma_draft_path", "make_truncated_gemma"]
 
@@ -26,23 +26,6 @@ FORMAT_VERSION = 1
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # Written by GGUFWriter itself (the constructor, the header), never copied.
 _OWN_KEYS = {"general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
-
-
-def _copy_field(field: gguf.ReaderField, key: str, writer: gguf.GGUFWriter) -> None:
-    vtype = GGUFValueType(field.types[0])
-    if vtype == GGUFValueType.ARRAY:
-        sub = GGUFValueType(field.types[-1])
-        if sub == GGUFValueType.STRING:
-            val = [bytes(field.parts[i]) for i in field.data]  # raw bytes: no UTF-8 round trip
-        elif sub == GGUFValueType.ARRAY:
-            raise ValueError(f"nested array in {key} is not supported")
-        else:
-            val = field.contents()
-        writer.add_key_value(key, val, vtype, sub_type=sub)
-    elif vtype == GGUFValueType.STRING:
-        writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
-    else:
-        writer.add_key_value(key, field.contents(), vtype)
 
 
 def make_truncated_gemma(src: Path | str, dst: Path | str, n_layers: int) -> Path:
@@ -62,9 +45,9 @@ def make_truncated_gemma(src: Path | str, dst: Path | str, n_layers: int) -> Pat
             writer.add_uint32(count_key, n_layers)
         elif key == "general.alignment":
             writer.data_alignment = int(field.contents())
-            _copy_field(field, key, writer)
+            copy_field(field, key, writer)
         else:
-            _copy_field(field, key, writer)
+            copy_field(field, key, writer)
     for tensor in reader.tensors:
         block = _BLOCK.match(tensor.name)
         if block is not None and int(block.group(1)) >= n_layers:

@@ -33,6 +33,7 @@ from gguf import GGUFValueType
 __all__ = [
     "DEFAULT_VOCAB",
     "FORMAT_VERSION",
+    "copy_field",
     "make_not_gguf",
     "make_tiny_model",
     "make_truncated",
@@ -65,26 +66,30 @@ _LAYER_STD = 0.1  # attention / FFN matrices: each block adds O(0.5) to the resi
 _OUT_STD = 0.4  # lm head: logit std = 0.4 * sqrt(64) ~ 3.2 for n_embd=64
 
 
+def copy_field(field: gguf.ReaderField, key: str, writer: gguf.GGUFWriter) -> None:
+    """Copy one key/value of a GGUFReader to *writer*, type preserved (strings as raw bytes: an exact
+    copy, no UTF-8 round trip)."""
+    vtype = GGUFValueType(field.types[0])
+    if vtype == GGUFValueType.ARRAY:
+        sub = GGUFValueType(field.types[-1])
+        if sub == GGUFValueType.STRING:
+            val = [bytes(field.parts[i]) for i in field.data]
+        elif sub == GGUFValueType.ARRAY:
+            raise ValueError(f"nested array in {key} is not supported")
+        else:
+            val = field.contents()
+        writer.add_key_value(key, val, vtype, sub_type=sub)
+    elif vtype == GGUFValueType.STRING:
+        writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
+    else:
+        writer.add_key_value(key, field.contents(), vtype)
+
+
 def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
     """Copy every ``tokenizer.*`` key/value of *reader* to *writer*, types preserved."""
     for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = GGUFValueType(field.types[0])
-        if vtype == GGUFValueType.ARRAY:
-            sub = GGUFValueType(field.types[-1])
-            if sub == GGUFValueType.STRING:
-                # raw bytes: exact copy, no utf-8 round trip
-                val = [bytes(field.parts[i]) for i in field.data]
-            elif sub == GGUFValueType.ARRAY:
-                raise ValueError(f"nested array in {key} is not supported")
-            else:
-                val = field.contents()
-            writer.add_key_value(key, val, vtype, sub_type=sub)
-        elif vtype == GGUFValueType.STRING:
-            writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
+        if key.startswith("tokenizer."):
+            copy_field(field, key, writer)
 
 
 def _special_ids(reader: gguf.GGUFReader) -> list[int]:
