@@ -184,15 +184,21 @@ class Model:
         return self._call(p.TokenToPiece(model=self._handle, token=int(token), special=special))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template: str | None = None,
-                            add_assistant: bool = True) -> str:
-        """Formats ``messages`` (``{"role": ..., "content": ...}`` mappings) as a prompt with the model's
-        chat template, or with ``template`` (a built-in template's name such as "chatml", or a template's
-        text). ``add_assistant`` ends it with the start of an assistant turn. llama.cpp formats with its
-        built-in templates only: ValueError when the model has no template and none is given, or when the
-        template is not one of them."""
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Formats ``messages`` (``{"role": ..., "content": ...}`` mappings) as a prompt, through llama.cpp's
+        own Jinja engine and chat formats, with the model's chat template, or ``template``: a format name
+        from ``lloyal_pool.chat.CHAT_FORMATS`` ("gemma", "chatml", "llama3") or Jinja source.
+        ``add_generation_prompt`` ends it with the start of an assistant turn; ``tools`` (OpenAI-style tool
+        definitions) are rendered where the template places them. TemplateError when the model has no
+        template and none is given, or the template does not parse or render; ValueError for an unknown
+        format name."""
+        import json
+
         pairs = [(m["role"], m["content"]) for m in messages]
         return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
-                                              add_assistant=add_assistant))
+                                              add_generation_prompt=add_generation_prompt,
+                                              tools=json.dumps(list(tools)) if tools else ""))
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are

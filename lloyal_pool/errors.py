@@ -13,6 +13,7 @@
     ├── InterruptedByClient       an all-or-nothing operation (commit, prefill) interrupted; nothing changed
     ├── LoraError                 a LoRA adapter that cannot be loaded or applied (file, model, scale)
     ├── ResultTooLargeError       a result (embeddings) that does not fit the worker's shared memory
+    ├── TemplateError             a chat template that is missing, does not parse or fails to render
     ├── StateError                a saved context state that cannot be used (garbage, truncated, corrupted,
     │                             another model or format version, a file that cannot be read or written)
     ├── ProtocolError             a frame that cannot be encoded or decoded, or a reply of the wrong type
@@ -105,6 +106,11 @@ class LoraError(LloyalError):
 class ResultTooLargeError(LloyalError):
     """A result that does not fit the worker's shared-memory region (embeddings of too many tokens at
     once): nothing was computed. Embed fewer texts per call, or create the Pool with a larger shm_bytes."""
+
+
+class TemplateError(LloyalError):
+    """A chat template that cannot be used: the model has none and none was given, or the template does
+    not parse or fails to render (llama.cpp's Jinja engine says why)."""
 
 
 class StateError(LloyalError):
@@ -245,7 +251,7 @@ class _RemoteTraceback(Exception):
 __all__ = [
     "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
     "InterruptedByClient", "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError",
-    "ProtocolError", "RemoteError", "ResultTooLargeError", "StaleHandleError", "StateError", "WorkerCrashedError",
-    "WorkerError", "WorkerStartupError",
+    "ProtocolError", "RemoteError", "ResultTooLargeError", "StaleHandleError", "StateError", "TemplateError",
+    "WorkerCrashedError", "WorkerError", "WorkerStartupError",
     "describe_exit", "error_class", "rebuild",
 ]

@@ -266,8 +266,9 @@ class ApplyChatTemplate(Request[str]):
     op = Op.APPLY_CHAT_TEMPLATE
     model: int
     messages: list[tuple[str, str]]  # (role, content)
-    template: str | None = None
-    add_assistant: bool = True
+    template: str | None = None  # a format name (lloyal_pool.chat.CHAT_FORMATS) or Jinja source; None: the model's
+    add_generation_prompt: bool = True
+    tools: str = ""  # an OpenAI-style tools array as JSON; "": none
 
 
 class JsonSchemaToGrammar(Request[str]):

@@ -23,6 +23,7 @@ struct error_classes {
     PyObject * lora = nullptr;
     PyObject * result_too_large = nullptr;
     PyObject * state = nullptr;
+    PyObject * chat_template = nullptr;
 };
 
 error_classes g_classes;
@@ -53,6 +54,7 @@ void register_errors(py::module_ &) {
     g_classes.lora = load_class(errors, "LoraError");
     g_classes.result_too_large = load_class(errors, "ResultTooLargeError");
     g_classes.state = load_class(errors, "StateError");
+    g_classes.chat_template = load_class(errors, "TemplateError");
 
     // Most derived first: a catch clause for lloyal_error would also take every subclass.
     py::register_exception_translator([](std::exception_ptr p) {
@@ -84,6 +86,8 @@ void register_errors(py::module_ &) {
             PyErr_SetString(g_classes.result_too_large, e.what());
         } catch (const state_error & e) {
             PyErr_SetString(g_classes.state, e.what());
+        } catch (const template_error & e) {
+            PyErr_SetString(g_classes.chat_template, e.what());
         } catch (const lloyal_error & e) {
             PyErr_SetString(g_classes.base, e.what());
         } catch (const std::invalid_argument & e) {

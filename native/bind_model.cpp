@@ -1,6 +1,7 @@
 // native.Model: a loaded GGUF (model.hpp), its info as a dict, its tokenizer; native.Lora: a LoRA adapter
 // loaded for one model (lora.hpp).
 #include "bind.hpp"
+#include "chat.hpp"
 #include "errors.hpp"
 #include "lora.hpp"
 
@@ -129,11 +130,15 @@ void register_model(py::module_ & m) {
         .def(
             "apply_chat_template",
             [](const Model & self, const std::vector<std::pair<std::string, std::string>> & messages,
-               const std::optional<std::string> & tmpl, bool add_assistant) {
-                return self.apply_chat_template(messages, tmpl, add_assistant);
+               const std::string & template_source, bool add_generation_prompt, const std::string & tools_json) {
+                chat_request req{messages, template_source, add_generation_prompt, tools_json};
+                gil_release nogil;
+                return apply_chat(self, req);
             },
-            py::arg("messages"), py::arg("template"), py::arg("add_assistant"),
-            "(role, content) pairs through llama_chat_apply_template; template None = the model's own.");
+            py::arg("messages"), py::arg("template_source"), py::arg("add_generation_prompt"),
+            py::arg("tools_json"),
+            "(role, content) pairs through llama.cpp's Jinja chat engine (common/chat); template_source \"\" =\n"
+            "the model's own. TemplateError when there is none, or the template does not parse or render.");
 
     py::class_<lora_adapter, std::shared_ptr<lora_adapter>>(m, "Lora")
         .def(py::init([](std::shared_ptr<Model> model, const std::string & path) {

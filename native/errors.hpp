@@ -57,6 +57,11 @@ struct result_too_large_error : lloyal_error {
     using lloyal_error::lloyal_error;
 };
 
+// A chat template that cannot be used: none in the model and none given, or one that fails to parse or render.
+struct template_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
 // A saved context state that cannot be used: not one (garbage, truncated, corrupted), of another model
 // or format version, or a file that cannot be read or written.
 struct state_error : lloyal_error {

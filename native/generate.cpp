@@ -220,6 +220,11 @@ sequence_driver::prompt_plan sequence_driver::plan_prompt(const prompt_input & p
         if (!prompt.text.empty()) {
             // A whole input starts like one (BOS); appended text does only on an empty context.
             plan.tokens = model.tokenize(prompt.text, !prompt.append || history_.empty(), true);
+            // A chat template usually writes the BOS itself ("<bos>..."): keep one, not two.
+            const llama_token bos = llama_vocab_bos(model.vocab());
+            if (plan.tokens.size() >= 2 && bos != LLAMA_TOKEN_NULL && plan.tokens[0] == bos && plan.tokens[1] == bos) {
+                plan.tokens.erase(plan.tokens.begin());
+            }
         }
     } else {
         plan.tokens = prompt.tokens;

@@ -229,42 +229,4 @@ std::vector<std::pair<std::string, std::string>> Model::meta() const {
     return out;
 }
 
-std::string Model::apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
-                                       const std::optional<std::string> & tmpl, bool add_assistant) const {
-    const char * tmpl_c = nullptr;
-    if (tmpl) {
-        tmpl_c = tmpl->c_str();
-    } else {
-        tmpl_c = llama_model_chat_template(model_, nullptr);
-        // llama.cpp would quietly fall back to chatml here; None means the model's own template.
-        if (tmpl_c == nullptr) {
-            throw std::invalid_argument("the model has no chat template; pass template explicitly (e.g. \"chatml\")");
-        }
-    }
-    std::vector<llama_chat_message> chat;
-    chat.reserve(messages.size());
-    size_t total = 0;
-    for (const auto & [role, content] : messages) {
-        chat.push_back({role.c_str(), content.c_str()});
-        total += role.size() + content.size();
-    }
-    std::vector<char> buf(2 * total + 256);
-    int32_t n = llama_chat_apply_template(tmpl_c, chat.data(), chat.size(), add_assistant, buf.data(),
-                                          static_cast<int32_t>(buf.size()));
-    if (n < 0) {
-        throw std::invalid_argument("unsupported chat template" +
-                                    std::string(tmpl ? " '" + tmpl->substr(0, 80) + "'" : " (the model's own)") +
-                                    ": llama_chat_apply_template only knows its built-in templates");
-    }
-    if (static_cast<size_t>(n) > buf.size()) {
-        buf.resize(static_cast<size_t>(n));
-        n = llama_chat_apply_template(tmpl_c, chat.data(), chat.size(), add_assistant, buf.data(),
-                                      static_cast<int32_t>(buf.size()));
-        if (n < 0) {
-            throw lloyal_error("llama_chat_apply_template failed");
-        }
-    }
-    return std::string(buf.data(), static_cast<size_t>(n));
-}
-
 }  // namespace lloyal

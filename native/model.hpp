@@ -42,8 +42,6 @@ class Model {
     std::string desc() const;
     // The GGUF metadata as (key, value) strings; array values are left out.
     std::vector<std::pair<std::string, std::string>> meta() const;
-    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
-                                    const std::optional<std::string> & tmpl, bool add_assistant) const;
 
   private:
     std::string path_;

@@ -60,11 +60,13 @@ class Model:
     def is_eog(self, token: int) -> bool:
         """Raises InvalidTokenError for an id outside [0, n_vocab)."""
     def apply_chat_template(
-        self, messages: Sequence[tuple[str, str]], template: str | None, add_assistant: bool
+        self, messages: Sequence[tuple[str, str]], template_source: str, add_generation_prompt: bool,
+        tools_json: str
     ) -> str:
-        """(role, content) pairs through llama_chat_apply_template; template None = the model's own.
-        ValueError when the template is not one llama.cpp knows, or when template is None and the model
-        has no template (llama.cpp itself would silently use chatml there)."""
+        """(role, content) pairs through llama.cpp's Jinja chat engine (common/chat); template_source "" =
+        the model's own. tools_json: an OpenAI-style tools array ("" none). TemplateError when the model has
+        no template and none is given (llama.cpp itself would silently use ChatML), or the template does
+        not parse or render."""
 
 class Lora:
     """A LoRA adapter loaded for one model; it keeps that model alive and is freed when the last reference

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from .. import protocol as p
+from ..chat import template_source
 from ..errors import ContextError, LoraError, ModelLoadError, StaleHandleError
 from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
@@ -190,7 +191,8 @@ class Engine:
     @handles(p.ApplyChatTemplate)
     def apply_chat_template(self, req: p.ApplyChatTemplate, call: Call) -> str:
         native = self._model(req.model).native
-        return str(native.apply_chat_template(req.messages, req.template, req.add_assistant))
+        return str(native.apply_chat_template(req.messages, template_source(req.template), req.add_generation_prompt,
+                                              req.tools))
 
     @handles(p.JsonSchemaToGrammar)
     def json_schema_to_grammar(self, req: p.JsonSchemaToGrammar, call: Call) -> str:
