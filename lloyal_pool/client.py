@@ -698,9 +698,11 @@ class Pool:
     ``variant``: the native build ("cpu", "cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else
     "cpu"), falling back to CPU unless ``strict_variant``. ``shm_bytes``: each worker's shared-memory
     region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"). ``memory_limit``: a
-    cap in bytes on a worker's data (RLIMIT_DATA), so that it fails an allocation instead of growing.
-    ``start_timeout``: seconds a worker has for its handshake. ``env``: extra environment variables for
-    the workers (they see only the locale, paths and library settings of ours). ``native_log_level``:
+    cap in bytes on a worker's data (RLIMIT_DATA), so that it fails an allocation instead of growing (a
+    context that does not fit raises ContextError naming memory_limit). ``start_timeout``: seconds a
+    worker has for its handshake. ``env``: a worker's whole environment, empty by default (the interpreter
+    needs none of ours); a value of None passes our value of that variable through, if we have one
+    (e.g. ``env={"CUDA_VISIBLE_DEVICES": None}``). ``native_log_level``:
     the llama.cpp messages forwarded to the ``lloyal_pool.worker.<id>`` loggers ("debug" ... "none").
     ``threads_per_worker``: a context's default n_threads (default: the CPUs shared among the workers).
 
@@ -712,7 +714,7 @@ class Pool:
 
     def __init__(self, size: int = 1, *, variant: str | None = None, strict_variant: bool | None = None,
                  shm_bytes: int = DEFAULT_SIZE, shm_backend: str = "auto", memory_limit: int | None = None,
-                 start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
+                 start_timeout: float = 60.0, env: Mapping[str, str | None] | None = None,
                  native_log_level: str = "warning", threads_per_worker: int | None = None) -> None:
         if size < 1:
             raise ValueError(f"a Pool needs at least one worker, got size={size}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -234,7 +235,10 @@ class Engine:
         params = req.params
         if self.default_threads and params.get("n_threads") is None:
             params = {**params, "n_threads": self.default_threads}
-        native = self.native.Context(entry.native, params, self.arena)
+        try:
+            native = self.native.Context(entry.native, params, self.arena)
+        except (ContextError, MemoryError) as exc:
+            raise _name_memory_limit(exc) from None
         slot = self._free_slots.pop()
         self.region.set_interrupt(slot, 0)
         # The native side indexes u64 words from the start of the region.
@@ -651,3 +655,19 @@ def _check_gguf_file(path: str, error: type[Exception] = ModelLoadError, what: s
 
 
 __all__ = ["HANDLERS", "Call", "Engine", "EventSink", "handles"]
+
+
+# context_core.cpp's message when llama.cpp returns no context (its buffers could not be allocated).
+_NO_CONTEXT = "failed to create the llama context"
+
+
+def _name_memory_limit(exc: ContextError | MemoryError) -> BaseException:
+    """A context that did not fit: under a memory cap, the error says which option to raise."""
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    if isinstance(exc, ContextError) and _NO_CONTEXT not in str(exc):
+        return exc  # a refused parameter, not an allocation
+    message = str(exc) or "out of memory"
+    if limit == resource.RLIM_INFINITY:
+        return exc if isinstance(exc, ContextError) else ContextError(f"creating the context: {message}")
+    return ContextError(f"the context does not fit under this worker's memory cap, Pool(memory_limit={limit}) "
+                        f"bytes: raise memory_limit or lower n_ctx ({message})")
