@@ -718,6 +718,13 @@ class Pool:
                  native_log_level: str = "warning", threads_per_worker: int | None = None) -> None:
         if size < 1:
             raise ValueError(f"a Pool needs at least one worker, got size={size}")
+        for name, value in (env or {}).items():
+            if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+                raise ValueError(f"env: {name!r} is not an environment variable name")
+            if value is not None and (not isinstance(value, str) or "\0" in value):
+                raise TypeError(f"env[{name!r}] must be a str, or None to pass ours through; got {value!r}")
+        if memory_limit is not None and memory_limit <= 0:
+            raise ValueError(f"memory_limit is a positive number of bytes, got {memory_limit}")
         if threads_per_worker is None:
             # Workers that together ask for more threads than there are CPUs make llama.cpp's spinning
             # thread barriers stall each other (10x slower on a loaded 2-core machine): share the CPUs.

@@ -75,6 +75,18 @@ def test_worker_environment_is_the_allow_list(monkeypatch: pytest.MonkeyPatch) -
         assert _environ(pool[0].pid) == {"LLOYAL_TEST_SET": "given", "LLOYAL_TEST_PASSED": "ours"}
 
 
+@pytest.mark.parametrize(("env", "error"), [
+    ({"A=B": "x"}, ValueError), ({"": "x"}, ValueError), ({"A": 1}, TypeError), ({"A": "x\0y"}, TypeError)])
+def test_bad_env_is_refused_before_any_worker_starts(env: dict[str, object], error: type[Exception]) -> None:
+    with pytest.raises(error, match="env"):
+        Pool(1, env=env)  # type: ignore[arg-type]
+
+
+def test_bad_memory_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="memory_limit"):
+        Pool(1, memory_limit=0)
+
+
 _OWNER = textwrap.dedent("""
     import sys
     from lloyal_pool import Pool
