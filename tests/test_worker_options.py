@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lloyal_pool import ContextError, Pool
+from lloyal_pool import ContextError, ModelLoadError, Pool
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -154,3 +154,17 @@ def test_memory_limit_names_the_option(gemma_path: Path) -> None:
         ctx = model.new_context(n_ctx=512)
         assert ctx.generate("The capital of France is", n_predict=3).n_decoded == 3
         assert pool[0].alive
+
+
+def test_memory_limit_names_the_option_for_a_model_without_mmap(gemma_path: Path, tiny_model: Path) -> None:
+    limit = 200 << 20  # Gemma 270M's weights alone need more once they are read into the heap
+    with Pool(1, memory_limit=limit) as pool:
+        with pytest.raises(ModelLoadError) as info:
+            pool[0].load_model(gemma_path, use_mmap=False)
+        assert f"memory_limit={limit}" in str(info.value)
+        # the worker survives the failed allocation and serves a model that fits
+        assert pool[0].load_model(gemma_path).tokenize("Hello")
+        # an error that is not about memory keeps its own message
+        with pytest.raises(ModelLoadError) as missing:
+            pool[0].load_model(tiny_model.with_name("no-such-model.gguf"))
+        assert "memory_limit" not in str(missing.value)
