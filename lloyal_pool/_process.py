@@ -56,10 +56,6 @@ from .shm import DEFAULT_SIZE, Region
 
 log = logging.getLogger("lloyal_pool")
 STDERR_TAIL_BYTES = 64 << 10
-# What a worker may see of our environment: locale, paths, and the knobs of the libraries it runs.
-_ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TMPDIR", "HOME", "USER", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
-              "SYSTEMROOT")
-_ENV_ALLOW_PREFIX = ("LC_", "CUDA_", "GGML_", "LLAMA_", "LLOYAL_", "VK_", "HIP_", "ROCR_")
 R = TypeVar("R")
 _LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
 
@@ -72,7 +68,7 @@ class WorkerOptions:
     shm_backend: str = "auto"
     memory_limit: int | None = None
     start_timeout: float = 60.0
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
     native_log_level: str = "warning"
     threads: int | None = None  # a context's default n_threads in this worker
 
@@ -114,9 +110,19 @@ class _Spawner:
 _spawner = _Spawner()
 
 
-def _worker_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k in _ENV_ALLOW or k.startswith(_ENV_ALLOW_PREFIX)}
-    env.update(extra)
+def _worker_env(allowed: dict[str, str | None]) -> dict[str, str]:
+    """A worker's whole environment: only what Pool(env=...) names (None: our value, when we have one).
+
+    The interpreter needs none of ours: it is started by absolute path in isolated mode (-I), and with
+    no locale set Python coerces the C locale to UTF-8. Nothing of the parent's (tokens, proxies,
+    credentials) reaches code that parses untrusted model files unless it is asked for by name."""
+    env: dict[str, str] = {}
+    for name, value in allowed.items():
+        if value is None:
+            if name in os.environ:
+                env[name] = os.environ[name]
+        else:
+            env[name] = value
     return env
 
 
@@ -145,9 +151,13 @@ class WorkerProcess:
         self._cwd = tempfile.mkdtemp(prefix=f"lloyal-worker{worker_id}-")
         req_r, self._req_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
+        # The lifeline: the worker exits when this pipe reaches EOF, that is when every copy of our
+        # write end is closed (we died, however). Unlike the parent-death signal it does not depend on
+        # the spawning thread. os.pipe() fds are close-on-exec, so no other child inherits the write end.
+        life_r, self._life_w = os.pipe()
         variant = variants.requested(options.variant)
         cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker",
-               "--fds", f"{req_r},{rep_w}", "--shm", self.region.spec.to_arg(),
+               "--fds", f"{req_r},{rep_w}", "--lifeline", str(life_r), "--shm", self.region.spec.to_arg(),
                "--parent-pid", str(os.getpid()), "--worker-id", str(worker_id), "--variant", variant,
                "--log-level", str(_LOG_LEVELS.get(options.native_log_level, 2))]
         if variants.strict_requested(options.strict_variant):
@@ -156,14 +166,14 @@ class WorkerProcess:
             cmd += ["--threads", str(int(options.threads))]
         if options.memory_limit:
             cmd += ["--memory-limit", str(int(options.memory_limit))]
-        pass_fds = [req_r, rep_w] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
+        pass_fds = [req_r, rep_w, life_r] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
         try:
             self.proc: subprocess.Popen[bytes] = _spawner.run(lambda: subprocess.Popen(
                 cmd, pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE, cwd=self._cwd, env=_worker_env(options.env),
                 start_new_session=True))  # a terminal's Ctrl-C reaches only the parent
         except BaseException:
-            for fd in (req_r, rep_w, self._req_w, self._rep_r):
+            for fd in (req_r, rep_w, life_r, self._req_w, self._rep_r, self._life_w):
                 os.close(fd)
             self.region.close()
             shutil.rmtree(self._cwd, ignore_errors=True)
@@ -172,6 +182,7 @@ class WorkerProcess:
             self.region.close_fd()
         os.close(req_r)
         os.close(rep_w)
+        os.close(life_r)
         self.pid = self.proc.pid
         self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True,
                                                name=f"lloyal-worker{worker_id}-stderr")
@@ -430,6 +441,9 @@ class WorkerProcess:
         elif self._dead is None:
             self._on_death("closed before start-up completed")
         self._stderr_thread.join(timeout=2.0)
+        if self._life_w >= 0:
+            os.close(self._life_w)
+            self._life_w = -1
         if self._rep_r >= 0:
             os.close(self._rep_r)
             self._rep_r = -1

@@ -704,9 +704,11 @@ class Pool:
     ``variant``: the native build ("cpu", "cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else
     "cpu"), falling back to CPU unless ``strict_variant``. ``shm_bytes``: each worker's shared-memory
     region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"). ``memory_limit``: a
-    cap in bytes on a worker's data (RLIMIT_DATA), so that it fails an allocation instead of growing.
-    ``start_timeout``: seconds a worker has for its handshake. ``env``: extra environment variables for
-    the workers (they see only the locale, paths and library settings of ours). ``native_log_level``:
+    cap in bytes on a worker's data (RLIMIT_DATA), so that it fails an allocation instead of growing (a
+    context that does not fit raises ContextError naming memory_limit). ``start_timeout``: seconds a
+    worker has for its handshake. ``env``: a worker's whole environment, empty by default (the interpreter
+    needs none of ours); a value of None passes our value of that variable through, if we have one
+    (e.g. ``env={"CUDA_VISIBLE_DEVICES": None}``). ``native_log_level``:
     the llama.cpp messages forwarded to the ``lloyal_pool.worker.<id>`` loggers ("debug" ... "none").
     ``threads_per_worker``: a context's default n_threads (default: the CPUs shared among the workers).
 
@@ -718,10 +720,17 @@ class Pool:
 
     def __init__(self, size: int = 1, *, variant: str | None = None, strict_variant: bool | None = None,
                  shm_bytes: int = DEFAULT_SIZE, shm_backend: str = "auto", memory_limit: int | None = None,
-                 start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
+                 start_timeout: float = 60.0, env: Mapping[str, str | None] | None = None,
                  native_log_level: str = "warning", threads_per_worker: int | None = None) -> None:
         if size < 1:
             raise ValueError(f"a Pool needs at least one worker, got size={size}")
+        for name, value in (env or {}).items():
+            if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+                raise ValueError(f"env: {name!r} is not an environment variable name")
+            if value is not None and (not isinstance(value, str) or "\0" in value):
+                raise TypeError(f"env[{name!r}] must be a str, or None to pass ours through; got {value!r}")
+        if memory_limit is not None and memory_limit <= 0:
+            raise ValueError(f"memory_limit is a positive number of bytes, got {memory_limit}")
         if threads_per_worker is None:
             # Workers that together ask for more threads than there are CPUs make llama.cpp's spinning
             # thread barriers stall each other (10x slower on a loaded 2-core machine): share the CPUs.

@@ -1,8 +1,9 @@
 """Worker process entry point: ``python -I -m lloyal_pool.worker --fds R,W --shm SPEC ...``.
 
-Started only by the client (client._process), never by forking it. In order: die with the parent,
-keep stdout off the protocol, harden, load one native variant (falling back to CPU unless strict),
-attach the shared region, say HELLO, serve until the parent closes the pipe or says SHUTDOWN.
+Started only by the client (client._process), never by forking it. In order: die with the parent
+(signal and lifeline pipe), keep stdout off the protocol, harden, load one native variant (falling
+back to CPU unless strict), attach the shared region, say HELLO,
+serve until the parent closes the pipe or says SHUTDOWN.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lloyal_pool.worker")
     ap.add_argument("--fds", required=True, help="request-read,reply-write")
     ap.add_argument("--shm", required=True)
+    ap.add_argument("--lifeline", type=int, default=-1, help="read end of a pipe only the parent writes to")
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--worker-id", type=int, default=0)
     ap.add_argument("--variant", default="cpu")
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     sandbox.die_with_parent(args.parent_pid)
+    sandbox.watch_lifeline(args.lifeline)
     sandbox.stdout_to_stderr()
     faulthandler.enable()  # a native crash leaves a Python stack in the stderr tail the client reports
     rfd, wfd = (int(x) for x in args.fds.split(","))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -158,8 +159,11 @@ class Engine:
                 emit({"progress": fraction})
             return True
 
-        native = self.native.Model(req.path, n_gpu_layers=req.n_gpu_layers, use_mmap=req.use_mmap,
-                                   vocab_only=req.vocab_only, progress=progress)
+        try:
+            native = self.native.Model(req.path, n_gpu_layers=req.n_gpu_layers, use_mmap=req.use_mmap,
+                                       vocab_only=req.vocab_only, progress=progress)
+        except (ModelLoadError, MemoryError) as exc:
+            raise _name_memory_limit_load(exc) from None
         model_id = self._new_id()
         self._models[model_id] = _ModelEntry(native, req.path, int(native.n_vocab), set())
         return p.ModelLoaded(model=model_id, info=msgspec.convert(native.info(), ModelInfo))
@@ -236,7 +240,10 @@ class Engine:
         params = req.params
         if self.default_threads and params.get("n_threads") is None:
             params = {**params, "n_threads": self.default_threads}
-        native = self.native.Context(entry.native, params, self.arena)
+        try:
+            native = self.native.Context(entry.native, params, self.arena)
+        except (ContextError, MemoryError) as exc:
+            raise _name_memory_limit(exc) from None
         slot = self._free_slots.pop()
         self.region.set_interrupt(slot, 0)
         # The native side indexes u64 words from the start of the region.
@@ -653,3 +660,36 @@ def _check_gguf_file(path: str, error: type[Exception] = ModelLoadError, what: s
 
 
 __all__ = ["HANDLERS", "Call", "Engine", "EventSink", "handles"]
+
+
+# context_core.cpp's message when llama.cpp returns no context (its buffers could not be allocated).
+_NO_CONTEXT = "failed to create the llama context"
+
+
+def _memory_cap() -> int | None:
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    return None if limit == resource.RLIM_INFINITY else int(limit)
+
+
+def _name_memory_limit(exc: ContextError | MemoryError) -> BaseException:
+    """A context that did not fit: under a memory cap, the error says which option to raise."""
+    if isinstance(exc, ContextError) and _NO_CONTEXT not in str(exc):
+        return exc  # a refused parameter, not an allocation
+    message = str(exc) or "out of memory"
+    limit = _memory_cap()
+    if limit is None:
+        return exc if isinstance(exc, ContextError) else ContextError(f"creating the context: {message}")
+    return ContextError(f"the context does not fit under this worker's memory cap, Pool(memory_limit={limit}) "
+                        f"bytes: raise memory_limit or lower n_ctx ({message})")
+
+
+def _name_memory_limit_load(exc: ModelLoadError | MemoryError) -> BaseException:
+    """A model whose buffers could not be allocated under a memory cap says which option to raise."""
+    message = str(exc) or "out of memory"
+    limit = _memory_cap()
+    if isinstance(exc, ModelLoadError) and (limit is None or "alloc" not in message):
+        return exc  # not a failed allocation under our cap (a bad file, a missing one)
+    if limit is None:
+        return ModelLoadError(f"loading the model: {message}")
+    return ModelLoadError(f"the model does not fit under this worker's memory cap, Pool(memory_limit={limit}) "
+                          f"bytes: raise memory_limit, or keep use_mmap=True ({message})")

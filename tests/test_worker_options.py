@@ -1,0 +1,170 @@
+"""Per-pool worker options with safe defaults: the environment a worker sees, the lifeline that ends it
+with its parent, and the memory cap. Each is read back from the running worker, not from our options."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lloyal_pool import ContextError, ModelLoadError, Pool
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read()
+    pairs = (item.decode().split("=", 1) for item in raw.split(b"\0") if item)
+    return {name: value for name, value in pairs}
+
+
+def _gone(pid: int, patience: float = 30.0) -> bool:
+    """Whether pid has exited (a zombie counts: it holds no memory) before patience runs out."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _pipe_ends(pid: int) -> set[tuple[str, int]]:
+    """(pipe inode, access mode: os.O_RDONLY or os.O_WRONLY) of every pipe end pid holds."""
+    ends = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+        except OSError:
+            continue
+        if link.startswith("pipe:"):
+            ends.add((link, flags & os.O_ACCMODE))
+    return ends
+
+
+def test_worker_environment_is_empty_by_default(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    monkeypatch.setenv("LLOYAL_TEST_SECRET", "do-not-leak")
+    with Pool(1) as pool:
+        seen = _environ(pool[0].pid)
+        # Nothing of ours: not the secret, not PATH or HOME, not even the LLOYAL_ prefix.
+        assert "LLOYAL_TEST_SECRET" not in seen and "PATH" not in seen and "HOME" not in seen
+        assert seen == {}
+        # The interpreter and the native module need none of it.
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
+        assert ctx.generate("Hello", n_predict=2).n_decoded == 2
+
+
+def test_worker_environment_is_the_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLOYAL_TEST_SECRET", "do-not-leak")
+    monkeypatch.setenv("LLOYAL_TEST_PASSED", "ours")
+    monkeypatch.delenv("LLOYAL_TEST_ABSENT", raising=False)
+    env: dict[str, str | None] = {"LLOYAL_TEST_SET": "given", "LLOYAL_TEST_PASSED": None,
+                                  "LLOYAL_TEST_ABSENT": None}
+    with Pool(1, env=env) as pool:
+        # An explicit value is set, None passes our value through, and a None we lack stays unset.
+        assert _environ(pool[0].pid) == {"LLOYAL_TEST_SET": "given", "LLOYAL_TEST_PASSED": "ours"}
+
+
+@pytest.mark.parametrize(("env", "error"), [
+    ({"A=B": "x"}, ValueError), ({"": "x"}, ValueError), ({"A": 1}, TypeError), ({"A": "x\0y"}, TypeError)])
+def test_bad_env_is_refused_before_any_worker_starts(env: dict[str, object], error: type[Exception]) -> None:
+    with pytest.raises(error, match="env"):
+        Pool(1, env=env)  # type: ignore[arg-type]
+
+
+def test_bad_memory_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="memory_limit"):
+        Pool(1, memory_limit=0)
+
+
+_OWNER = textwrap.dedent("""
+    import sys
+    from lloyal_pool import Pool
+    pool = Pool(2, env={"LLOYAL_POOL_TEST_NO_PDEATHSIG": "1", "LLOYAL_POOL_TEST_FAULTS": "1"})
+    # Busy workers, as in a long decode: they do not read their request pipes, so its EOF cannot end them.
+    hangs = [inst.fault("hang", seconds=3600) for inst in pool]
+    print(" ".join(str(inst.pid) for inst in pool), flush=True)
+    sys.stdin.read()  # until the test kills us
+""")
+
+
+def test_lifeline_ends_workers_of_a_killed_parent() -> None:
+    # The workers run without the parent-death signal and are busy, so only the lifeline can end them.
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        assert owner.stdout is not None
+        pids = [int(x) for x in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(pid) for pid in pids)
+        for pid in pids:
+            assert "LLOYAL_POOL_TEST_NO_PDEATHSIG" in _environ(pid)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert all(_gone(pid) for pid in pids)
+    finally:
+        owner.kill()
+        owner.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_lifeline_write_end_stays_with_the_parent() -> None:
+    with Pool(2) as pool:
+        procs = [inst._proc for inst in pool]
+        lifelines = [os.readlink(f"/proc/self/fd/{proc._life_w}") for proc in procs]
+        assert (lifelines[0], os.O_WRONLY) in _pipe_ends(os.getpid())
+        held = [_pipe_ends(inst.pid) for inst in pool]
+        for i, pipes in enumerate(held):
+            # No worker holds a write end of any lifeline: neither its own (it would never see EOF)
+            # nor another's (that worker would outlive us for as long as the other one lives).
+            assert not pipes & {(line, os.O_WRONLY) for line in lifelines}
+            # Each holds the read end of its own lifeline and of no other.
+            assert {line for line, mode in pipes if line in lifelines} == {lifelines[i]}
+        assert all(inst.alive for inst in pool)
+
+
+def test_lifeline_close_is_a_clean_exit() -> None:
+    pool = Pool(1)
+    proc = pool[0]._proc
+    pool.close()
+    assert proc.proc.returncode == 0 and proc._life_w == -1
+
+
+def test_memory_limit_names_the_option(gemma_path: Path) -> None:
+    limit = 1 << 30
+    with Pool(1, memory_limit=limit) as pool:
+        model = pool[0].load_model(gemma_path)
+        with pytest.raises(ContextError) as info:
+            model.new_context(n_ctx=131072, swa_full=True)
+        assert f"memory_limit={limit}" in str(info.value)
+        # The worker survives the failed allocation and serves a context that fits.
+        ctx = model.new_context(n_ctx=512)
+        assert ctx.generate("The capital of France is", n_predict=3).n_decoded == 3
+        assert pool[0].alive
+
+
+def test_memory_limit_names_the_option_for_a_model_without_mmap(gemma_path: Path, tiny_model: Path) -> None:
+    limit = 200 << 20  # Gemma 270M's weights alone need more once they are read into the heap
+    with Pool(1, memory_limit=limit) as pool:
+        with pytest.raises(ModelLoadError) as info:
+            pool[0].load_model(gemma_path, use_mmap=False)
+        assert f"memory_limit={limit}" in str(info.value)
+        # the worker survives the failed allocation and serves a model that fits
+        assert pool[0].load_model(gemma_path).tokenize("Hello")
+        # an error that is not about memory keeps its own message
+        with pytest.raises(ModelLoadError) as missing:
+            pool[0].load_model(tiny_model.with_name("no-such-model.gguf"))
+        assert "memory_limit" not in str(missing.value)
