@@ -9,6 +9,10 @@
 #include <climits>
 #include <exception>
 
+#include <memory>
+#include <optional>
+
+#include <gguf.h>
 #include <sys/stat.h>
 
 namespace lloyal {
@@ -49,6 +53,52 @@ std::string meta_string(int32_t (*fn)(const llama_model *, int32_t, char *, size
         }
     }
     return std::string(buf.data(), static_cast<size_t>(n));
+}
+
+// llama.cpp's limit on a model's layers (LLAMA_MAX_LAYERS, src/llama-hparams.h; not in its API).
+constexpr uint64_t max_layers = 512;
+
+// The value of an integer key; nothing when it is of another type.
+std::optional<int64_t> int_value(const gguf_context * g, int64_t key) {
+    switch (gguf_get_kv_type(g, key)) {
+        case GGUF_TYPE_UINT8: return gguf_get_val_u8(g, key);
+        case GGUF_TYPE_INT8: return gguf_get_val_i8(g, key);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, key);
+        case GGUF_TYPE_INT16: return gguf_get_val_i16(g, key);
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, key);
+        case GGUF_TYPE_INT32: return gguf_get_val_i32(g, key);
+        case GGUF_TYPE_UINT64: return static_cast<int64_t>(std::min<uint64_t>(gguf_get_val_u64(g, key), INT64_MAX));
+        case GGUF_TYPE_INT64: return gguf_get_val_i64(g, key);
+        default: return std::nullopt;
+    }
+}
+
+// Checks of the file's metadata for the values llama.cpp meets with an assertion, which aborts the
+// worker, instead of an error: a block count of 0 or over its layer limit. The metadata alone is read
+// (no tensor data), which is cheap next to the load itself.
+void check_metadata(const std::string & path, uint64_t mark) {
+    gguf_init_params gp{};
+    gp.no_alloc = true;
+    gp.ctx = nullptr;
+    std::unique_ptr<gguf_context, decltype(&gguf_free)> g(gguf_init_from_file(path.c_str(), gp), &gguf_free);
+    if (!g) {
+        throw model_load_error("failed to load model '" + path + "': not a valid GGUF file" +
+                               log_reason_since(mark));
+    }
+    const int64_t arch_key = gguf_find_key(g.get(), "general.architecture");
+    if (arch_key < 0 || gguf_get_kv_type(g.get(), arch_key) != GGUF_TYPE_STRING) {
+        return;  // llama.cpp says what is wrong with that
+    }
+    const std::string key = std::string(gguf_get_val_str(g.get(), arch_key)) + ".block_count";
+    const int64_t block_key = gguf_find_key(g.get(), key.c_str());
+    if (block_key < 0) {
+        return;
+    }
+    const std::optional<int64_t> n_layer = int_value(g.get(), block_key);
+    if (n_layer && (*n_layer <= 0 || *n_layer > static_cast<int64_t>(max_layers))) {
+        throw model_load_error("failed to load model '" + path + "': " + key + " is " + std::to_string(*n_layer) +
+                               ", not in [1, " + std::to_string(max_layers) + "]");
+    }
 }
 
 }  // namespace
@@ -102,6 +152,9 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
     }
 
     const uint64_t mark = log_mark();
+    if (!vocab_only) {
+        check_metadata(path, mark);
+    }
     model_ = llama_model_load_from_file(path.c_str(), params);
     if (pstate.error) {
         if (model_ != nullptr) {
