@@ -26,11 +26,14 @@ _TYPED = {"ModelLoadError"}
 
 # What each named variant does with the vendored llama.cpp: the name of the typed error, CRASH (llama.cpp
 # aborts the worker: contained, reported as WorkerCrashedError) or LOADS (a corruption llama.cpp does not
-# look at or repairs; the model then also generates). None crashes now: block_count 0 or over 512 used to
-# abort the worker (a GGML_ASSERT) until native/model.cpp checked it first.
+# look at or repairs; the model then also generates). The block, next-token-prediction-layer and expert
+# counts that llama.cpp asserts on (aborting the worker) are checked by native/model.cpp first; the rarer
+# expert-group rules are not, and that variant shows the crash contained.
 _BENIGN = {"key_invalid_utf8", "context_length_zero", "vocab_size_mismatch", "tokenizer_bos_out_of_range",
            "tokenizer_token_invalid_utf8"}
-EXPECTED: dict[str, str] = {name: LOADS if name in _BENIGN else "ModelLoadError" for name in VARIANTS}
+_CRASHES = {"expert_groups_not_below_experts"}
+EXPECTED: dict[str, str] = {name: LOADS if name in _BENIGN else CRASH if name in _CRASHES else "ModelLoadError"
+                            for name in VARIANTS}
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +119,25 @@ def test_fuzzed_files(hostile_pool: Pool, fuzz_paths: list[Path], tiny_model: Pa
     _serves(hostile_pool, tiny_model)
 
 
-@pytest.mark.parametrize("count", [0, 513, 2**31])
-def test_block_count_out_of_range_is_a_typed_error(hostile_pool: Pool, tiny_model: Path, tmp_path: Path,
-                                                   count: int) -> None:
-    # llama.cpp asserts 0 < block_count <= 512, which would abort the worker: checked before it loads.
-    buf = tiny_model.read_bytes()
-    bad = tmp_path / "layers.gguf"
-    bad.write_bytes(set_u32(parse(buf), "llama.block_count", count))
-    with pytest.raises(ModelLoadError, match=f"llama.block_count is {count}, not in \\[1, 512\\]"):
+@pytest.mark.parametrize(("values", "message"), [
+    ({"llama.block_count": 0}, r"llama.block_count is 0, not in \[1, 512\]"),
+    ({"llama.block_count": 513}, r"llama.block_count is 513, not in \[1, 512\]"),
+    ({"llama.block_count": 2**31}, r"llama.block_count is 2147483648, not in \[1, 512\]"),
+    ({"llama.nextn_predict_layers": 3}, r"llama.nextn_predict_layers is 3, not in \[0, block_count 2\]"),
+    ({"llama.expert_count": 1025}, r"llama.expert_count is 1025, not in \[0, 1024\]"),
+    ({"llama.expert_used_count": 1}, "llama.expert_used_count is 1 with an expert_count of 0"),
+    ({"llama.expert_count": 4, "llama.expert_used_count": 5}, "expert_used_count is 5 with an expert_count of 4"),
+    ({"llama.expert_count": 4, "llama.expert_used_count": 0}, "expert_used_count is 0 with an expert_count of 4"),
+])
+def test_metadata_llama_cpp_asserts_on_is_a_typed_error(hostile_pool: Pool, tiny_model: Path, tmp_path: Path,
+                                                        values: dict[str, int], message: str) -> None:
+    # llama.cpp checks these with GGML_ASSERT, which would abort the worker: checked before it loads.
+    g = parse(tiny_model.read_bytes())
+    for key, value in values.items():
+        set_u32(g, key, value)
+    bad = tmp_path / "meta.gguf"
+    bad.write_bytes(g.dump())
+    with pytest.raises(ModelLoadError, match=message):
         hostile_pool[0].load_model(bad)
     assert hostile_pool[0].alive
     _serves(hostile_pool, tiny_model)
