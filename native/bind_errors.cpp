@@ -2,6 +2,8 @@
 #include "bind.hpp"
 #include "errors.hpp"
 
+#include <cstring>
+
 namespace lloyal {
 
 namespace {
@@ -37,6 +39,17 @@ PyObject * load_class(const py::module_ & errors, const char * name) {
     return cls.release().ptr();
 }
 
+// A message may quote bytes from a model file (an architecture name, a key) that are not UTF-8:
+// PyErr_SetString would then raise UnicodeDecodeError in place of the typed error.
+void set_error(PyObject * cls, const char * what) {
+    PyObject * msg = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)), "replace");
+    if (msg == nullptr) {
+        return;  // MemoryError is set
+    }
+    PyErr_SetObject(cls, msg);
+    Py_DECREF(msg);
+}
+
 }  // namespace
 
 void register_errors(py::module_ &) {
@@ -63,35 +76,35 @@ void register_errors(py::module_ &) {
                 std::rethrow_exception(p);
             }
         } catch (const model_load_error & e) {
-            PyErr_SetString(g_classes.model_load, e.what());
+            set_error(g_classes.model_load, e.what());
         } catch (const context_error & e) {
-            PyErr_SetString(g_classes.context, e.what());
+            set_error(g_classes.context, e.what());
         } catch (const invalid_token_error & e) {
-            PyErr_SetString(g_classes.invalid_token, e.what());
+            set_error(g_classes.invalid_token, e.what());
         } catch (const context_overflow_error & e) {
-            PyErr_SetString(g_classes.context_overflow, e.what());
+            set_error(g_classes.context_overflow, e.what());
         } catch (const grammar_error & e) {
-            PyErr_SetString(g_classes.grammar, e.what());
+            set_error(g_classes.grammar, e.what());
         } catch (const decode_error & e) {
-            PyErr_SetString(g_classes.decode, e.what());
+            set_error(g_classes.decode, e.what());
         } catch (const stale_handle_error & e) {
-            PyErr_SetString(g_classes.stale_handle, e.what());
+            set_error(g_classes.stale_handle, e.what());
         } catch (const branch_error & e) {
-            PyErr_SetString(g_classes.branch, e.what());
+            set_error(g_classes.branch, e.what());
         } catch (const interrupted_error & e) {
-            PyErr_SetString(g_classes.interrupted, e.what());
+            set_error(g_classes.interrupted, e.what());
         } catch (const lora_error & e) {
-            PyErr_SetString(g_classes.lora, e.what());
+            set_error(g_classes.lora, e.what());
         } catch (const result_too_large_error & e) {
-            PyErr_SetString(g_classes.result_too_large, e.what());
+            set_error(g_classes.result_too_large, e.what());
         } catch (const state_error & e) {
-            PyErr_SetString(g_classes.state, e.what());
+            set_error(g_classes.state, e.what());
         } catch (const template_error & e) {
-            PyErr_SetString(g_classes.chat_template, e.what());
+            set_error(g_classes.chat_template, e.what());
         } catch (const lloyal_error & e) {
-            PyErr_SetString(g_classes.base, e.what());
+            set_error(g_classes.base, e.what());
         } catch (const std::invalid_argument & e) {
-            PyErr_SetString(PyExc_ValueError, e.what());
+            set_error(PyExc_ValueError, e.what());
         }
         // Anything else falls through to pybind11's own translators (error_already_set, bad_alloc, ...).
     });

@@ -9,6 +9,10 @@
 #include <climits>
 #include <exception>
 
+#include <memory>
+#include <optional>
+
+#include <gguf.h>
 #include <sys/stat.h>
 
 namespace lloyal {
@@ -49,6 +53,93 @@ std::string meta_string(int32_t (*fn)(const llama_model *, int32_t, char *, size
         }
     }
     return std::string(buf.data(), static_cast<size_t>(n));
+}
+
+// llama.cpp's limits on a model's layers and experts (LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS in
+// src/llama-hparams.h; not in its API).
+constexpr int64_t max_layers = 512;
+constexpr int64_t max_experts = 1024;
+
+// The value of an integer key (the largest element of an integer array: per-layer values); nothing when
+// the key is absent or of another type.
+std::optional<int64_t> int_value(const gguf_context * g, const std::string & key) {
+    const int64_t k = gguf_find_key(g, key.c_str());
+    if (k < 0) {
+        return std::nullopt;
+    }
+    switch (gguf_get_kv_type(g, k)) {
+        case GGUF_TYPE_UINT8: return gguf_get_val_u8(g, k);
+        case GGUF_TYPE_INT8: return gguf_get_val_i8(g, k);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, k);
+        case GGUF_TYPE_INT16: return gguf_get_val_i16(g, k);
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, k);
+        case GGUF_TYPE_INT32: return gguf_get_val_i32(g, k);
+        case GGUF_TYPE_UINT64: return static_cast<int64_t>(std::min<uint64_t>(gguf_get_val_u64(g, k), INT64_MAX));
+        case GGUF_TYPE_INT64: return gguf_get_val_i64(g, k);
+        case GGUF_TYPE_ARRAY: {
+            const gguf_type t = gguf_get_arr_type(g, k);
+            const size_t n = gguf_get_arr_n(g, k);
+            if (n == 0 || (t != GGUF_TYPE_UINT32 && t != GGUF_TYPE_INT32)) {
+                return std::nullopt;
+            }
+            int64_t best = INT64_MIN;
+            for (size_t i = 0; i < n; ++i) {
+                const void * data = gguf_get_arr_data(g, k);
+                best = std::max<int64_t>(best, t == GGUF_TYPE_UINT32 ? static_cast<const uint32_t *>(data)[i]
+                                                                     : static_cast<const int32_t *>(data)[i]);
+            }
+            return best;
+        }
+        default: return std::nullopt;
+    }
+}
+
+// Checks of the file's metadata for the values llama.cpp meets with an assertion, which aborts the
+// worker, instead of an error (llama_model::load_hparams): the block count, the next-token-prediction
+// layers and the expert counts. Only the metadata is read (no tensor data), which is cheap next to the
+// load itself. The rarer expert-group rules are left to llama.cpp.
+void check_metadata(const std::string & path, uint64_t mark) {
+    gguf_init_params gp{};
+    gp.no_alloc = true;
+    gp.ctx = nullptr;
+    std::unique_ptr<gguf_context, decltype(&gguf_free)> owner(gguf_init_from_file(path.c_str(), gp), &gguf_free);
+    const gguf_context * g = owner.get();
+    if (g == nullptr) {
+        throw model_load_error("failed to load model '" + path + "': not a valid GGUF file" +
+                               log_reason_since(mark));
+    }
+    const int64_t arch_key = gguf_find_key(g, "general.architecture");
+    if (arch_key < 0 || gguf_get_kv_type(g, arch_key) != GGUF_TYPE_STRING) {
+        return;  // llama.cpp says what is wrong with that
+    }
+    const std::string arch = gguf_get_val_str(g, arch_key);
+    auto refuse = [&](const std::string & what) {
+        throw model_load_error("failed to load model '" + path + "': " + what);
+    };
+    auto value = [&](const char * name) { return int_value(g, arch + "." + name); };
+    const std::optional<int64_t> n_layer = value("block_count");
+    if (!n_layer) {
+        return;
+    }
+    if (*n_layer <= 0 || *n_layer > max_layers) {
+        refuse(arch + ".block_count is " + std::to_string(*n_layer) + ", not in [1, " + std::to_string(max_layers) +
+               "]");
+    }
+    const int64_t n_nextn = value("nextn_predict_layers").value_or(0);
+    if (n_nextn < 0 || n_nextn > *n_layer) {
+        refuse(arch + ".nextn_predict_layers is " + std::to_string(n_nextn) + ", not in [0, block_count " +
+               std::to_string(*n_layer) + "]");
+    }
+    const int64_t n_expert = value("expert_count").value_or(0);
+    if (n_expert < 0 || n_expert > max_experts) {
+        refuse(arch + ".expert_count is " + std::to_string(n_expert) + ", not in [0, " +
+               std::to_string(max_experts) + "]");
+    }
+    const int64_t n_used = value("expert_used_count").value_or(0);
+    if (n_used < 0 || n_used > n_expert || (n_expert > 0 && n_used == 0)) {
+        refuse(arch + ".expert_used_count is " + std::to_string(n_used) + " with an expert_count of " +
+               std::to_string(n_expert));
+    }
 }
 
 }  // namespace
@@ -102,6 +193,9 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
     }
 
     const uint64_t mark = log_mark();
+    if (!vocab_only) {
+        check_metadata(path, mark);
+    }
     model_ = llama_model_load_from_file(path.c_str(), params);
     if (pstate.error) {
         if (model_ != nullptr) {
