@@ -75,6 +75,11 @@ class WorkerOptions:
     env: dict[str, str] = field(default_factory=dict)
     native_log_level: str = "warning"
     threads: int | None = None  # a context's default n_threads in this worker
+    # Landlock (worker/landlock.py): None reads anywhere; writes go only to the private cwd and these.
+    allowed_dirs: tuple[str, ...] | None = None
+    writable_dirs: tuple[str, ...] = ()
+    network: bool = False
+    sandbox: bool = True
 
 
 @dataclass
@@ -156,6 +161,7 @@ class WorkerProcess:
             cmd += ["--threads", str(int(options.threads))]
         if options.memory_limit:
             cmd += ["--memory-limit", str(int(options.memory_limit))]
+        cmd += _sandbox_args(options)
         pass_fds = [req_r, rep_w] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
         try:
             self.proc: subprocess.Popen[bytes] = _spawner.run(lambda: subprocess.Popen(
@@ -209,6 +215,13 @@ class WorkerProcess:
         except BaseException:
             self.close(timeout=1.0)
             raise
+        box = payload.get("sandbox", {})
+        if self.options.sandbox and not box.get("writes_scoped"):
+            log.warning("[startup] worker %d: this kernel offers no Landlock; the worker runs unconfined",
+                        self.worker_id)
+        elif self.options.sandbox and not self.options.network and not box.get("tcp_blocked"):
+            log.warning("[startup] worker %d: Landlock ABI %s cannot block TCP (needs 4); the worker can "
+                        "reach the network", self.worker_id, box.get("landlock"))
         if payload.get("fallback_reason"):
             log.warning("[startup] worker %d: requested native variant %r unavailable, running %r (%s)",
                         self.worker_id, payload.get("requested_variant"), payload.get("variant"),
@@ -227,6 +240,13 @@ class WorkerProcess:
         return WorkerStartupError(
             f"worker {self.worker_id} (pid {self.pid}) failed to start: {why}; {describe_exit(code)}",
             worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
+
+    @property
+    def transfer_dir(self) -> str | None:
+        """Where this worker's transfer files go: its private directory once it is Landlock-confined
+        (a confined process cannot open an unconfined one's /proc/<pid>/fd), else None (a memfd)."""
+        return self._cwd if self.hello.get("sandbox", {}).get("landlock") and not self.hello.get(
+            "sandbox", {}).get("disabled") else None
 
     # -- calls ----------------------------------------------------------------------------------------
     @property
@@ -435,6 +455,19 @@ class WorkerProcess:
             self._rep_r = -1
         self.region.close()
         shutil.rmtree(self._cwd, ignore_errors=True)
+
+
+def _sandbox_args(options: WorkerOptions) -> list[str]:
+    import json
+
+    if not options.sandbox:
+        return ["--no-sandbox"]
+    out = ["--writable-dirs", json.dumps([os.path.realpath(d) for d in options.writable_dirs])]
+    if options.allowed_dirs is not None:
+        out += ["--allowed-dirs", json.dumps([os.path.realpath(d) for d in options.allowed_dirs])]
+    if options.network:
+        out.append("--network")
+    return out
 
 
 def _copy_error(err: BaseException) -> BaseException:

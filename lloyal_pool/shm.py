@@ -201,11 +201,12 @@ class TransferFile:
     shrinking and growing, so a worker cannot turn the parent's read into a SIGBUS; data for the worker
     is written with write(2) (never through a mapping) and sealed read-only before the worker sees it.
     Elsewhere a file in the temporary directory, removed on close (a parent SIGKILLed in between leaves
-    it behind there).
+    it behind there). ``dir``: a file there instead of a memfd, for a Landlock-confined worker, which
+    may not open the parent's /proc/<pid>/fd (its private directory, removed with it).
     """
 
-    def __init__(self) -> None:
-        self._memfd = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+    def __init__(self, dir: str | None = None) -> None:
+        self._memfd = dir is None and hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
         self._tmp_path: str | None = None
         if self._memfd:
             self._fd = os.memfd_create("lloyal_pool_state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -213,7 +214,7 @@ class TransferFile:
         else:
             import tempfile
 
-            self._fd, self._tmp_path = tempfile.mkstemp(prefix="lloyal_pool_state_")
+            self._fd, self._tmp_path = tempfile.mkstemp(prefix="lloyal_pool_state_", dir=dir)
             self.path = self._tmp_path
 
     def __enter__(self) -> TransferFile:
@@ -249,6 +250,18 @@ class TransferFile:
         size = os.fstat(self._fd).st_size
         if size == 0:
             return b""
+        if not self._memfd:
+            # Unsealed: the worker could shrink the file under a mapping (SIGBUS here); read it instead.
+            out = bytearray(size)
+            off = 0
+            while off < size:
+                chunk = os.pread(self._fd, min(size - off, 1 << 30), off)
+                if not chunk:
+                    del out[off:]
+                    break
+                out[off:off + len(chunk)] = chunk
+                off += len(chunk)
+            return bytes(out)
         # MAP_POPULATE: one pass over the page tables instead of a fault per page.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         with mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ) as mm:
