@@ -123,3 +123,20 @@ def test_sandbox_false_turns_it_off(tmp_path: Path, listener: str) -> None:
         assert pool[0].sandbox["landlock"] == 0 and pool[0].sandbox["disabled"] is True
         assert probe(pool, "write_file", str(tmp_path / "free.txt")) == {"ok": True}
         assert probe(pool, "connect", listener) == {"ok": True}
+
+
+def test_a_kernel_without_landlock_is_reported_and_allowed_dirs_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """In-process, with the kernel's answer replaced by "no Landlock" (so nothing here gets confined)."""
+    import argparse
+
+    from lloyal_pool.worker import __main__ as worker_main
+    from lloyal_pool.worker import landlock
+
+    monkeypatch.setattr(landlock, "abi_version", lambda: 0)
+    monkeypatch.chdir(tmp_path)
+    info = landlock.apply(private_dir=str(tmp_path), readable=None)
+    assert info["landlock"] == 0 and not info["writes_scoped"] and not info["tcp_blocked"]
+    args = argparse.Namespace(no_sandbox=False, allowed_dirs='["/models"]', writable_dirs="[]", network=False)
+    with pytest.raises(OSError, match="allowed_dirs needs Landlock"):
+        worker_main.confine(args)

@@ -94,7 +94,7 @@ def system_read_dirs() -> list[str]:
     dirs.update(p for p in sys.path if p)
     dirs.update(("/usr", "/lib", "/lib64", "/etc", "/opt", "/proc/self", "/proc/cpuinfo", "/proc/meminfo",
                  "/proc/stat", "/sys/devices/system/cpu", "/sys/devices/system/node", "/sys/fs/cgroup",
-                 "/dev/urandom", "/dev/random"))
+                 "/dev/urandom", "/dev/random", "/proc/driver", "/sys/bus/pci", "/sys/class", "/sys/devices"))
     return sorted(dirs)
 
 
