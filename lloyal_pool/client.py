@@ -86,7 +86,8 @@ class Instance:
         ABI, 0 where it has none), ``writes_scoped`` (writes only beneath its private directory and the
         pool's ``writable_dirs``), ``reads_scoped`` (reads only beneath ``allowed_dirs`` and the system's
         directories), ``tcp_blocked`` (TCP bind/connect refused), ``scoped`` (abstract Unix sockets and
-        signals kept inside), ``network`` (what the pool asked for)."""
+        signals kept inside), ``ip_sockets_blocked`` (a seccomp filter: no IPv4/IPv6 socket at all, UDP
+        included), ``network`` (what the pool asked for)."""
         return dict(self._proc.hello.get("sandbox", {}))
 
     def ping(self, timeout: float | None = None) -> float:
@@ -725,7 +726,7 @@ class Pool:
 
     Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
     only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),
-    and cannot bind or connect TCP sockets unless ``network``. ``allowed_dirs``: the only directories
+    and cannot bind or connect TCP sockets (nor create any IPv4/IPv6 socket: seccomp) unless ``network``. ``allowed_dirs``: the only directories
     (besides the Python installation and system libraries) it may read, models included; None (default)
     lets it read anywhere. ``sandbox=False`` turns all of it off.
 

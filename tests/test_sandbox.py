@@ -71,6 +71,17 @@ def test_by_default_tcp_connect_is_refused(default_pool: Pool, listener: str) ->
     assert got["ok"] is False and got["errno"] == errno.EACCES
 
 
+def test_by_default_no_ip_socket_can_be_made_udp_included(default_pool: Pool) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx:
+        rx.bind(("127.0.0.1", 0))
+        rx.settimeout(0)
+        assert default_pool[0].sandbox["ip_sockets_blocked"] is True
+        got = probe(default_pool, "udp", f"127.0.0.1:{rx.getsockname()[1]}")
+        assert got["ok"] is False and got["errno"] == errno.EACCES
+        with pytest.raises(BlockingIOError):
+            rx.recv(100)  # nothing arrived
+
+
 @needs_landlock
 def test_by_default_a_state_file_outside_writable_dirs_is_refused(default_pool: Pool, tiny_model: Path,
                                                                    tmp_path: Path) -> None:
@@ -111,11 +122,15 @@ def test_allowed_dirs_scope_reads_and_writable_dirs_writes(tiny_model: Path, tmp
 
 
 @needs_landlock
-def test_network_true_allows_tcp(listener: str) -> None:
-    with Pool(1, env=FAULTS, network=True) as pool:
-        assert pool[0].sandbox["tcp_blocked"] is False
+def test_network_true_allows_tcp_and_udp(listener: str) -> None:
+    with Pool(1, env=FAULTS, network=True) as pool, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx:
+        assert pool[0].sandbox["tcp_blocked"] is False and pool[0].sandbox["ip_sockets_blocked"] is False
         assert pool[0].sandbox["writes_scoped"] is True  # the filesystem stays confined
         assert probe(pool, "connect", listener) == {"ok": True}
+        rx.bind(("127.0.0.1", 0))
+        rx.settimeout(60)  # a guard against hanging, not a timing assertion: the datagram is already sent
+        assert probe(pool, "udp", f"127.0.0.1:{rx.getsockname()[1]}") == {"ok": True}
+        assert rx.recv(100) == b"datagram from a worker"
 
 
 def test_sandbox_false_turns_it_off(tmp_path: Path, listener: str) -> None:

@@ -45,9 +45,10 @@ def confine(args: argparse.Namespace) -> dict[str, Any]:
     readable = None if args.allowed_dirs is None else list(json.loads(args.allowed_dirs))
     if args.no_sandbox:
         return {"landlock": 0, "writes_scoped": False, "reads_scoped": False, "tcp_blocked": False,
-                "scoped": False, "network": True, "disabled": True}
+                "scoped": False, "network": True, "ip_sockets_blocked": False, "disabled": True}
     info = landlock.apply(private_dir=os.getcwd(), readable=readable,
                           writable=list(json.loads(args.writable_dirs)), network=args.network)
+    info["ip_sockets_blocked"] = False if args.network else landlock.block_ip_sockets()
     if readable is not None and not info["reads_scoped"]:
         raise OSError("allowed_dirs needs Landlock, which this kernel does not offer "
                       f"(Landlock ABI {info['landlock']})")

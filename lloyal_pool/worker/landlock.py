@@ -9,7 +9,7 @@ request, so a request (a crafted GGUF, prompt or grammar that subverts native co
   (the Python installation, sys.path, /usr, /lib*, /etc, /proc/self, CPU topology) when it is given;
 - network: TCP bind and connect refused (Landlock ABI >= 4) unless the pool allows the network; on ABI
   >= 6 also connecting to abstract Unix sockets outside the worker, and signalling other processes.
-  UDP and pathname Unix sockets are not covered by Landlock.
+  UDP and pathname Unix sockets are not covered by Landlock; block_ip_sockets (seccomp) covers UDP.
 
 A kernel without Landlock (or with an older ABI) gets what it supports; ``apply`` reports exactly that,
 and the pool passes it on (Instance.sandbox), so nothing claims a confinement it does not have.
@@ -146,6 +146,57 @@ def apply(*, private_dir: str, readable: Sequence[str] | None, writable: Sequenc
     info.update(writes_scoped=True, reads_scoped=readable is not None, tcp_blocked=bool(handled_net),
                 scoped=bool(scoped))
     return info
+
+
+# seccomp: socket(AF_INET/AF_INET6) fails with EACCES, which Landlock's TCP rules alone do not give (UDP).
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SOCKET_NR = {"x86_64": 41, "aarch64": 198}
+_IO_URING_SETUP = 425  # io_uring can create sockets without the socket syscall
+_X32_BIT = 0x40000000
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_RET_ALLOW = 0x7FFF0000
+_RET_EACCES = 0x00050000 | 13
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def block_ip_sockets() -> bool:
+    """Installs a seccomp filter under which creating an IPv4/IPv6 socket (TCP, UDP, raw) or an io_uring
+    fails with EACCES; other sockets (Unix, netlink) are left alone. False where it cannot (not Linux on
+    x86_64/aarch64, no seccomp). Needs no_new_privs first."""
+    machine = platform.machine()
+    if not sys.platform.startswith("linux") or machine not in _AUDIT_ARCH:
+        return False
+    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
+    prog = [
+        (ld_w_abs, 0, 0, 4),  # seccomp_data.arch
+        (jeq_k, 1, 0, _AUDIT_ARCH[machine]),
+        (ret_k, 0, 0, _RET_EACCES),  # another ABI (i386 on x86_64): no way to check it, refuse it
+        (ld_w_abs, 0, 0, 0),  # seccomp_data.nr
+        (jge_k, 6, 0, _X32_BIT),  # x32 syscalls: refused
+        (jeq_k, 5, 0, _IO_URING_SETUP),
+        (jeq_k, 0, 5, _SOCKET_NR[machine]),
+        (ld_w_abs, 0, 0, 16),  # args[0], the family (low word, little-endian)
+        (jeq_k, 2, 0, 2),  # AF_INET
+        (jeq_k, 1, 0, 10),  # AF_INET6
+        (ret_k, 0, 0, _RET_ALLOW),
+        (ret_k, 0, 0, _RET_EACCES),
+        (ret_k, 0, 0, _RET_ALLOW),
+    ]
+    filters = (_SockFilter * len(prog))(*(_SockFilter(*ins) for ins in prog))
+    fprog = _SockFprog(len(prog), filters)
+    try:
+        return int(_libc().prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _add_path_rule(libc: Any, add_rule: int, ruleset: int, path: str, access: int) -> None:
