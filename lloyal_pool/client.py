@@ -726,9 +726,9 @@ class Pool:
 
     Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
     only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),
-    and cannot bind or connect TCP sockets (nor create any IPv4/IPv6 socket: seccomp) unless ``network``. ``allowed_dirs``: the only directories
-    (besides the Python installation and system libraries) it may read, models included; None (default)
-    lets it read anywhere. ``sandbox=False`` turns all of it off.
+    and cannot bind or connect TCP sockets, nor create any IPv4/IPv6 socket (seccomp), unless ``network``.
+    ``allowed_dirs``: the only directories (besides the Python installation and system libraries) it may
+    read, models included; None (default) lets it read anywhere. ``sandbox=False`` turns all of it off.
 
     >>> with Pool(2) as pool:
     ...     model = pool[0].load_model("model.gguf")
