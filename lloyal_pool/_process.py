@@ -52,7 +52,7 @@ from .protocol import (
     request_payload,
     write_frame,
 )
-from .shm import DEFAULT_SIZE, Region
+from .shm import DEFAULT_SIZE, Region, TransferFile, WorkerTransfer
 
 log = logging.getLogger("lloyal_pool")
 STDERR_TAIL_BYTES = 64 << 10
@@ -145,6 +145,7 @@ class WorkerProcess:
         self._stderr_lock = threading.Lock()
         self._stderr_log = logging.getLogger(f"lloyal_pool.worker.{worker_id}")
         self._psutil: psutil.Process | None = None
+        self._transfer: WorkerTransfer | None = None
 
         self.region = Region.create(options.shm_bytes, backend=options.shm_backend)
         self._cwd = tempfile.mkdtemp(prefix=f"lloyal-worker{worker_id}-")
@@ -211,6 +212,13 @@ class WorkerProcess:
                     raise self._startup_error(
                         f"speaks protocol {payload.get('protocol')}, this client {PROTOCOL_VERSION}", kill=True)
                 self.hello = dict(payload)
+                box = self.hello.get("sandbox", {})
+                if box.get("landlock") and not box.get("disabled") and box.get("transfer_fd") is not None:
+                    try:
+                        self._transfer = WorkerTransfer(self.pid, int(box["transfer_fd"]))
+                    except OSError as exc:
+                        log.warning("[startup] worker %d: no transfer memfd (%s); using its directory",
+                                    self.worker_id, exc)
                 break
         except BaseException:
             self.close(timeout=1.0)
@@ -241,12 +249,14 @@ class WorkerProcess:
             f"worker {self.worker_id} (pid {self.pid}) failed to start: {why}; {describe_exit(code)}",
             worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
 
-    @property
-    def transfer_dir(self) -> str | None:
-        """Where this worker's transfer files go: its private directory once it is Landlock-confined
-        (a confined process cannot open an unconfined one's /proc/<pid>/fd), else None (a memfd)."""
-        return self._cwd if self.hello.get("sandbox", {}).get("landlock") and not self.hello.get(
-            "sandbox", {}).get("disabled") else None
+    def transfer(self) -> TransferFile | WorkerTransfer:
+        """A file for one bulk transfer with this worker (a context's state). A Landlock-confined worker
+        cannot open an unconfined process's /proc/<pid>/fd, so it gets its own memfd, made before it
+        confined itself (WorkerTransfer), or failing that a file in its private directory."""
+        if self._transfer is not None:
+            return self._transfer
+        box = self.hello.get("sandbox", {})
+        return TransferFile(self._cwd if box.get("landlock") and not box.get("disabled") else None)
 
     # -- calls ----------------------------------------------------------------------------------------
     @property
@@ -454,6 +464,8 @@ class WorkerProcess:
             os.close(self._rep_r)
             self._rep_r = -1
         self.region.close()
+        if self._transfer is not None:
+            self._transfer.close()
         shutil.rmtree(self._cwd, ignore_errors=True)
 
 

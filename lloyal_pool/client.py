@@ -32,7 +32,7 @@ from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import LoraError, ModelLoadError, PoolClosedError, StaleHandleError
 from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams, Score
 from .protocol import Request
-from .shm import DEFAULT_SIZE, TransferFile
+from .shm import DEFAULT_SIZE
 
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
@@ -610,7 +610,7 @@ class Context:
         load_state() takes in any context of the same model, in any worker or process. The bytes travel
         through a temporary shared-memory file, never through the pipe. ContextError for a context that
         holds branches or nothing."""
-        with TransferFile(self._proc.transfer_dir) as f:
+        with self._proc.transfer() as f:
             self._link.call(p.SaveState(context=self.handle, path=f.path, in_place=True)).result()
             return f.read()
 
@@ -618,7 +618,7 @@ class Context:
         """Replaces what the context holds with a saved state; returns its n_past. StateError for bytes
         that are not a state (garbage, truncated, corrupted) or one of another model,
         ContextOverflowError for a state longer than n_ctx: then the context is left as it was."""
-        with TransferFile(self._proc.transfer_dir) as f:
+        with self._proc.transfer() as f:
             f.write(data)
             return self._link.call(p.LoadState(context=self.handle, path=f.path)).result()
 

@@ -201,8 +201,8 @@ class TransferFile:
     shrinking and growing, so a worker cannot turn the parent's read into a SIGBUS; data for the worker
     is written with write(2) (never through a mapping) and sealed read-only before the worker sees it.
     Elsewhere a file in the temporary directory, removed on close (a parent SIGKILLed in between leaves
-    it behind there). ``dir``: a file there instead of a memfd, for a Landlock-confined worker, which
-    may not open the parent's /proc/<pid>/fd (its private directory, removed with it).
+    it behind there). ``dir``: a file there instead of a memfd, for a Landlock-confined worker
+    that has no WorkerTransfer (it may not open the parent's /proc/<pid>/fd).
     """
 
     def __init__(self, dir: str | None = None) -> None:
@@ -251,17 +251,7 @@ class TransferFile:
         if size == 0:
             return b""
         if not self._memfd:
-            # Unsealed: the worker could shrink the file under a mapping (SIGBUS here); read it instead.
-            out = bytearray(size)
-            off = 0
-            while off < size:
-                chunk = os.pread(self._fd, min(size - off, 1 << 30), off)
-                if not chunk:
-                    del out[off:]
-                    break
-                out[off:off + len(chunk)] = chunk
-                off += len(chunk)
-            return bytes(out)
+            return _pread_all(self._fd)  # unsealed: a worker could shrink it under a mapping (SIGBUS)
         # MAP_POPULATE: one pass over the page tables instead of a fault per page.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         with mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ) as mm:
@@ -278,6 +268,65 @@ class TransferFile:
             except FileNotFoundError:
                 pass
             self._tmp_path = None
+
+
+class WorkerTransfer:
+    """TransferFile's stand-in for a Landlock-confined worker, which may not open the parent's
+    /proc/<pid>/fd: a memfd the worker created before it confined itself (it opens it as /proc/self/fd/<n>),
+    opened here through /proc/<worker pid>/fd/<n>. One per worker, reused: ``lock`` keeps one transfer at
+    a time, and it is emptied after each. It cannot be sealed (the worker keeps it), so it is read with
+    pread, never mapped: a worker that shrinks it cannot SIGBUS the parent."""
+
+    def __init__(self, worker_pid: int, worker_fd: int) -> None:
+        import threading
+
+        self._fd = os.open(f"/proc/{worker_pid}/fd/{worker_fd}", os.O_RDWR | os.O_CLOEXEC)
+        self.path = f"/proc/self/fd/{worker_fd}"  # the worker's path to it
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> WorkerTransfer:
+        self.lock.acquire()
+        os.ftruncate(self._fd, 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._fd >= 0:
+                os.ftruncate(self._fd, 0)  # frees its memory
+        finally:
+            self.lock.release()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """The worker's input: all of data."""
+        view = memoryview(data).cast("B")
+        off = 0
+        while off < len(view):
+            off += os.pwrite(self._fd, view[off:off + (1 << 30)], off)
+
+    def read(self) -> bytes:
+        """What the worker wrote, once it replied."""
+        return _pread_all(self._fd)
+
+    def close(self) -> None:
+        """Idempotent."""
+        with self.lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _pread_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    out = bytearray(size)
+    off = 0
+    while off < size:
+        chunk = os.pread(fd, min(size - off, 1 << 30), off)
+        if not chunk:
+            del out[off:]  # shrunk meanwhile
+            break
+        out[off:off + len(chunk)] = chunk
+        off += len(chunk)
+    return bytes(out)
 
 
 def _round_up(n: int, m: int) -> int:

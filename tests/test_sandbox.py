@@ -13,6 +13,7 @@ import pytest
 
 from lloyal_pool import Pool
 from lloyal_pool.errors import ModelLoadError, StateError
+from lloyal_pool.shm import WorkerTransfer
 from lloyal_pool.worker.landlock import abi_version
 
 FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
@@ -90,9 +91,10 @@ def test_by_default_a_state_file_outside_writable_dirs_is_refused(default_pool: 
     with pytest.raises(StateError):
         ctx.save_state_file(tmp_path / "ctx.state")
     assert not (tmp_path / "ctx.state").exists()
-    # The bytes API still works: a confined worker's transfer file lives in its private directory.
+    # The bytes API still works, through a memfd the worker made before it confined itself.
+    assert isinstance(default_pool[0]._proc.transfer(), WorkerTransfer)
     data = ctx.save_state()
-    assert ctx.load_state(data) == len(ctx.tokens())
+    assert len(data) > 0 and ctx.load_state(data) == len(ctx.tokens())
     assert ctx.generate(ctx.tokens(), n_predict=3, temperature=0.0).tokens  # and it keeps serving
 
 
@@ -133,11 +135,17 @@ def test_network_true_allows_tcp_and_udp(listener: str) -> None:
         assert rx.recv(100) == b"datagram from a worker"
 
 
-def test_sandbox_false_turns_it_off(tmp_path: Path, listener: str) -> None:
+def test_sandbox_false_turns_it_off(tmp_path: Path, listener: str, tiny_model: Path) -> None:
     with Pool(1, env=FAULTS, sandbox=False) as pool:
         assert pool[0].sandbox["landlock"] == 0 and pool[0].sandbox["disabled"] is True
         assert probe(pool, "write_file", str(tmp_path / "free.txt")) == {"ok": True}
         assert probe(pool, "connect", listener) == {"ok": True}
+        # An unconfined worker opens the parent's own per-transfer memfd (shm.TransferFile).
+        with pool[0]._proc.transfer() as transfer:
+            assert not isinstance(transfer, WorkerTransfer)
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=128)
+        ctx.eval("one two three")
+        assert ctx.load_state(ctx.save_state()) == len(ctx.tokens())
 
 
 def test_a_kernel_without_landlock_is_reported_and_allowed_dirs_refused(monkeypatch: pytest.MonkeyPatch,

@@ -14,7 +14,7 @@ request, so a request (a crafted GGUF, prompt or grammar that subverts native co
 A kernel without Landlock (or with an older ABI) gets what it supports; ``apply`` reports exactly that,
 and the pool passes it on (Instance.sandbox), so nothing claims a confinement it does not have.
 A Landlock-confined process also cannot ptrace or read the /proc/<pid>/fd of an unconfined one, which
-is why a confined worker's transfer files live in its private directory (client.Context.save_state).
+is why a confined worker's state transfers use a memfd it made itself (shm.WorkerTransfer).
 """
 
 from __future__ import annotations
