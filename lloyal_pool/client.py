@@ -88,7 +88,7 @@ class Instance:
         directories), ``tcp_blocked`` (TCP bind/connect refused), ``scoped`` (abstract Unix sockets and
         signals kept inside), ``ip_sockets_blocked`` (a seccomp filter: no IPv4/IPv6 socket at all, UDP
         included), ``network`` (what the pool asked for)."""
-        return dict(self._proc.hello.get("sandbox", {}))
+        return {k: v for k, v in self._proc.hello.get("sandbox", {}).items() if k != "transfer_fd"}
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds."""

@@ -157,6 +157,11 @@ def test_a_kernel_without_landlock_is_reported_and_allowed_dirs_refused(monkeypa
     from lloyal_pool.worker import landlock
 
     monkeypatch.setattr(landlock, "abi_version", lambda: 0)
+
+    def no_seccomp_here() -> bool:
+        raise AssertionError("confine() must refuse before it installs anything")
+
+    monkeypatch.setattr(landlock, "block_ip_sockets", no_seccomp_here)
     monkeypatch.chdir(tmp_path)
     info = landlock.apply(private_dir=str(tmp_path), readable=None)
     assert info["landlock"] == 0 and not info["writes_scoped"] and not info["tcp_blocked"]

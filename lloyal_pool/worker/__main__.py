@@ -46,16 +46,17 @@ def confine(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_sandbox:
         return {"landlock": 0, "writes_scoped": False, "reads_scoped": False, "tcp_blocked": False,
                 "scoped": False, "network": True, "ip_sockets_blocked": False, "disabled": True}
-    # The parent cannot hand a confined worker its own memfds (/proc/<parent>/fd is closed to it), so the
-    # worker makes the one its state transfers use now, and the parent opens it through /proc/<pid>/fd.
-    transfer_fd = os.memfd_create("lloyal_pool_transfer", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else None
     info = landlock.apply(private_dir=os.getcwd(), readable=readable,
                           writable=list(json.loads(args.writable_dirs)), network=args.network)
-    info["ip_sockets_blocked"] = False if args.network else landlock.block_ip_sockets()
-    info["transfer_fd"] = transfer_fd
     if readable is not None and not info["reads_scoped"]:
         raise OSError("allowed_dirs needs Landlock, which this kernel does not offer "
                       f"(Landlock ABI {info['landlock']})")
+    info["ip_sockets_blocked"] = False if args.network else landlock.block_ip_sockets()
+    # The parent cannot hand a confined worker its memfds (/proc/<parent>/fd is closed to it), so the
+    # worker makes the one its state transfers use (memfd_create is no path access Landlock checks), and
+    # the parent opens it through /proc/<worker>/fd.
+    info["transfer_fd"] = os.memfd_create("lloyal_pool_transfer", os.MFD_CLOEXEC) if (
+        info["landlock"] and hasattr(os, "memfd_create")) else None
     return info
 
 
