@@ -49,7 +49,7 @@ def main() -> None:
 
     path = Path(args.model) if args.model else default_model_path()
     n_ctx = (args.tokens + 255) // 256 * 256 + 256
-    with Pool(2) as pool:
+    with Pool(2, writable_dirs=[args.dir or tempfile.gettempdir()]) as pool:  # the sandbox: file variant
         src_model = pool[0].load_model(path)
         dst_model = pool[1].load_model(path)
         src = src_model.new_context(n_ctx=n_ctx)

@@ -52,7 +52,7 @@ from .protocol import (
     request_payload,
     write_frame,
 )
-from .shm import DEFAULT_SIZE, Region
+from .shm import DEFAULT_SIZE, Region, TransferFile, WorkerTransfer
 
 log = logging.getLogger("lloyal_pool")
 STDERR_TAIL_BYTES = 64 << 10
@@ -71,6 +71,11 @@ class WorkerOptions:
     env: dict[str, str | None] = field(default_factory=dict)
     native_log_level: str = "warning"
     threads: int | None = None  # a context's default n_threads in this worker
+    # Landlock (worker/landlock.py): None reads anywhere; writes go only to the private cwd and these.
+    allowed_dirs: tuple[str, ...] | None = None
+    writable_dirs: tuple[str, ...] = ()
+    network: bool = False
+    sandbox: bool = True
 
 
 @dataclass
@@ -146,6 +151,7 @@ class WorkerProcess:
         self._stderr_lock = threading.Lock()
         self._stderr_log = logging.getLogger(f"lloyal_pool.worker.{worker_id}")
         self._psutil: psutil.Process | None = None
+        self._transfer: WorkerTransfer | None = None
 
         self.region = Region.create(options.shm_bytes, backend=options.shm_backend)
         self._cwd = tempfile.mkdtemp(prefix=f"lloyal-worker{worker_id}-")
@@ -166,6 +172,7 @@ class WorkerProcess:
             cmd += ["--threads", str(int(options.threads))]
         if options.memory_limit:
             cmd += ["--memory-limit", str(int(options.memory_limit))]
+        cmd += _sandbox_args(options)
         pass_fds = [req_r, rep_w, life_r] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
         try:
             self.proc: subprocess.Popen[bytes] = _spawner.run(lambda: subprocess.Popen(
@@ -216,10 +223,24 @@ class WorkerProcess:
                     raise self._startup_error(
                         f"speaks protocol {payload.get('protocol')}, this client {PROTOCOL_VERSION}", kill=True)
                 self.hello = dict(payload)
+                box = self.hello.get("sandbox", {})
+                if box.get("landlock") and not box.get("disabled") and box.get("transfer_fd") is not None:
+                    try:
+                        self._transfer = WorkerTransfer(self.pid, int(box["transfer_fd"]))
+                    except OSError as exc:
+                        log.warning("[startup] worker %d: no transfer memfd (%s); using its directory",
+                                    self.worker_id, exc)
                 break
         except BaseException:
             self.close(timeout=1.0)
             raise
+        box = payload.get("sandbox", {})
+        if self.options.sandbox and not box.get("writes_scoped"):
+            log.warning("[startup] worker %d: this kernel offers no Landlock; the worker runs unconfined",
+                        self.worker_id)
+        elif self.options.sandbox and not self.options.network and not box.get("tcp_blocked"):
+            log.warning("[startup] worker %d: Landlock ABI %s cannot block TCP (needs 4); the worker can "
+                        "reach the network", self.worker_id, box.get("landlock"))
         if payload.get("fallback_reason"):
             log.warning("[startup] worker %d: requested native variant %r unavailable, running %r (%s)",
                         self.worker_id, payload.get("requested_variant"), payload.get("variant"),
@@ -238,6 +259,15 @@ class WorkerProcess:
         return WorkerStartupError(
             f"worker {self.worker_id} (pid {self.pid}) failed to start: {why}; {describe_exit(code)}",
             worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
+
+    def transfer(self) -> TransferFile | WorkerTransfer:
+        """A file for one bulk transfer with this worker (a context's state). A Landlock-confined worker
+        cannot open an unconfined process's /proc/<pid>/fd, so it gets its own memfd, made before it
+        confined itself (WorkerTransfer), or failing that a file in its private directory."""
+        if self._transfer is not None:
+            return self._transfer
+        box = self.hello.get("sandbox", {})
+        return TransferFile(self._cwd if box.get("landlock") and not box.get("disabled") else None)
 
     # -- calls ----------------------------------------------------------------------------------------
     @property
@@ -448,7 +478,22 @@ class WorkerProcess:
             os.close(self._rep_r)
             self._rep_r = -1
         self.region.close()
+        if self._transfer is not None:
+            self._transfer.close()
         shutil.rmtree(self._cwd, ignore_errors=True)
+
+
+def _sandbox_args(options: WorkerOptions) -> list[str]:
+    import json
+
+    if not options.sandbox:
+        return ["--no-sandbox"]
+    out = ["--writable-dirs", json.dumps([os.path.realpath(d) for d in options.writable_dirs])]
+    if options.allowed_dirs is not None:
+        out += ["--allowed-dirs", json.dumps([os.path.realpath(d) for d in options.allowed_dirs])]
+    if options.network:
+        out.append("--network")
+    return out
 
 
 def _copy_error(err: BaseException) -> BaseException:

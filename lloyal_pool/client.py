@@ -29,10 +29,10 @@ from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
-from .errors import LoraError, PoolClosedError, StaleHandleError
+from .errors import LoraError, ModelLoadError, PoolClosedError, StaleHandleError
 from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams, Score
 from .protocol import Request
-from .shm import DEFAULT_SIZE, TransferFile
+from .shm import DEFAULT_SIZE
 
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
@@ -80,6 +80,16 @@ class Instance:
         """What the handshake reported: llama.cpp build, system info, default threads."""
         return dict(self._proc.hello.get("build", {}))
 
+    @property
+    def sandbox(self) -> dict[str, Any]:
+        """What confines the worker, as it reported after applying it: ``landlock`` (the kernel's Landlock
+        ABI, 0 where it has none), ``writes_scoped`` (writes only beneath its private directory and the
+        pool's ``writable_dirs``), ``reads_scoped`` (reads only beneath ``allowed_dirs`` and the system's
+        directories), ``tcp_blocked`` (TCP bind/connect refused), ``scoped`` (abstract Unix sockets and
+        signals kept inside), ``ip_sockets_blocked`` (a seccomp filter: no IPv4/IPv6 socket at all, UDP
+        included), ``network`` (what the pool asked for)."""
+        return {k: v for k, v in self._proc.hello.get("sandbox", {}).items() if k != "transfer_fd"}
+
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds."""
         t0 = time.perf_counter()
@@ -92,7 +102,8 @@ class Instance:
         ``n_gpu_layers`` layers go to the GPU (GPU variants only), ``use_mmap`` maps the file instead of
         reading it, ``vocab_only`` loads the vocabulary alone (tokenize, templates; no contexts).
         ``progress(fraction)`` is called on a client thread as the load proceeds. ModelLoadError for a
-        missing, unreadable or invalid file; the worker keeps serving."""
+        missing, unreadable or invalid file, or one outside the pool's ``allowed_dirs``; the worker keeps
+        serving."""
         return self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
                                      vocab_only=vocab_only, progress=progress).result()
 
@@ -100,6 +111,10 @@ class Instance:
                          vocab_only: bool = False, progress: ProgressCallback | None = None) -> Future[Model]:
         """load_model() without waiting: a Future of the Model."""
         abspath = os.path.abspath(os.fspath(path))
+        allowed = self._proc.options.allowed_dirs
+        if allowed is not None and self._proc.options.sandbox and not _beneath(abspath, allowed):
+            raise ModelLoadError(f"{abspath} is outside the pool's allowed_dirs {list(allowed)}: the worker "
+                                 "may not read it (Pool(allowed_dirs=...))")
         req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
         fut = self._proc.call(req, events(progress=progress))
@@ -123,6 +138,11 @@ class Instance:
     def fault(self, kind: str, **args: Any) -> Future[Any]:
         """Test-only: ask the worker to crash in a given way (needs LLOYAL_POOL_TEST_FAULTS=1)."""
         return self._proc.call(p.Fault(kind=kind, **args))
+
+
+def _beneath(path: str, dirs: Sequence[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(os.path.commonpath([real, d]) == d for d in dirs)
 
 
 class Model:
@@ -596,7 +616,7 @@ class Context:
         load_state() takes in any context of the same model, in any worker or process. The bytes travel
         through a temporary shared-memory file, never through the pipe. ContextError for a context that
         holds branches or nothing."""
-        with TransferFile() as f:
+        with self._proc.transfer() as f:
             self._link.call(p.SaveState(context=self.handle, path=f.path, in_place=True)).result()
             return f.read()
 
@@ -604,7 +624,7 @@ class Context:
         """Replaces what the context holds with a saved state; returns its n_past. StateError for bytes
         that are not a state (garbage, truncated, corrupted) or one of another model,
         ContextOverflowError for a state longer than n_ctx: then the context is left as it was."""
-        with TransferFile() as f:
+        with self._proc.transfer() as f:
             f.write(data)
             return self._link.call(p.LoadState(context=self.handle, path=f.path)).result()
 
@@ -712,6 +732,12 @@ class Pool:
     the llama.cpp messages forwarded to the ``lloyal_pool.worker.<id>`` loggers ("debug" ... "none").
     ``threads_per_worker``: a context's default n_threads (default: the CPUs shared among the workers).
 
+    Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
+    only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),
+    and cannot bind or connect TCP sockets, nor create any IPv4/IPv6 socket (seccomp), unless ``network``.
+    ``allowed_dirs``: the only directories (besides the Python installation and system libraries) it may
+    read, models included; None (default) lets it read anywhere. ``sandbox=False`` turns all of it off.
+
     >>> with Pool(2) as pool:
     ...     model = pool[0].load_model("model.gguf")
     ...     ctx = model.new_context(n_ctx=2048)
@@ -721,7 +747,10 @@ class Pool:
     def __init__(self, size: int = 1, *, variant: str | None = None, strict_variant: bool | None = None,
                  shm_bytes: int = DEFAULT_SIZE, shm_backend: str = "auto", memory_limit: int | None = None,
                  start_timeout: float = 60.0, env: Mapping[str, str | None] | None = None,
-                 native_log_level: str = "warning", threads_per_worker: int | None = None) -> None:
+                 native_log_level: str = "warning", threads_per_worker: int | None = None,
+                 allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
+                 writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
+                 sandbox: bool = True) -> None:
         if size < 1:
             raise ValueError(f"a Pool needs at least one worker, got size={size}")
         for name, value in (env or {}).items():
@@ -739,7 +768,11 @@ class Pool:
         self._options = WorkerOptions(variant=variant, strict_variant=strict_variant, shm_bytes=shm_bytes,
                                       shm_backend=shm_backend, memory_limit=memory_limit,
                                       start_timeout=start_timeout, env=dict(env or {}),
-                                      native_log_level=native_log_level, threads=threads_per_worker)
+                                      native_log_level=native_log_level, threads=threads_per_worker,
+                                      allowed_dirs=None if allowed_dirs is None else tuple(
+                                          os.path.realpath(os.fspath(d)) for d in allowed_dirs),
+                                      writable_dirs=tuple(os.path.realpath(os.fspath(d)) for d in writable_dirs),
+                                      network=bool(network), sandbox=bool(sandbox))
         self._lock = threading.Lock()
         self._all_procs: list[WorkerProcess] = []  # everything started, for the finalizer
         self._instances: list[Instance] = []

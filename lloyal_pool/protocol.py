@@ -591,6 +591,7 @@ class Fault(Request[Any]):
     kind: str
     code: int = 3
     seconds: float = 3600.0
+    arg: str = ""  # the probes' target: a path, or "host:port"
 
 
 def _request_types() -> dict[Op, type[Request[Any]]]:

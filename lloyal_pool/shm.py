@@ -201,11 +201,12 @@ class TransferFile:
     shrinking and growing, so a worker cannot turn the parent's read into a SIGBUS; data for the worker
     is written with write(2) (never through a mapping) and sealed read-only before the worker sees it.
     Elsewhere a file in the temporary directory, removed on close (a parent SIGKILLed in between leaves
-    it behind there).
+    it behind there). ``dir``: a file there instead of a memfd, for a Landlock-confined worker
+    that has no WorkerTransfer (it may not open the parent's /proc/<pid>/fd).
     """
 
-    def __init__(self) -> None:
-        self._memfd = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+    def __init__(self, dir: str | None = None) -> None:
+        self._memfd = dir is None and hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
         self._tmp_path: str | None = None
         if self._memfd:
             self._fd = os.memfd_create("lloyal_pool_state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -213,7 +214,7 @@ class TransferFile:
         else:
             import tempfile
 
-            self._fd, self._tmp_path = tempfile.mkstemp(prefix="lloyal_pool_state_")
+            self._fd, self._tmp_path = tempfile.mkstemp(prefix="lloyal_pool_state_", dir=dir)
             self.path = self._tmp_path
 
     def __enter__(self) -> TransferFile:
@@ -249,6 +250,8 @@ class TransferFile:
         size = os.fstat(self._fd).st_size
         if size == 0:
             return b""
+        if not self._memfd:
+            return _pread_all(self._fd)  # unsealed: a worker could shrink it under a mapping (SIGBUS)
         # MAP_POPULATE: one pass over the page tables instead of a fault per page.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         with mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ) as mm:
@@ -265,6 +268,65 @@ class TransferFile:
             except FileNotFoundError:
                 pass
             self._tmp_path = None
+
+
+class WorkerTransfer:
+    """TransferFile's stand-in for a Landlock-confined worker, which may not open the parent's
+    /proc/<pid>/fd: a memfd the worker created before it confined itself (it opens it as /proc/self/fd/<n>),
+    opened here through /proc/<worker pid>/fd/<n>. One per worker, reused: ``lock`` keeps one transfer at
+    a time, and it is emptied after each. It cannot be sealed (the worker keeps it), so it is read with
+    pread, never mapped: a worker that shrinks it cannot SIGBUS the parent."""
+
+    def __init__(self, worker_pid: int, worker_fd: int) -> None:
+        import threading
+
+        self._fd = os.open(f"/proc/{worker_pid}/fd/{worker_fd}", os.O_RDWR | os.O_CLOEXEC)
+        self.path = f"/proc/self/fd/{worker_fd}"  # the worker's path to it
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> WorkerTransfer:
+        self.lock.acquire()
+        os.ftruncate(self._fd, 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._fd >= 0:
+                os.ftruncate(self._fd, 0)  # frees its memory
+        finally:
+            self.lock.release()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """The worker's input: all of data."""
+        view = memoryview(data).cast("B")
+        off = 0
+        while off < len(view):
+            off += os.pwrite(self._fd, view[off:off + (1 << 30)], off)
+
+    def read(self) -> bytes:
+        """What the worker wrote, once it replied."""
+        return _pread_all(self._fd)
+
+    def close(self) -> None:
+        """Idempotent."""
+        with self.lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _pread_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    out = bytearray(size)
+    off = 0
+    while off < size:
+        chunk = os.pread(fd, min(size - off, 1 << 30), off)
+        if not chunk:
+            del out[off:]  # shrunk meanwhile
+            break
+        out[off:off + len(chunk)] = chunk
+        off += len(chunk)
+    return bytes(out)
 
 
 def _round_up(n: int, m: int) -> int:

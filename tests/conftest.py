@@ -47,9 +47,10 @@ def llama_simple() -> Path:
 
 
 @pytest.fixture(scope="session")
-def pool() -> Iterator[Pool]:
-    """A shared two-worker pool for tests that do not break workers."""
-    with Pool(2) as p:
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """A shared two-worker pool for tests that do not break workers. Its workers may write beneath the
+    tests' temporary directories (state files); everything else is the default sandbox."""
+    with Pool(2, writable_dirs=[tmp_path_factory.getbasetemp()]) as p:
         yield p
 
 

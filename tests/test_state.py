@@ -227,15 +227,22 @@ def test_a_worker_dying_midway_leaves_nothing_behind(fresh_pool: Pool, gemma_pat
         outcome: list[BaseException | None] = []
         t = threading.Thread(target=_state_call, args=(ctx, op, data, outcome))
         t.start()
-        while not _transfer_fds():  # the parent made its transfer file: now the worker dies
-            assert t.is_alive()
+        # A Landlock-confined worker's transfers go through the one memfd it made (shm.WorkerTransfer),
+        # which the parent holds while a transfer is on; an unconfined one's through a fresh memfd.
+        shared = fresh_pool[0]._proc._transfer
+        while not (shared.lock.locked() if shared is not None else _transfer_fds()):
+            assert t.is_alive()  # the parent made or took its transfer file: now the worker dies
             time.sleep(0.005)
         fresh_pool[0].kill()
         t.join()
         assert isinstance(outcome[0], (WorkerCrashedError, StaleHandleError))
         assert not _transfer_fds()  # closed: the memory went with it
+        if shared is not None:
+            assert os.fstat(shared._fd).st_size == 0  # emptied: its memory is freed
         if os.path.isdir("/dev/shm"):
             assert set(os.listdir("/dev/shm")) == shm_before
         ctx = fresh_pool.replace(0).load_model(gemma_path).new_context(n_ctx=256)
+        if shared is not None:
+            assert shared._fd == -1  # closed with its worker
         ctx.eval("Hello there")
     assert ctx.load_state(data) == len(src.tokens())  # a fresh worker takes it

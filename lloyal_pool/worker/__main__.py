@@ -20,7 +20,7 @@ from typing import Any
 from .. import variants
 from ..protocol import PROTOCOL_VERSION, Kind, error_payload, pack, write_frame
 from ..shm import Region, RegionSpec
-from . import sandbox
+from . import landlock, sandbox
 
 
 def load_native(requested: str, strict: bool) -> tuple[ModuleType, str | None]:
@@ -38,6 +38,29 @@ def load_native(requested: str, strict: bool) -> tuple[ModuleType, str | None]:
                       + "; ".join(failures))
 
 
+def confine(args: argparse.Namespace) -> dict[str, Any]:
+    """Applies Landlock (landlock.py) as the pool asked; refuses to start when read scoping was asked
+    for and the kernel cannot enforce it, rather than run a worker that only looks confined."""
+    import json
+
+    readable = None if args.allowed_dirs is None else list(json.loads(args.allowed_dirs))
+    if args.no_sandbox:
+        return {"landlock": 0, "writes_scoped": False, "reads_scoped": False, "tcp_blocked": False,
+                "scoped": False, "network": True, "ip_sockets_blocked": False, "disabled": True}
+    info = landlock.apply(private_dir=os.getcwd(), readable=readable,
+                          writable=list(json.loads(args.writable_dirs)), network=args.network)
+    if readable is not None and not info["reads_scoped"]:
+        raise OSError("allowed_dirs needs Landlock, which this kernel does not offer "
+                      f"(Landlock ABI {info['landlock']})")
+    info["ip_sockets_blocked"] = False if args.network else landlock.block_ip_sockets()
+    # The parent cannot hand a confined worker its memfds (/proc/<parent>/fd is closed to it), so the
+    # worker makes the one its state transfers use (memfd_create is no path access Landlock checks), and
+    # the parent opens it through /proc/<worker>/fd.
+    info["transfer_fd"] = os.memfd_create("lloyal_pool_transfer", os.MFD_CLOEXEC) if (
+        info["landlock"] and hasattr(os, "memfd_create")) else None
+    return info
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lloyal_pool.worker")
     ap.add_argument("--fds", required=True, help="request-read,reply-write")
@@ -50,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-limit", type=int, default=0)
     ap.add_argument("--log-level", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="default n_threads of this worker's contexts")
+    ap.add_argument("--allowed-dirs", default=None, help="JSON list: the only directories it may read")
+    ap.add_argument("--writable-dirs", default="[]", help="JSON list: where it may write besides its cwd")
+    ap.add_argument("--network", action="store_true", help="leave TCP alone")
+    ap.add_argument("--no-sandbox", action="store_true", help="skip Landlock")
     args = ap.parse_args(argv)
 
     sandbox.die_with_parent(args.parent_pid)
@@ -69,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import Engine
     from .loop import WorkerLoop
 
+    try:  # last, once everything start-up reads is loaded: from here on requests run confined
+        confinement = confine(args)
+    except BaseException as exc:
+        write_frame(wfd, pack(Kind.ERROR, 0, error_payload(exc, traceback.format_exc())))
+        return 71
+
     build = native.build_info()
     hello: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
@@ -80,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "build": build,
         "threads": args.threads or build["default_threads"],
         "python": sys.version.split()[0],
+        "sandbox": confinement,
     }
     if fallback:
         print(f"[worker] [startup] native variant {args.variant!r} unavailable, using "

@@ -48,7 +48,32 @@ def _fault(engine: Engine, req: p.Fault, call: Call) -> Any:
         return {"an object is not msgpack": object()}
     elif kind == "raise":
         raise RuntimeError("an unexpected error inside the worker")
+    elif kind in ("read_file", "write_file", "connect", "udp"):
+        return _probe(kind, req.arg)
     raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def _probe(kind: str, arg: str) -> dict[str, Any]:
+    """What the sandbox lets the worker do: {"ok": True, ...} or the OSError it got, never a crash."""
+    import socket
+
+    try:
+        if kind == "read_file":
+            with open(arg, "rb") as f:
+                return {"ok": True, "data": f.read(4096)}
+        if kind == "write_file":
+            with open(arg, "wb") as f:
+                f.write(b"written by a worker\n")
+            return {"ok": True}
+        host, port = arg.rsplit(":", 1)
+        if kind == "udp":
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(b"datagram from a worker", (host, int(port)))
+            return {"ok": True}
+        with socket.create_connection((host, int(port)), timeout=10):
+            return {"ok": True}
+    except OSError as exc:
+        return {"ok": False, "errno": exc.errno, "error": str(exc)}
 
 
 class WorkerLoop:
