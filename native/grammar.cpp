@@ -13,6 +13,7 @@
 #include <regex>
 #include <set>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 namespace lloyal {
@@ -29,7 +30,12 @@ std::string run_capturing_stderr(const std::function<void()> & fn) {
     static std::mutex mu;
     std::lock_guard<std::mutex> lock(mu);
     std::fflush(stderr);
-    FILE * tmp = std::tmpfile();
+    // A memfd, not tmpfile(): a sandboxed worker may not create files in /tmp.
+    const int mfd = ::memfd_create("lloyal-grammar-stderr", MFD_CLOEXEC);
+    FILE * tmp = mfd >= 0 ? ::fdopen(mfd, "w+") : nullptr;
+    if (tmp == nullptr && mfd >= 0) {
+        ::close(mfd);
+    }
     const int saved = tmp != nullptr ? ::dup(2) : -1;
     if (tmp == nullptr || saved < 0 || ::dup2(fileno(tmp), 2) < 0) {
         if (saved >= 0) {
