@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--network", action="store_true", help="leave TCP alone")
     ap.add_argument("--no-sandbox", action="store_true", help="skip Landlock")
     args = ap.parse_args(argv)
+    # On an abort, ggml forks a child that execs gdb to attach to the worker; inside the sandbox that
+    # attach can hang the dying worker forever. faulthandler and the stderr tail report the crash instead.
+    os.environ["GGML_NO_BACKTRACE"] = "1"
 
     sandbox.die_with_parent(args.parent_pid)
     sandbox.watch_lifeline(args.lifeline)
