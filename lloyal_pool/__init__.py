@@ -42,6 +42,7 @@ from .errors import (
     ProtocolError,
     RemoteError,
     ResultTooLargeError,
+    SnapshotError,
     StaleHandleError,
     StateError,
     TemplateError,
@@ -61,6 +62,7 @@ from .params import (
     Score,
     StopReason,
 )
+from .snapshot import Snapshot
 
 __version__ = "0.1.0"
 
@@ -104,6 +106,8 @@ __all__ = [
     "ResultTooLargeError",
     "SamplerParams",
     "Score",
+    "Snapshot",
+    "SnapshotError",
     "StaleHandleError",
     "StateError",
     "StopReason",

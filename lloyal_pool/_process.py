@@ -12,6 +12,7 @@ own pipes and threads and never notice.
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import logging
@@ -19,6 +20,7 @@ import os
 import queue
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,8 +35,10 @@ import psutil
 
 from . import variants
 from .errors import (
+    LloyalError,
     PoolClosedError,
     ProtocolError,
+    SnapshotError,
     StaleHandleError,
     WorkerCrashedError,
     WorkerStartupError,
@@ -43,8 +47,10 @@ from .errors import (
 )
 from .protocol import (
     PROTOCOL_VERSION,
+    Fork,
     Kind,
     PeerClosed,
+    Reap,
     Request,
     pack,
     parse_reply,
@@ -134,7 +140,11 @@ def _worker_env(allowed: dict[str, str | None]) -> dict[str, str]:
 class WorkerProcess:
     """Owns one worker's process, pipes, shared region, threads and in-flight calls."""
 
-    def __init__(self, worker_id: int, options: WorkerOptions) -> None:
+    def __init__(self, worker_id: int, options: WorkerOptions, *, zygote: bool = False,
+                 fork_from: WorkerProcess | None = None) -> None:
+        """Spawns a worker; with ``zygote``, one that becomes a snapshot's zygote (it receives its forks'
+        descriptors on a Unix socket); with ``fork_from``, a child forked from that frozen zygote (its
+        parent is the zygote, which reports its exit status: ForkedChild)."""
         self.worker_id = worker_id
         self.options = options
         self.hello: dict[str, Any] = {}
@@ -152,15 +162,40 @@ class WorkerProcess:
         self._stderr_log = logging.getLogger(f"lloyal_pool.worker.{worker_id}")
         self._psutil: psutil.Process | None = None
         self._transfer: WorkerTransfer | None = None
+        self._control: socket.socket | None = None  # a zygote's: its forks' descriptors go through it
+        self._fork_lock = threading.Lock()
+        zygote_end: socket.socket | None = None
+        if zygote:
+            self._control, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
 
-        self.region = Region.create(options.shm_bytes, backend=options.shm_backend)
-        self._cwd = tempfile.mkdtemp(prefix=f"lloyal-worker{worker_id}-")
+        self.region: Region
+        self._cwd: str
+        if fork_from is not None:
+            # The child copies what its zygote's region holds and maps this one in its place.
+            self.region = Region.create(fork_from.region.size, backend="memfd", allocate=False)
+            # Inside the zygote's directory: the child inherits its Landlock scope, which allows writes there.
+            self._cwd = tempfile.mkdtemp(prefix=f"fork{worker_id}-", dir=fork_from._cwd)
+        else:
+            self.region = Region.create(options.shm_bytes, backend=options.shm_backend)
+            self._cwd = tempfile.mkdtemp(prefix=f"lloyal-worker{worker_id}-")
         req_r, self._req_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
         # The lifeline: the worker exits when this pipe reaches EOF, that is when every copy of our
         # write end is closed (we died, however). Unlike the parent-death signal it does not depend on
         # the spawning thread. os.pipe() fds are close-on-exec, so no other child inherits the write end.
         life_r, self._life_w = os.pipe()
+        if fork_from is not None:
+            try:
+                self.proc: subprocess.Popen[bytes] | ForkedChild = fork_from.fork_child(
+                    worker_id, self._cwd, req_r, rep_w, life_r, self.region)
+            except BaseException:
+                for fd in (req_r, rep_w, life_r, self._req_w, self._rep_r, self._life_w):
+                    os.close(fd)
+                self.region.close()
+                shutil.rmtree(self._cwd, ignore_errors=True)
+                raise
+            self._start_threads(req_r, rep_w, life_r)
+            return
         variant = variants.requested(options.variant)
         cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker",
                "--fds", f"{req_r},{rep_w}", "--lifeline", str(life_r), "--shm", self.region.spec.to_arg(),
@@ -174,8 +209,11 @@ class WorkerProcess:
             cmd += ["--memory-limit", str(int(options.memory_limit))]
         cmd += _sandbox_args(options)
         pass_fds = [req_r, rep_w, life_r] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
+        if zygote_end is not None:
+            cmd += ["--zygote", str(zygote_end.fileno())]
+            pass_fds.append(zygote_end.fileno())
         try:
-            self.proc: subprocess.Popen[bytes] = _spawner.run(lambda: subprocess.Popen(
+            self.proc = _spawner.run(lambda: subprocess.Popen(
                 cmd, pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE, cwd=self._cwd, env=_worker_env(options.env),
                 start_new_session=True))  # a terminal's Ctrl-C reaches only the parent
@@ -183,19 +221,50 @@ class WorkerProcess:
             for fd in (req_r, rep_w, life_r, self._req_w, self._rep_r, self._life_w):
                 os.close(fd)
             self.region.close()
+            if self._control is not None:
+                self._control.close()
             shutil.rmtree(self._cwd, ignore_errors=True)
             raise
         finally:
             self.region.close_fd()
+            if zygote_end is not None:
+                zygote_end.close()
+        self._start_threads(req_r, rep_w, life_r)
+
+    def _start_threads(self, req_r: int, rep_w: int, life_r: int) -> None:
+        """Closes the worker's ends of its pipes (it has its copies) and starts the stderr thread."""
         os.close(req_r)
         os.close(rep_w)
         os.close(life_r)
         self.pid = self.proc.pid
         self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True,
-                                               name=f"lloyal-worker{worker_id}-stderr")
+                                               name=f"lloyal-worker{self.worker_id}-stderr")
         self._stderr_thread.start()
         self._reader = threading.Thread(target=self._read_replies, daemon=True,
-                                        name=f"lloyal-worker{worker_id}-reader")
+                                        name=f"lloyal-worker{self.worker_id}-reader")
+
+    # -- a snapshot's zygote ---------------------------------------------------------------------------
+    def fork_child(self, worker_id: int, cwd: str, req_r: int, rep_w: int, life_r: int,
+                   region: Region) -> ForkedChild:
+        """This worker being a frozen zygote: has it fork a child that serves these descriptors (the
+        child's ends of its pipes and its region) and a fresh stderr pipe."""
+        if self._control is None:
+            raise SnapshotError("this worker is not a snapshot's zygote")
+        err_r, err_w = os.pipe()
+        try:
+            # One fork at a time: the zygote takes the descriptors off its socket when it serves the
+            # Fork that follows them, so the pair must not interleave with another fork's.
+            with self._fork_lock:
+                fds = array.array("i", [req_r, rep_w, life_r, err_w, region.spec.fd])
+                self._control.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                forked = self.call(Fork(worker_id=worker_id, cwd=cwd)).result()
+        except BaseException:
+            os.close(err_r)
+            raise
+        finally:
+            os.close(err_w)
+            region.close_fd()
+        return ForkedChild(forked.pid, err_r, self)
 
     # -- start-up -------------------------------------------------------------------------------------
     def wait_ready(self) -> dict[str, Any]:
@@ -480,7 +549,42 @@ class WorkerProcess:
         self.region.close()
         if self._transfer is not None:
             self._transfer.close()
+        if self._control is not None:
+            self._control.close()
         shutil.rmtree(self._cwd, ignore_errors=True)
+
+
+class ForkedChild:
+    """A worker forked from a snapshot's zygote, as WorkerProcess sees it (what a Popen is for a spawned
+    one). Its parent is the zygote, so only the zygote can wait for it: wait() asks it (Reap). Should the
+    zygote be gone, the child was handed to init, which reaps it; its exit status is then unknown (None)."""
+
+    def __init__(self, pid: int, stderr_fd: int, zygote: WorkerProcess) -> None:
+        self.pid = pid
+        self.stderr = os.fdopen(stderr_fd, "rb")
+        self.returncode: int | None = None
+        self._zygote = zygote
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit status once the child has exited; subprocess.TimeoutExpired after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            left = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
+            try:
+                code = self._zygote.call(Reap(pid=self.pid, timeout=left)).result()
+            except (LloyalError, OSError):
+                code = None
+                if not psutil.pid_exists(self.pid):
+                    self._done = True  # reaped by init: the status is gone with the zygote
+                    break
+                time.sleep(left)
+            if code is not None:
+                self.returncode, self._done = code, True
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
+        return self.returncode
 
 
 def _sandbox_args(options: WorkerOptions) -> list[str]:

@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, Mo
 from .protocol import Request
 from .shm import DEFAULT_SIZE
 
+if TYPE_CHECKING:
+    from .snapshot import Snapshot
+
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
 R = TypeVar("R")
@@ -44,6 +47,7 @@ class Instance:
 
     def __init__(self, proc: WorkerProcess) -> None:
         self._proc = proc
+        self._prepared: dict[str, Model | Context | LoraAdapter] = {}
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
@@ -89,6 +93,18 @@ class Instance:
         signals kept inside), ``ip_sockets_blocked`` (a seccomp filter: no IPv4/IPv6 socket at all, UDP
         included), ``network`` (what the pool asked for)."""
         return {k: v for k, v in self._proc.hello.get("sandbox", {}).items() if k != "transfer_fd"}
+
+    @property
+    def prepared(self) -> dict[str, Model | Context | LoraAdapter]:
+        """In an instance forked from a Snapshot: the handles its prepare() returned, by name, bound to
+        this instance (empty otherwise)."""
+        return dict(self._prepared)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ends this worker (shutdown, then kill after ``timeout``); its handles go stale. For a forked
+        instance this is how it ends before its pool does; a pool's own instance can be started again
+        with Pool.replace(). Idempotent."""
+        self._proc.close(timeout)
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds."""
@@ -377,6 +393,7 @@ class Context:
     def __init__(self, model: Model, desc: p.ContextCreated) -> None:
         self.model = model
         self.instance = model.instance
+        self._desc = desc  # a snapshot's fork rebuilds this handle from it
         self.n_ctx = desc.n_ctx
         self.n_batch = desc.n_batch
         self.n_ubatch = desc.n_ubatch
@@ -788,13 +805,39 @@ class Pool:
             raise
         self._instances = [Instance(p) for p in procs]
 
-    def _spawn(self) -> WorkerProcess:
+    def _spawn(self, *, zygote: bool = False, fork_from: WorkerProcess | None = None) -> WorkerProcess:
         with self._lock:
+            if self._closed:
+                raise PoolClosedError("the pool is closed")
             worker_id = self._next_worker_id
             self._next_worker_id += 1
-        proc = WorkerProcess(worker_id, self._options)
-        self._all_procs.append(proc)
+        proc = WorkerProcess(worker_id, self._options, zygote=zygote, fork_from=fork_from)
+        with self._lock:
+            self._all_procs.append(proc)
         return proc
+
+    def _release(self, proc: WorkerProcess, timeout: float = 5.0) -> None:
+        proc.close(timeout)
+        with self._lock:
+            if proc in self._all_procs:
+                self._all_procs.remove(proc)
+
+    def snapshot(self, prepare: Callable[[Instance], Mapping[str, Model | Context | LoraAdapter] | None]
+                 ) -> Snapshot:
+        """Runs ``prepare(instance)`` once in a fresh worker of this pool's options (load models, create
+        contexts, prefill a long system prompt) and freezes that worker as a Snapshot, whose ``fork()``
+        returns new instances that hold the same models and contexts, ready at once. prepare() may
+        return a mapping of names to the Model, Context and LoraAdapter handles it made: a fork's
+        ``instance.prepared`` holds them by name. The snapshot and its forks belong to this pool (its
+        close() ends them) but not to its list of instances. Linux only (a fork of the prepared process);
+        whatever prepare() decodes runs on one thread (docs/SNAPSHOTS.md says why). SnapshotError when
+        prepare() returns something else, or the worker cannot be frozen; prepare()'s own exceptions
+        propagate, and the worker is closed."""
+        from .snapshot import Snapshot
+
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+        return Snapshot(self, prepare)
 
     def __enter__(self) -> Pool:
         return self

@@ -119,6 +119,12 @@ class StateError(LloyalError):
     meant for is left as it was."""
 
 
+class SnapshotError(LloyalError):
+    """A snapshot that cannot be made or forked: prepare() returned something that is not a handle of
+    the instance it was given, the prepared worker runs native threads (it could not fork safely), or
+    the snapshot is closed or frozen (a frozen instance serves only forks)."""
+
+
 class InterruptedByClient(LloyalError):
     """An all-or-nothing operation (branch commit, prefill) was interrupted; nothing was changed."""
 
@@ -251,7 +257,7 @@ class _RemoteTraceback(Exception):
 __all__ = [
     "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
     "InterruptedByClient", "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError",
-    "ProtocolError", "RemoteError", "ResultTooLargeError", "StaleHandleError", "StateError", "TemplateError",
-    "WorkerCrashedError", "WorkerError", "WorkerStartupError",
+    "ProtocolError", "RemoteError", "ResultTooLargeError", "SnapshotError", "StaleHandleError", "StateError",
+    "TemplateError", "WorkerCrashedError", "WorkerError", "WorkerStartupError",
     "describe_exit", "error_class", "rebuild",
 ]

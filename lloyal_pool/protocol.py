@@ -34,7 +34,7 @@ import msgspec
 from .errors import BadRequestError, ProtocolError
 from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
@@ -112,6 +112,10 @@ class Op(str, enum.Enum):
     STATE_SEQ_SET = "state_seq_set"
     STATE_SEQ_SAVE_FILE = "state_seq_save_file"
     STATE_SEQ_LOAD_FILE = "state_seq_load_file"
+    # A snapshot's zygote (snapshot.py, worker/zygote.py).
+    FREEZE = "freeze"
+    FORK = "fork"
+    REAP = "reap"
     FAULT = "_fault"  # test-only, refused unless the worker runs with LLOYAL_POOL_TEST_FAULTS=1
 
 
@@ -582,6 +586,39 @@ class StateSeqLoadFile(ContextRequest[StateLoaded]):
     op = Op.STATE_SEQ_LOAD_FILE
     seq: int
     path: str
+
+
+class Frozen(Reply):
+    threads: int  # the zygote's threads when it froze: its own Python threads, no native ones
+    region_used: int  # bytes of its shared region a fork copies
+
+
+class Freeze(Request[Frozen]):
+    """Makes a zygote worker a snapshot: from now on it serves only Fork, Reap and Ping."""
+
+    op = Op.FREEZE
+
+
+class Forked(Reply):
+    pid: int
+
+
+class Fork(Request[Forked]):
+    """The zygote forks a child that serves the pipes, region, lifeline and stderr whose descriptors the
+    client sent just before this frame on the zygote's control socket; the child says HELLO on them."""
+
+    op = Op.FORK
+    worker_id: int
+    cwd: str  # the child's private directory (inside the zygote's, so within its Landlock scope)
+
+
+class Reap(Request[int | None]):
+    """A forked child's exit status (Popen's returncode convention), once it has exited within
+    ``timeout`` seconds; None while it runs. The zygote is its parent: only it can reap it."""
+
+    op = Op.REAP
+    pid: int
+    timeout: float = 0.0
 
 
 class Fault(Request[Any]):

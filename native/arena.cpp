@@ -6,7 +6,8 @@
 
 namespace lloyal {
 
-region_arena::region_arena(char * base, size_t size, size_t bulk_offset, size_t page) : base_(base), page_(page) {
+region_arena::region_arena(char * base, size_t size, size_t bulk_offset, size_t page)
+    : base_(base), size_(size), page_(page) {
     if (bulk_offset % page != 0 || bulk_offset > size) {
         throw std::invalid_argument("the bulk area must start at a page boundary inside the region");
     }
@@ -84,6 +85,14 @@ void region_arena::block::release() {
         arena_->free(offset_, bytes_);
         arena_.reset();
     }
+}
+
+size_t region_arena::used_end() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!free_.empty() && free_.back().first + free_.back().second >= size_ / page_ * page_) {
+        return free_.back().first;
+    }
+    return size_;
 }
 
 }  // namespace lloyal

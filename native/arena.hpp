@@ -43,12 +43,16 @@ class region_arena : public std::enable_shared_from_this<region_arena> {
     // lloyal_error naming Pool(shm_bytes=...) when the region has no room.
     block alloc(size_t nbytes);
     size_t free_bytes() const;
+    // Where the blocks in use end: everything from here to the region's end is free. A forked worker
+    // copies only the region up to here into its own (lloyal_pool/worker/zygote.py).
+    size_t used_end() const;
 
   private:
     void free(size_t offset, size_t nbytes);
     size_t round_up(size_t n) const { return (n + page_ - 1) / page_ * page_; }
 
     char * base_;
+    size_t size_;
     size_t page_;
     mutable std::mutex mu_;
     std::vector<std::pair<size_t, size_t>> free_;  // (offset, length), sorted, coalesced

@@ -329,7 +329,8 @@ const char * pooling_name(enum llama_pooling_type t) {
 void register_context(py::module_ & m) {
     py::class_<py_arena, std::shared_ptr<py_arena>>(m, "Arena")
         .def(py::init(&make_arena), py::arg("region"), py::arg("bulk_offset"), py::arg("page"))
-        .def_property_readonly("free_bytes", [](const py_arena & a) { return a.arena->free_bytes(); });
+        .def_property_readonly("free_bytes", [](const py_arena & a) { return a.arena->free_bytes(); })
+        .def_property_readonly("used_end", [](const py_arena & a) { return a.arena->used_end(); });
 
     context_class cls(m, "Context");
     cls.def(py::init<std::shared_ptr<Model>, const py::dict &, std::shared_ptr<py_arena>>(), py::arg("model"),
@@ -340,6 +341,15 @@ void register_context(py::module_ & m) {
         .def_property_readonly("n_seq_max", [](const py_context & c) { return c.core->n_seq_max; })
         .def_property_readonly("n_threads", [](const py_context & c) { return c.core->n_threads; })
         .def_property_readonly("n_threads_batch", [](const py_context & c) { return c.core->n_threads_batch; })
+        // The threads llama.cpp computes with from now on; n_threads/n_threads_batch keep the values the
+        // context was created with. A snapshot's zygote computes on one thread (no OpenMP team exists
+        // when it forks) and its forks go back to those values.
+        .def("set_threads", [](py_context & c, int32_t n_threads, int32_t n_threads_batch) {
+            if (n_threads < 1 || n_threads_batch < 1) {
+                throw py::value_error("thread counts must be at least 1");
+            }
+            llama_set_n_threads(c.core->get(), n_threads, n_threads_batch);
+        }, py::arg("n_threads"), py::arg("n_threads_batch"))
         .def_property_readonly("last_decode_ms", [](const py_context & c) { return c.core->decode_ms(); })
         .def_property_readonly("logits_offset", [](const py_context & c) { return c.core->logits_block().offset(); })
         .def_property_readonly("model", [](const py_context & c) { return c.core->model_ptr(); })

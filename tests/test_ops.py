@@ -24,6 +24,9 @@ REGEN_ENV = "LLOYAL_POOL_REGEN_GOLDEN"
 # One request of every operation, with every field set (so a renamed or retyped field changes the bytes).
 EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.Ping(),
+    p.Freeze(),
+    p.Fork(worker_id=3, cwd="/tmp/lloyal-worker0-x/fork3-y"),
+    p.Reap(pid=4242, timeout=0.5),
     p.LoadModel(path="/m.gguf", n_gpu_layers=-1, use_mmap=False, vocab_only=True),
     p.FreeModel(model=1),
     p.Tokenize(model=1, text="héllo", add_special=False, parse_special=True),

@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--writable-dirs", default="[]", help="JSON list: where it may write besides its cwd")
     ap.add_argument("--network", action="store_true", help="leave TCP alone")
     ap.add_argument("--no-sandbox", action="store_true", help="skip Landlock")
+    ap.add_argument("--zygote", type=int, default=-1,
+                    help="a snapshot's zygote: the Unix socket a fork's descriptors arrive on")
     args = ap.parse_args(argv)
     # On an abort, ggml forks a child that execs gdb to attach to the worker; inside the sandbox that
     # attach can hang the dying worker forever. faulthandler and the stderr tail report the crash instead.
@@ -121,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     if fallback:
         print(f"[worker] [startup] native variant {args.variant!r} unavailable, using "
               f"{native.variant!r}: {fallback}", file=sys.stderr, flush=True)
-    loop = WorkerLoop(Engine(native, region, default_threads=args.threads or None), rfd, wfd)
+    engine = Engine(native, region, default_threads=args.threads or None, single_threaded=args.zygote >= 0)
+    zygote = None
+    if args.zygote >= 0:
+        from .zygote import Zygote
+
+        engine.zygote = zygote = Zygote(args.zygote, args.lifeline, hello)
+    loop = WorkerLoop(engine, rfd, wfd, zygote)
     try:
         loop.send(Kind.HELLO, 0, hello)
         return loop.run()

@@ -96,6 +96,9 @@ class Arena:
         """region: a writable buffer, 8-byte aligned; blocks start at bulk_offset (a multiple of page)."""
     @property
     def free_bytes(self) -> int: ...
+    @property
+    def used_end(self) -> int:
+        """Where the blocks in use end (from the region's start): the rest of the region is free."""
 
 class Context:
     @property
@@ -113,6 +116,9 @@ class Context:
     def n_threads(self) -> int: ...
     @property
     def n_threads_batch(self) -> int: ...
+    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        """The threads llama.cpp computes with from now on; n_threads and n_threads_batch keep the values
+        the context was created with. ValueError below 1."""
     @property
     def last_decode_ms(self) -> float:
         """Time inside llama_decode during the last call that decoded (eval, generate, commit, prefill, step,

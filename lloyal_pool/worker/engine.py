@@ -20,7 +20,7 @@ import msgspec
 
 from .. import protocol as p
 from ..chat import template_source
-from ..errors import ContextError, LoraError, ModelLoadError, StaleHandleError
+from ..errors import ContextError, LoraError, ModelLoadError, SnapshotError, StaleHandleError
 from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
 from ..shm import BULK_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
@@ -57,6 +57,8 @@ HANDLERS: dict[type[Request[Any]], Handler] = {}
 # What an embedding context (embeddings=True) takes; every other context request is refused there.
 _EMBEDDING_OPS: frozenset[type[Request[Any]]] = frozenset(
     {p.FreeContext, p.Embed, p.Rerank, p.Reset, p.Tokens, p.NPast, p.KvPressureRequest, p.SetLora})
+# What a frozen zygote still serves (Fork itself is the loop's: worker/zygote.py).
+_FROZEN_OPS: frozenset[type[Request[Any]]] = frozenset({p.Ping, p.Reap, p.Fault})
 _PLACEHOLDER = re.compile(r"\{query\}|\{document\}")
 
 
@@ -95,10 +97,16 @@ class _LoraEntry:
 
 
 class Engine:
-    def __init__(self, native: ModuleType, region: Region, default_threads: int | None = None) -> None:
+    def __init__(self, native: ModuleType, region: Region, default_threads: int | None = None,
+                 single_threaded: bool = False) -> None:
         self.native = native
         self.region = region
         self.default_threads = default_threads
+        # A snapshot's zygote (worker/zygote.py): its contexts compute on one thread until a fork thaws
+        # them, and once frozen it serves nothing but forks.
+        self.single_threaded = single_threaded
+        self.frozen = False
+        self.zygote: object = None
         # The region's bulk area, handed out by the native side: a block per context (its logits row)
         # and per branch (its snapshot), each freed natively with its owner.
         self.arena = native.Arena(region.view, BULK_OFFSET, PAGE)
@@ -110,12 +118,22 @@ class Engine:
 
     def handle(self, req: Request[Any], request_id: int = 0, emit: EventSink | None = None) -> Any:
         """Runs one request through its registered handler."""
+        if self.frozen and type(req) not in _FROZEN_OPS:
+            raise SnapshotError(f"{req.op.value}: this worker is a frozen snapshot; it serves only forks "
+                                "(Snapshot.fork())")
         if isinstance(req, p.ContextRequest) and type(req) not in _EMBEDDING_OPS:
             entry = self._contexts.get(req.context)
             if entry is not None and entry.native.embeddings:
                 raise ContextError(f"{req.op.value} needs a generation context; this one was created with "
                                    "embeddings=True (it can embed, and rerank with pooling='rank')")
         return HANDLERS[type(req)](self, req, Call(request_id, emit))
+
+    def thaw(self) -> None:
+        """In a zygote's forked child: every context computes with the threads it was created with."""
+        self.frozen = self.single_threaded = False
+        self.zygote = None
+        for entry in self._contexts.values():
+            entry.native.set_threads(entry.native.n_threads, entry.native.n_threads_batch)
 
     def _new_id(self) -> int:
         handle = self._next_id
@@ -244,6 +262,8 @@ class Engine:
             native = self.native.Context(entry.native, params, self.arena)
         except (ContextError, MemoryError) as exc:
             raise _name_memory_limit(exc) from None
+        if self.single_threaded:
+            native.set_threads(1, 1)
         slot = self._free_slots.pop()
         self.region.set_interrupt(slot, 0)
         # The native side indexes u64 words from the start of the region.

@@ -22,6 +22,7 @@ from .. import protocol as p
 from ..errors import LloyalError, ProtocolError
 from ..protocol import Kind, PeerClosed, error_payload, pack, parse_request, read_frame, write_frame
 from .engine import Call, Engine, handles
+from .zygote import Zygote
 
 FAULTS_ENV = "LLOYAL_POOL_TEST_FAULTS"
 
@@ -77,10 +78,11 @@ def _probe(kind: str, arg: str) -> dict[str, Any]:
 
 
 class WorkerLoop:
-    def __init__(self, engine: Engine, rfd: int, wfd: int) -> None:
+    def __init__(self, engine: Engine, rfd: int, wfd: int, zygote: Zygote | None = None) -> None:
         self.engine = engine
         self.rfd = rfd
         self.wfd = wfd
+        self.zygote = zygote  # a snapshot's zygote forks children on Fork; a child serves its own pipes
 
     def send(self, kind: Kind, req_id: int, payload: Any) -> None:
         write_frame(self.wfd, pack(kind, req_id, payload))
@@ -106,7 +108,11 @@ class WorkerLoop:
             self.send(Kind.EVENT, req_id, event)
 
         try:
-            result = self.engine.handle(parse_request(payload), req_id, emit)
+            req = parse_request(payload)
+            if isinstance(req, p.Fork) and self.zygote is not None and self.engine.frozen:
+                self.zygote.fork(self, req_id, req)  # replies itself; returns in the child too
+                return
+            result = self.engine.handle(req, req_id, emit)
             # Packed here, so that a result too big for one frame (or not msgpack-able) fails this
             # request instead of the worker.
             frame = pack(Kind.RESPONSE, req_id, result)

@@ -1,0 +1,158 @@
+"""Snapshots: an instance prepared once (models loaded, contexts created and prefilled), then forked into
+ready instances in milliseconds (go-llama's Snapshot/Fork, with processes).
+
+    snap = pool.snapshot(prepare)      prepare(instance) runs once, in a fresh worker: the zygote
+    inst = snap.fork()                 a new worker with the same models, contexts and KV cache
+    inst.prepared["chat"]              the handles prepare() returned, by name, bound to the fork
+
+On Linux the zygote forks copy-on-write children: a fork shares the model's pages and the prepared KV
+cache with the zygote until it writes, and its handles are the zygote's. See worker/zygote.py for how
+threads are handled (the zygote computes on one thread; its forks on the threads their contexts were
+created with).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Union
+
+from . import protocol as p
+from .errors import SnapshotError
+
+if TYPE_CHECKING:
+    from ._process import WorkerProcess
+    from .client import Context, Instance, LoraAdapter, Model, Pool
+
+Handle = Union["Model", "Context", "LoraAdapter"]
+Prepare = Callable[["Instance"], "Mapping[str, Handle] | None"]
+
+
+class Snapshot:
+    """A prepared worker frozen as a zygote (Pool.snapshot). ``fork()`` returns a new Instance holding
+    what prepare() left in it; ``names`` are the handles prepare() returned by name. Close it with
+    close() (or a ``with`` block; the pool's close() closes it too); forks live on after it."""
+
+    def __init__(self, pool: Pool, prepare: Prepare) -> None:
+        from .client import Instance
+
+        if not sys.platform.startswith("linux"):
+            raise SnapshotError("snapshots fork a prepared worker, which needs Linux")
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._closed = False
+        proc = pool._spawn(zygote=True)
+        self._zygote: WorkerProcess = proc
+        instance = Instance(proc)
+        try:
+            proc.wait_ready()
+            named = prepare(instance) or {}
+            self._handles = _check_handles(named, instance)
+            self.frozen = proc.call(p.Freeze()).result()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def names(self) -> list[str]:
+        """The names of the handles prepare() returned, in its order."""
+        return list(self._handles)
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called (or the pool closed); fork() then raises SnapshotError."""
+        return self._closed or self._pool.closed
+
+    def fork(self) -> Instance:
+        """A new Instance forked from the prepared worker: the same models, contexts (with their KV
+        cache, history and last logits) and LoRA adapters, ready at once; ``instance.prepared`` maps
+        prepare()'s names to its handles. Each fork is an independent worker: a crash or a generate in
+        one leaves the others and the snapshot untouched. SnapshotError once the snapshot is closed,
+        or when its worker has died."""
+        from .client import Instance
+
+        if self.closed:
+            raise SnapshotError("the snapshot is closed")
+        if not self._zygote.alive:
+            raise SnapshotError(f"the snapshot's worker is gone ({self._zygote._dead})")
+        proc = self._pool._spawn(fork_from=self._zygote)
+        proc.wait_ready()
+        instance = Instance(proc)
+        instance._prepared = _rebind(self._handles, instance)
+        return instance
+
+    def close(self) -> None:
+        """Ends the zygote. Forks already made keep running. Idempotent."""
+        self._closed = True
+        self._pool._release(self._zygote)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"pid={self._zygote.pid}"
+        return f"<Snapshot {state} names={self.names}>"
+
+
+def _check_handles(named: Mapping[str, Any], instance: Instance) -> dict[str, Handle]:
+    from .client import Context, LoraAdapter, Model
+
+    if not isinstance(named, Mapping):
+        raise SnapshotError(f"prepare() returns a mapping of names to handles, or None; got {type(named).__name__}")
+    out: dict[str, Handle] = {}
+    for name, handle in named.items():
+        if not isinstance(name, str):
+            raise SnapshotError(f"prepare() returned a handle under {name!r}: names are strings")
+        if not isinstance(handle, (Model, Context, LoraAdapter)):
+            raise SnapshotError(f"prepare() returned {type(handle).__name__} as {name!r}: a snapshot carries "
+                                "Model, Context and LoraAdapter handles by name")
+        owner = handle.model.instance if isinstance(handle, LoraAdapter) else handle.instance
+        closed = handle._closed if isinstance(handle, Model) else handle.closed
+        if owner is not instance or closed:
+            raise SnapshotError(f"{name!r} is not a live handle of the instance prepare() was given")
+        out[name] = handle
+    return out
+
+
+def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Handle]:
+    """The fork's own handle objects: same handle numbers (the fork inherited the zygote's engine),
+    bound to the fork's worker."""
+    from .client import Context, LoraAdapter, Model
+
+    models: dict[int, Model] = {}
+    adapters: dict[int, LoraAdapter] = {}
+
+    def model(old: Model) -> Model:
+        if id(old) not in models:
+            models[id(old)] = Model(instance, instance._proc, old._handle, old.info, old.path)
+        return models[id(old)]
+
+    def adapter(old: LoraAdapter) -> LoraAdapter:
+        if id(old) not in adapters:
+            new = LoraAdapter(model(old.model), old._handle, old.path, old.alpha, old.meta)
+            adapters[id(old)] = new
+            new.model._loras.add(new)
+        return adapters[id(old)]
+
+    def context(old: Context) -> Context:
+        new = Context(model(old.model), old._desc)
+        new.model._contexts.add(new)
+        new._lora = [(adapter(a), scale) for a, scale in old._lora]
+        return new
+
+    out: dict[str, Handle] = {}
+    for name, handle in handles.items():
+        if isinstance(handle, Model):
+            out[name] = model(handle)
+        elif isinstance(handle, LoraAdapter):
+            out[name] = adapter(handle)
+        else:
+            out[name] = context(handle)
+    return out
+
+
+__all__ = ["Snapshot"]

@@ -1,0 +1,255 @@
+"""Snapshots: a worker prepared once, frozen as a zygote, forked into ready instances (Linux)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lloyal_pool import (
+    Context,
+    Instance,
+    Model,
+    Pool,
+    Snapshot,
+    SnapshotError,
+    StaleHandleError,
+    WorkerCrashedError,
+)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="snapshots fork: Linux only")
+
+SYSTEM = ("You are a terse assistant for a museum. Answer in one sentence. The museum opens at nine and "
+          "closes at five; tickets cost twelve euros. Question: When does the museum open? Answer:")
+FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
+
+
+def _prepare(gemma_path: Path):  # type: ignore[no-untyped-def]
+    def prepare(instance: Instance) -> dict[str, Model | Context]:
+        model = instance.load_model(gemma_path)
+        ctx = model.new_context(n_ctx=512, n_threads=2)
+        ctx.eval(SYSTEM)
+        return {"model": model, "ctx": ctx}
+    return prepare
+
+
+@pytest.fixture(scope="module")
+def snap_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    with Pool(1, env=FAULTS, writable_dirs=[tmp_path_factory.getbasetemp()]) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def snap(snap_pool: Pool, gemma_path: Path) -> Iterator[Snapshot]:
+    with snap_pool.snapshot(_prepare(gemma_path)) as snapshot:
+        yield snapshot
+
+
+def test_a_fork_continues_as_a_cold_start_does(snap: Snapshot, snap_pool: Pool, gemma_path: Path) -> None:
+    # The cold path: a fresh context in an ordinary worker, prefilled with the same prompt.
+    cold = snap_pool[0].load_model(gemma_path).new_context(n_ctx=512, n_threads=2)
+    cold.eval(SYSTEM)
+    history = cold.tokens()
+    expected = cold.generate("", append=True, n_predict=12)
+    fork = snap.fork()
+    try:
+        assert set(fork.prepared) == {"model", "ctx"} == set(snap.names)
+        ctx = fork.prepared["ctx"]
+        assert isinstance(ctx, Context) and ctx.instance is fork and ctx.model is fork.prepared["model"]
+        assert ctx.tokens() == history  # the prepared history is there, decoded once, in the zygote
+        assert ctx.n_threads == 2  # the zygote computed on one thread; the fork has the context's own
+        got = ctx.generate("", append=True, n_predict=12)
+        assert got.tokens == expected.tokens
+        assert got.n_prompt == 0  # nothing to prefill: the prepared logits came with the fork
+    finally:
+        fork.close()
+        cold.model.close()
+
+
+def test_forks_are_independent_processes(snap: Snapshot) -> None:
+    first, second = snap.fork(), snap.fork()
+    try:
+        assert len({first.pid, second.pid, snap._zygote.pid}) == 3
+        prepared = second.prepared["ctx"].tokens()
+        a = first.prepared["ctx"]
+        a.generate(" The museum closes at", append=True, n_predict=4)
+        assert second.prepared["ctx"].tokens() == prepared  # a generate in one fork is not seen in another
+        # A crash in one fork is that fork's alone, reported with its exit status by way of the zygote.
+        with pytest.raises(WorkerCrashedError) as crash:
+            first.fault("segv").result(timeout=60)
+        assert crash.value.returncode == -signal.SIGSEGV
+        assert "SIGSEGV" in str(crash.value)
+        with pytest.raises(StaleHandleError):
+            a.tokens()
+        assert second.prepared["ctx"].generate("", append=True, n_predict=2).n_decoded == 2
+        third = snap.fork()  # the zygote is untouched
+        assert third.prepared["ctx"].tokens() == prepared
+        third.close()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_fork_has_its_own_region_and_logits(snap: Snapshot) -> None:
+    first, second = snap.fork(), snap.fork()
+    try:
+        before = second.prepared["ctx"].logits(copy=True)
+        first.prepared["ctx"].generate(" Tickets cost", append=True, n_predict=2)
+        after = first.prepared["ctx"].logits(copy=True)
+        # The zygote's region content came with each fork (its prepared logits); what one fork writes
+        # to its own region reaches only its own client.
+        assert (second.prepared["ctx"].logits(copy=True) == before).all()
+        assert not (after == before).all()
+        assert first._proc.region is not second._proc.region
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_fork_shares_the_model_pages(snap: Snapshot) -> None:
+    forks = [snap.fork() for _ in range(2)]
+    try:
+        for fork in forks:
+            fork.prepared["ctx"].generate("", append=True, n_predict=2)
+        rss = [psutil.Process(f.pid).memory_full_info() for f in forks]
+        # Proportional set size splits shared pages among their sharers: copy-on-write forks (and the
+        # zygote) share the mapped weights and the prepared heap, so each one's PSS is well below its RSS.
+        for info in rss:
+            assert info.pss < 0.75 * info.rss
+    finally:
+        for fork in forks:
+            fork.close()
+
+
+def test_forks_outlive_their_closed_snapshot(snap_pool: Pool, gemma_path: Path) -> None:
+    snapshot = snap_pool.snapshot(_prepare(gemma_path))
+    fork = snapshot.fork()
+    zygote = snapshot._zygote.pid
+    snapshot.close()
+    assert snapshot.closed
+    with pytest.raises(SnapshotError, match="closed"):
+        snapshot.fork()
+    assert fork.prepared["ctx"].generate("", append=True, n_predict=2).n_decoded == 2
+    fork.close()  # its exit status is gone with the zygote; closing still ends it
+    assert not psutil.pid_exists(zygote) or psutil.Process(zygote).status() == psutil.STATUS_ZOMBIE
+    assert not fork.alive
+
+
+def test_a_frozen_worker_serves_only_forks(snap: Snapshot) -> None:
+    from lloyal_pool import protocol as p
+
+    with pytest.raises(SnapshotError, match="frozen snapshot"):
+        snap._zygote.call(p.Tokens(context=2)).result(timeout=30)
+    assert snap._zygote.alive
+
+
+@pytest.mark.parametrize("returned", [["ctx"], {"x": 3}, {1: None}])
+def test_prepare_must_return_named_handles(snap_pool: Pool, returned: object) -> None:
+    before = {p.pid for p in snap_pool._all_procs}
+    with pytest.raises(SnapshotError):
+        snap_pool.snapshot(lambda instance: returned)  # type: ignore[arg-type,return-value]
+    assert {p.pid for p in snap_pool._all_procs} == before  # the would-be zygote is gone
+
+
+def test_prepare_errors_propagate_and_the_worker_goes(snap_pool: Pool, tiny_model: Path) -> None:
+    def prepare(instance: Instance) -> None:
+        instance.load_model(tiny_model.with_name("missing.gguf"))
+
+    from lloyal_pool import ModelLoadError
+
+    before = len(snap_pool._all_procs)
+    with pytest.raises(ModelLoadError):
+        snap_pool.snapshot(prepare)
+    assert len(snap_pool._all_procs) == before
+
+
+def test_handles_of_another_instance_are_refused(snap_pool: Pool, tiny_model: Path) -> None:
+    other = snap_pool[0].load_model(tiny_model)
+    try:
+        with pytest.raises(SnapshotError, match="not a live handle"):
+            snap_pool.snapshot(lambda instance: {"m": other})
+    finally:
+        other.close()
+
+
+def test_a_fork_is_confined_as_its_zygote(snap: Snapshot, tmp_path: Path) -> None:
+    fork = snap.fork()
+    try:
+        assert fork.sandbox == Instance(snap._zygote).sandbox and fork.sandbox["writes_scoped"]
+        outside = Path("/var/tmp") / f"lloyal-fork-{os.getpid()}"
+        assert not fork.fault("write_file", arg=str(outside)).result(timeout=30)["ok"]
+        assert not outside.exists()
+        inside = tmp_path / "written-by-a-fork"
+        assert fork.fault("write_file", arg=str(inside)).result(timeout=30)["ok"]
+        # State goes through the fork's own transfer memfd, not its zygote's (shared by every fork).
+        ctx = fork.prepared["ctx"]
+        data = ctx.save_state()
+        assert ctx.load_state(data) == len(ctx.tokens())
+    finally:
+        fork.close()
+
+
+def test_pool_close_ends_the_snapshot_and_its_forks(gemma_path: Path) -> None:
+    pool = Pool(1)
+    snapshot = pool.snapshot(_prepare(gemma_path))
+    forks = [snapshot.fork() for _ in range(2)]
+    pids = [snapshot._zygote.pid] + [f.pid for f in forks]
+    pool.close()
+    assert snapshot.closed and not any(f.alive for f in forks)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in pids)
+
+
+_OWNER = textwrap.dedent("""
+    import sys
+    from lloyal_pool import Pool
+    pool = Pool(1, env={"LLOYAL_POOL_TEST_NO_PDEATHSIG": "1", "LLOYAL_POOL_TEST_FAULTS": "1"})
+    def prepare(instance):
+        return {"model": instance.load_model(sys.argv[1])}
+    snapshot = pool.snapshot(prepare)
+    fork = snapshot.fork()
+    busy = fork.fault("hang", seconds=3600)  # a busy fork does not read its request pipe
+    print(snapshot._zygote.pid, fork.pid, flush=True)
+    sys.stdin.read()  # until the test kills us
+""")
+
+
+def test_a_fork_dies_with_the_pool_owner(tiny_model: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tiny_model)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        assert owner.stdout is not None
+        pids = [int(x) for x in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_running(pid) for pid in pids)  # the fork's own lifeline ended it
+    finally:
+        owner.kill()
+        owner.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
