@@ -134,7 +134,7 @@ class Instance:
         req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
         fut = self._proc.call(req, events(progress=progress))
-        return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath))
+        return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath, req))
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
@@ -167,10 +167,12 @@ class Model:
     Its methods that ask the worker block until it replies; once the model is closed, or its worker died,
     they raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
-    def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str) -> None:
+    def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str,
+                 load: p.LoadModel | None = None) -> None:
         self.instance = instance
         self._proc = proc
         self._handle = handle
+        self._load = load or p.LoadModel(path=path)  # how it was loaded: a replayed snapshot loads it so
         self._closed = False
         self.info = info
         self.path = path
@@ -247,6 +249,7 @@ class Model:
             params = replace(params or ContextParams(), **overrides)
         params = params or ContextParams()
         ctx = Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
+        ctx._params = params
         self._contexts.add(ctx)
         return ctx
 
@@ -394,6 +397,7 @@ class Context:
         self.model = model
         self.instance = model.instance
         self._desc = desc  # a snapshot's fork rebuilds this handle from it
+        self._params = ContextParams()  # what it was created with (Model.new_context sets it)
         self.n_ctx = desc.n_ctx
         self.n_batch = desc.n_batch
         self.n_ubatch = desc.n_ubatch
@@ -822,22 +826,25 @@ class Pool:
             if proc in self._all_procs:
                 self._all_procs.remove(proc)
 
-    def snapshot(self, prepare: Callable[[Instance], Mapping[str, Model | Context | LoraAdapter] | None]
-                 ) -> Snapshot:
+    def snapshot(self, prepare: Callable[[Instance], Mapping[str, Model | Context | LoraAdapter] | None], *,
+                 fork: bool | None = None) -> Snapshot:
         """Runs ``prepare(instance)`` once in a fresh worker of this pool's options (load models, create
-        contexts, prefill a long system prompt) and freezes that worker as a Snapshot, whose ``fork()``
-        returns new instances that hold the same models and contexts, ready at once. prepare() may
-        return a mapping of names to the Model, Context and LoraAdapter handles it made: a fork's
-        ``instance.prepared`` holds them by name. The snapshot and its forks belong to this pool (its
-        close() ends them) but not to its list of instances. Linux only (a fork of the prepared process);
-        whatever prepare() decodes runs on one thread (docs/SNAPSHOTS.md says why). SnapshotError when
-        prepare() returns something else, or the worker cannot be frozen; prepare()'s own exceptions
-        propagate, and the worker is closed."""
+        contexts, prefill a long system prompt) and keeps it as a Snapshot, whose ``fork()`` returns new
+        instances that hold the same models and contexts, ready. prepare() may return a mapping of names
+        to the Model, Context and LoraAdapter handles it made: a fork's ``instance.prepared`` holds them
+        by name. The snapshot and its forks belong to this pool (its close() ends them) but not to its
+        list of instances.
+
+        ``fork``: None (default) forks the prepared worker where it can (Linux, CPU variant), else
+        replays; True insists on forking (SnapshotError where it cannot); False replays: each fork is a
+        fresh worker that loads the models and the named contexts' saved state. When forking, whatever
+        prepare() decodes runs on one thread (docs/SNAPSHOTS.md says why). SnapshotError when prepare()
+        returns anything else; prepare()'s own exceptions propagate; either way the worker is closed."""
         from .snapshot import Snapshot
 
         if self._closed:
             raise PoolClosedError("the pool is closed")
-        return Snapshot(self, prepare)
+        return Snapshot(self, prepare, fork)
 
     def __enter__(self) -> Pool:
         return self

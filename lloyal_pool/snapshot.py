@@ -14,11 +14,11 @@ created with).
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Union
 
 from . import protocol as p
+from . import variants
 from .errors import SnapshotError
 
 if TYPE_CHECKING:
@@ -30,29 +30,40 @@ Prepare = Callable[["Instance"], "Mapping[str, Handle] | None"]
 
 
 class Snapshot:
-    """A prepared worker frozen as a zygote (Pool.snapshot). ``fork()`` returns a new Instance holding
-    what prepare() left in it; ``names`` are the handles prepare() returned by name. Close it with
-    close() (or a ``with`` block; the pool's close() closes it too); forks live on after it."""
+    """A prepared instance that forks into ready ones (Pool.snapshot). ``fork()`` returns a new Instance
+    holding what prepare() left; ``names`` are the handles prepare() returned by name. ``mode`` says how:
+    "fork" (Linux, CPU variant: the prepared worker is a zygote that forks copy-on-write children) or
+    "replay" (elsewhere, e.g. a GPU variant: each fork is a fresh worker that loads the same models and
+    the saved state of each named context). Close it with close() (or a ``with`` block; the pool's
+    close() closes it too); forks live on after it."""
 
-    def __init__(self, pool: Pool, prepare: Prepare) -> None:
-        from .client import Instance
+    def __init__(self, pool: Pool, prepare: Prepare, fork: bool | None = None) -> None:
+        from .client import Context, Instance
 
-        if not sys.platform.startswith("linux"):
-            raise SnapshotError("snapshots fork a prepared worker, which needs Linux")
+        why_not = _why_no_fork(pool._options.variant)
+        if fork and why_not:
+            raise SnapshotError(f"this snapshot cannot fork: {why_not}; use fork=False (replay)")
+        #: "fork" or "replay".
+        self.mode = "replay" if why_not or fork is False else "fork"
         self._pool = pool
-        self._lock = threading.Lock()
         self._closed = False
-        proc = pool._spawn(zygote=True)
-        self._zygote: WorkerProcess = proc
+        self._states: dict[int, bytes] = {}
+        proc = pool._spawn(zygote=self.mode == "fork")
         instance = Instance(proc)
         try:
             proc.wait_ready()
             named = prepare(instance) or {}
             self._handles = _check_handles(named, instance)
-            self.frozen = proc.call(p.Freeze()).result()
+            if self.mode == "fork":
+                self._frozen = proc.call(p.Freeze()).result()
+            else:
+                self._states = {id(h): h.save_state() for h in self._handles.values() if isinstance(h, Context)}
         except BaseException:
-            self.close()
+            pool._release(proc)
             raise
+        self._zygote: WorkerProcess | None = proc if self.mode == "fork" else None
+        if self._zygote is None:
+            pool._release(proc)  # replay needs only what was saved from it
 
     @property
     def names(self) -> list[str]:
@@ -65,27 +76,36 @@ class Snapshot:
         return self._closed or self._pool.closed
 
     def fork(self) -> Instance:
-        """A new Instance forked from the prepared worker: the same models, contexts (with their KV
-        cache, history and last logits) and LoRA adapters, ready at once; ``instance.prepared`` maps
-        prepare()'s names to its handles. Each fork is an independent worker: a crash or a generate in
-        one leaves the others and the snapshot untouched. SnapshotError once the snapshot is closed,
-        or when its worker has died."""
+        """A new Instance with what prepare() made, ready: the same models, contexts (their KV cache,
+        history and last logits) and LoRA adapters; ``instance.prepared`` maps prepare()'s names to its
+        handles. Each fork is an independent worker: a crash or a generate in one leaves the others and
+        the snapshot untouched. SnapshotError once the snapshot is closed, or its worker has died."""
         from .client import Instance
 
         if self.closed:
             raise SnapshotError("the snapshot is closed")
-        if not self._zygote.alive:
-            raise SnapshotError(f"the snapshot's worker is gone ({self._zygote._dead})")
-        proc = self._pool._spawn(fork_from=self._zygote)
-        proc.wait_ready()
-        instance = Instance(proc)
-        instance._prepared = _rebind(self._handles, instance)
+        zygote = self._zygote
+        if zygote is not None and not zygote.alive:
+            raise SnapshotError(f"the snapshot's worker is gone ({zygote._dead})")
+        proc = self._pool._spawn(fork_from=zygote)
+        try:
+            proc.wait_ready()
+            instance = Instance(proc)
+            if zygote is not None:
+                instance._prepared = _rebind(self._handles, instance)
+            else:
+                instance._prepared = _replay(self._handles, self._states, instance)
+        except BaseException:
+            self._pool._release(proc)
+            raise
         return instance
 
     def close(self) -> None:
-        """Ends the zygote. Forks already made keep running. Idempotent."""
+        """Ends the zygote (or drops the saved state). Forks already made keep running. Idempotent."""
         self._closed = True
-        self._pool._release(self._zygote)
+        self._states = {}
+        if self._zygote is not None:
+            self._pool._release(self._zygote)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -94,8 +114,16 @@ class Snapshot:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"pid={self._zygote.pid}"
+        state = "closed" if self.closed else self.mode
         return f"<Snapshot {state} names={self.names}>"
+
+
+def _why_no_fork(variant: str | None) -> str | None:
+    if not sys.platform.startswith("linux"):
+        return f"forking a prepared worker needs Linux, not {sys.platform}"
+    if variants.requested(variant) != "cpu":
+        return f"the pool's native variant is {variants.requested(variant)!r} (a GPU runtime does not survive a fork)"
+    return None
 
 
 def _check_handles(named: Mapping[str, Any], instance: Instance) -> dict[str, Handle]:
@@ -142,6 +170,43 @@ def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Hand
         new = Context(model(old.model), old._desc)
         new.model._contexts.add(new)
         new._lora = [(adapter(a), scale) for a, scale in old._lora]
+        return new
+
+    out: dict[str, Handle] = {}
+    for name, handle in handles.items():
+        if isinstance(handle, Model):
+            out[name] = model(handle)
+        elif isinstance(handle, LoraAdapter):
+            out[name] = adapter(handle)
+        else:
+            out[name] = context(handle)
+    return out
+
+
+def _replay(handles: Mapping[str, Handle], states: Mapping[int, bytes], instance: Instance) -> dict[str, Handle]:
+    """Makes in a fresh worker what the named handles are: each model loaded as it was, each adapter
+    loaded, each context created with its parameters, its adapters applied and its saved state loaded."""
+    from .client import LoraAdapter, Model
+
+    models: dict[int, Model] = {}
+    adapters: dict[int, LoraAdapter] = {}
+
+    def model(old: Model) -> Model:
+        if id(old) not in models:
+            loaded = instance._proc.call(old._load).result()
+            models[id(old)] = Model(instance, instance._proc, loaded.model, loaded.info, old.path, old._load)
+        return models[id(old)]
+
+    def adapter(old: LoraAdapter) -> LoraAdapter:
+        if id(old) not in adapters:
+            adapters[id(old)] = model(old.model).load_lora(old.path)
+        return adapters[id(old)]
+
+    def context(old: Context) -> Context:
+        new = model(old.model).new_context(old._params)
+        if old._lora:
+            new.set_lora([(adapter(a), scale) for a, scale in old._lora])
+        new.load_state(states[id(old)])
         return new
 
     out: dict[str, Handle] = {}

@@ -47,9 +47,10 @@ def snap_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         yield pool
 
 
-@pytest.fixture(scope="module")
-def snap(snap_pool: Pool, gemma_path: Path) -> Iterator[Snapshot]:
-    with snap_pool.snapshot(_prepare(gemma_path)) as snapshot:
+@pytest.fixture(scope="module", params=[True, False], ids=["fork", "replay"])
+def snap(snap_pool: Pool, gemma_path: Path, request: pytest.FixtureRequest) -> Iterator[Snapshot]:
+    with snap_pool.snapshot(_prepare(gemma_path), fork=request.param) as snapshot:
+        assert snapshot.mode == ("fork" if request.param else "replay")
         yield snapshot
 
 
@@ -77,7 +78,8 @@ def test_a_fork_continues_as_a_cold_start_does(snap: Snapshot, snap_pool: Pool, 
 def test_forks_are_independent_processes(snap: Snapshot) -> None:
     first, second = snap.fork(), snap.fork()
     try:
-        assert len({first.pid, second.pid, snap._zygote.pid}) == 3
+        zygote = [snap._zygote.pid] if snap._zygote is not None else []
+        assert len({first.pid, second.pid, *zygote}) == 2 + len(zygote)
         prepared = second.prepared["ctx"].tokens()
         a = first.prepared["ctx"]
         a.generate(" The museum closes at", append=True, n_predict=4)
@@ -114,8 +116,10 @@ def test_a_fork_has_its_own_region_and_logits(snap: Snapshot) -> None:
         second.close()
 
 
-def test_a_fork_shares_the_model_pages(snap: Snapshot) -> None:
-    forks = [snap.fork() for _ in range(2)]
+def test_a_fork_shares_the_model_pages(snap_pool: Pool, gemma_path: Path) -> None:
+    snapshot = snap_pool.snapshot(_prepare(gemma_path), fork=True)
+    forks = [snapshot.fork() for _ in range(2)]
+    snapshot.close()
     try:
         for fork in forks:
             fork.prepared["ctx"].generate("", append=True, n_predict=2)
@@ -131,6 +135,7 @@ def test_a_fork_shares_the_model_pages(snap: Snapshot) -> None:
 
 def test_forks_outlive_their_closed_snapshot(snap_pool: Pool, gemma_path: Path) -> None:
     snapshot = snap_pool.snapshot(_prepare(gemma_path))
+    assert snapshot.mode == "fork" and snapshot._zygote is not None  # the default where it can
     fork = snapshot.fork()
     zygote = snapshot._zygote.pid
     snapshot.close()
@@ -143,12 +148,33 @@ def test_forks_outlive_their_closed_snapshot(snap_pool: Pool, gemma_path: Path) 
     assert not fork.alive
 
 
-def test_a_frozen_worker_serves_only_forks(snap: Snapshot) -> None:
+def test_a_frozen_worker_serves_only_forks(snap_pool: Pool, tiny_model: Path) -> None:
     from lloyal_pool import protocol as p
 
-    with pytest.raises(SnapshotError, match="frozen snapshot"):
-        snap._zygote.call(p.Tokens(context=2)).result(timeout=30)
-    assert snap._zygote.alive
+    with snap_pool.snapshot(lambda instance: {"m": instance.load_model(tiny_model)}) as snapshot:
+        assert snapshot._zygote is not None
+        with pytest.raises(SnapshotError, match="frozen snapshot"):
+            snapshot._zygote.call(p.Tokenize(model=1, text="hello")).result(timeout=30)
+        assert snapshot._zygote.alive
+        assert snapshot.fork().prepared["m"].tokenize("hello")
+
+
+def test_fork_true_refuses_a_gpu_variant_and_the_default_replays(tiny_model: Path) -> None:
+    def prepare(instance: Instance) -> dict[str, Model | Context]:
+        ctx = instance.load_model(tiny_model).new_context(n_ctx=256)
+        ctx.eval("Hello world")
+        return {"ctx": ctx}
+
+    # The worker falls back to the CPU build here; a GPU runtime could not have been forked anyway.
+    with Pool(1, variant="cuda") as pool:
+        with pytest.raises(SnapshotError, match="cannot fork.*'cuda'"):
+            pool.snapshot(prepare, fork=True)
+        with pool.snapshot(prepare) as snapshot:
+            assert snapshot.mode == "replay"
+            fork = snapshot.fork()
+            ctx = fork.prepared["ctx"]
+            assert isinstance(ctx, Context)
+            assert ctx.tokens() == pool[0].load_model(tiny_model).tokenize("Hello world")
 
 
 @pytest.mark.parametrize("returned", [["ctx"], {"x": 3}, {1: None}])
@@ -180,10 +206,10 @@ def test_handles_of_another_instance_are_refused(snap_pool: Pool, tiny_model: Pa
         other.close()
 
 
-def test_a_fork_is_confined_as_its_zygote(snap: Snapshot, tmp_path: Path) -> None:
+def test_a_fork_is_confined_as_its_pool(snap: Snapshot, snap_pool: Pool, tmp_path: Path) -> None:
     fork = snap.fork()
     try:
-        assert fork.sandbox == Instance(snap._zygote).sandbox and fork.sandbox["writes_scoped"]
+        assert fork.sandbox == snap_pool[0].sandbox and fork.sandbox["writes_scoped"]
         outside = Path("/var/tmp") / f"lloyal-fork-{os.getpid()}"
         assert not fork.fault("write_file", arg=str(outside)).result(timeout=30)["ok"]
         assert not outside.exists()
