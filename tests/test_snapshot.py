@@ -167,7 +167,7 @@ def test_fork_true_refuses_a_gpu_variant_and_the_default_replays(tiny_model: Pat
 
     # The worker falls back to the CPU build here; a GPU runtime could not have been forked anyway.
     with Pool(1, variant="cuda") as pool:
-        with pytest.raises(SnapshotError, match="cannot fork.*'cuda'"):
+        with pytest.raises(SnapshotError, match=r"cannot fork.*'cuda'"):
             pool.snapshot(prepare, fork=True)
         with pool.snapshot(prepare) as snapshot:
             assert snapshot.mode == "replay"
