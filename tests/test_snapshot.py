@@ -67,8 +67,12 @@ def test_a_fork_continues_as_a_cold_start_does(snap: Snapshot, snap_pool: Pool, 
         assert isinstance(ctx, Context) and ctx.instance is fork and ctx.model is fork.prepared["model"]
         assert ctx.tokens() == history  # the prepared history is there, decoded once, in the zygote
         assert ctx.n_threads == 2  # the zygote computed on one thread; the fork has the context's own
+        threads_before = psutil.Process(fork.pid).num_threads()
         got = ctx.generate("", append=True, n_predict=12)
         assert got.tokens == expected.tokens
+        # It decoded with a team of 2 (the OpenMP runtime keeps its second thread): where a zygote
+        # computed on one thread, the fork computes on the context's own number.
+        assert psutil.Process(fork.pid).num_threads() == threads_before + 1
         assert got.n_prompt == 0  # nothing to prefill: the prepared logits came with the fork
     finally:
         fork.close()
