@@ -495,17 +495,15 @@ class Context:
             wire_draft = draft
         else:
             raise ValueError(f'draft must be "ngram" or a Context, got {draft!r}')
-        base = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=on_piece is not None,
-                                      append=append, progress=progress is not None)
-        req = p.GenerateWithDraft(context=self.handle, prompt=base.prompt, params=base.params, draft=wire_draft,
+        req = p.GenerateWithDraft(context=self.handle, prompt=_wire_prompt(prompt),
+                                  params=GenerateParams.of(params, overrides).to_wire(), draft=wire_draft,
                                   n_draft=int(n_draft), ngram_min=int(ngram_min), ngram_max=int(ngram_max),
-                                  stream=base.stream, append=base.append, progress=base.progress)
+                                  stream=on_piece is not None, append=bool(append), progress=progress is not None)
         return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
 
     def _generate_request(self, prompt: str | Sequence[int], params: GenerateParams, stream: bool, append: bool,
                           progress: bool) -> p.Generate:
-        wire_prompt: str | list[int] = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
-        return p.Generate(context=self.handle, prompt=wire_prompt, params=params.to_wire(), stream=stream,
+        return p.Generate(context=self.handle, prompt=_wire_prompt(prompt), params=params.to_wire(), stream=stream,
                           append=bool(append), progress=progress)
 
     def eval(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
@@ -720,6 +718,10 @@ class Context:
         self._forget()
         if self._proc.alive:
             self._proc.call(p.FreeContext(context=self.handle)).result()
+
+
+def _wire_prompt(prompt: str | Sequence[int]) -> str | list[int]:
+    return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
 
 
 def _is_int(x: object) -> bool:

@@ -107,13 +107,8 @@ void branch_driver::check_branch_capable() const {
     if (llama_model_has_encoder(lm) || !llama_model_has_decoder(lm)) {
         throw context_error("branches need a decoder-only model");
     }
-    if (llama_model_is_recurrent(lm) || llama_model_is_hybrid(lm)) {
-        throw context_error("branches need a KV cache that can drop any range of a sequence; this model's "
-                            "recurrent state cannot");
-    }
-    if (core_.n_swa > 0 && !core_.swa_full) {
-        throw context_error("branches on a sliding-window model need swa_full=True: commit and prefill roll back "
-                            "by removing cells, which a window-sized cache may already have dropped");
+    if (const std::string why = core_.why_ranges_cannot_be_removed(); !why.empty()) {
+        throw context_error("branches roll back (commit, prefill) by removing cells from the cache: " + why);
     }
 }
 

@@ -205,4 +205,16 @@ void context_core::throw_decode_failure(int32_t ret, size_t n_tokens, uint64_t m
     throw decode_error("llama_decode failed (" + std::to_string(ret) + ")" + why + "; nothing was changed");
 }
 
+std::string context_core::why_ranges_cannot_be_removed() const {
+    const llama_model * lm = model().get();
+    if (llama_model_is_recurrent(lm) || llama_model_is_hybrid(lm)) {
+        return "this model's recurrent state cannot drop a range of a sequence";
+    }
+    if (n_swa > 0 && !swa_full) {
+        return "a sliding-window model needs swa_full=True (a window-sized cache may already have dropped the "
+               "cells a rollback removes)";
+    }
+    return {};
+}
+
 }  // namespace lloyal

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <string>
 
 namespace lloyal {
 
@@ -49,6 +50,11 @@ class context_core {
     std::vector<lora_weight> loras;
     bool embeddings = false;  // an embedding context (embed.hpp): every token of a decode has an output row
     enum llama_pooling_type pooling = LLAMA_POOLING_TYPE_NONE;  // as llama.cpp resolved it
+
+    // Why this context's cache cannot remove any range of a sequence (a recurrent state; a sliding-window
+    // cache sized to the window, which may already have dropped the cells), or empty when it can. What
+    // branches (commit and prefill roll back) and speculative decoding (rejected drafts) both need.
+    std::string why_ranges_cannot_be_removed() const;
 
     // Points the abort callback and the between-token checks at a u64 in shared memory (null: none).
     void set_interrupt_word(const uint64_t * word) { interrupt_word_ = word; }

@@ -156,15 +156,9 @@ generate_result sequence_driver::generate_with_draft(const prompt_input & prompt
     if (n_draft < 1) {
         throw std::invalid_argument("n_draft must be at least 1");
     }
-    // Rejected drafts are removed from the cache, which every memory cannot do.
-    const llama_model * lm = core_.model().get();
-    if (llama_model_is_recurrent(lm) || llama_model_is_hybrid(lm)) {
-        throw context_error("speculative decoding needs a KV cache that can drop rejected drafts; this model's "
-                            "recurrent state cannot");
-    }
-    if (core_.n_swa > 0 && !core_.swa_full) {
-        throw context_error("speculative decoding on a sliding-window model needs swa_full=True: rejected drafts "
-                            "are removed from the cache, which a window-sized cache cannot always do");
+    // Rejected drafts are removed from the cache, which not every cache can do.
+    if (const std::string why = core_.why_ranges_cannot_be_removed(); !why.empty()) {
+        throw context_error("speculative decoding removes rejected drafts from the cache: " + why);
     }
     // The target decodes its next token and the drafts in one batch.
     n_draft = std::min<size_t>(n_draft, core_.n_batch - 1);

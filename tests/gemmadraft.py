@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import gguf
-from tinymodel import copy_field
+from tinymodel import copy_field, write_gguf
 
 __all__ = ["FORMAT_VERSION", "gemma_draft_path", "make_truncated_gemma"]
 
@@ -54,13 +54,7 @@ def make_truncated_gemma(src: Path | str, dst: Path | str, n_layers: int) -> Pat
             continue
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
 
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file(dst)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    return write_gguf(writer, dst)
 
 
 def gemma_draft_path(cache_dir: Path | str, src: Path | str, n_layers: int = 4) -> Path:

@@ -16,6 +16,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from tinymodel import write_gguf
 
 __all__ = ["attention_shapes", "write_lora"]
 
@@ -50,10 +51,4 @@ def write_lora(dst: Path | str, arch: str, shapes: Mapping[str, tuple[int, int]]
         b = rng.standard_normal((n_out, rank), dtype=np.float32) * np.float32(std / np.sqrt(rank))
         w.add_tensor(name + ".lora_a", a)
         w.add_tensor(name + ".lora_b", b)
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    w.write_header_to_file(dst)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return write_gguf(w, dst)

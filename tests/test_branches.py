@@ -393,3 +393,14 @@ def test_handles_go_stale_with_their_model(tiny: Model) -> None:
         _ = root.position
     with pytest.raises(StaleHandleError):
         ctx.generate("Hi", n_predict=1)
+
+
+def test_branches_refuse_a_window_sized_sliding_window_cache(gemma) -> None:  # type: ignore[no-untyped-def]
+    # Gemma 3 has sliding-window layers: with swa_full=False a rollback could need cells already dropped.
+    ctx = gemma.new_context(n_ctx=256, swa_full=False)
+    try:
+        with pytest.raises(ContextError, match="swa_full=True"):
+            ctx.branch("Hello")
+        assert ctx.generate("Hello", n_predict=2).n_decoded == 2  # the context still serves
+    finally:
+        ctx.close()

@@ -38,6 +38,7 @@ __all__ = [
     "make_tiny_model",
     "make_truncated",
     "tiny_model_path",
+    "write_gguf",
 ]
 
 #: Bump when the generator's output changes, so cached files are rebuilt.
@@ -83,6 +84,17 @@ def copy_field(field: gguf.ReaderField, key: str, writer: gguf.GGUFWriter) -> No
         writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
     else:
         writer.add_key_value(key, field.contents(), vtype)
+
+
+def write_gguf(writer: gguf.GGUFWriter, dst: Path | str) -> Path:
+    """Writes what *writer* holds to *dst* (its folder made if need be) and closes it."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file(dst)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
 
 
 def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
@@ -201,12 +213,7 @@ def make_tiny_model(
         # ggml {n_embd, n_cls_out}; std 1 so that the label logits are spread (the hidden state is RMS-normed).
         w.add_tensor("cls.output.weight", normal((len(cls_labels), n_embd), 1.0))
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    w.write_header_to_file(path)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf(w, path)
 
 
 def _file_digest(p: Path) -> str:
