@@ -18,6 +18,7 @@ CASES = {
     "entropy": (["-t", "20"], "explored"),
     "grammar": (["-n", "2"], "fork 1:"),
     "streaming": (["-t", "150", "--n-ctx", "96", "--tail", "32"], "reseeds"),
+    "snapshot": (["-n", "2", "-t", "8"], "Q: Where is the cafe? ->"),
 }
 
 
