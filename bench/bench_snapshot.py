@@ -9,7 +9,8 @@ A prepared instance holds the model and a context prefilled with an -n token pro
 - fork: Snapshot.fork() then one token from the fork's prepared context (its prompt is already there).
 
 Rounds interleave a cold start and a fork; the medians are reported, with the fork split into fork()
-and the first token. Memory, with 4 forks alive that have each generated 16 tokens: the proportional set
+and the first token, and the prompt's prefill in a cold start (THREADS threads) against the zygote's
+(one thread: the price of forking without an OpenMP team, docs/SNAPSHOTS.md). Memory, with 4 forks alive that have each generated 16 tokens: the proportional set
 size (/proc/PID/smaps_rollup Pss: shared pages split among their sharers) of the 4 forks, and of the 4
 forks plus their zygote, against one cold instance that holds the same (measured alone). Targets from
 the snapshots issue: fork to first token <= 50 ms; 4 forks' PSS <= 1.5x one instance.
@@ -53,17 +54,23 @@ def main() -> None:
     # Random tokens from the lower vocabulary (no special ones): the prompt's length is what matters.
     prompt = [rng.randrange(1000, 20000) for _ in range(args.prompt_tokens)]
 
+    prefill_s: dict[str, list[float]] = {"cold": [], "zygote": []}
+
     def cold_start() -> tuple[float, Pool, Context]:
         t0 = time.perf_counter()
         pool = Pool(1, threads_per_worker=args.threads)
         ctx = pool[0].load_model(path).new_context(n_ctx=n_ctx)
+        t1 = time.perf_counter()
         ctx.eval(prompt)
+        prefill_s["cold"].append(time.perf_counter() - t1)
         ctx.generate("", append=True, n_predict=1)
         return time.perf_counter() - t0, pool, ctx
 
     def prepare(instance: Instance) -> dict[str, Any]:
         ctx = instance.load_model(path).new_context(n_ctx=n_ctx, n_threads=args.threads)
-        ctx.eval(prompt)
+        t1 = time.perf_counter()
+        ctx.eval(prompt)  # a zygote computes on one thread
+        prefill_s["zygote"].append(time.perf_counter() - t1)
         return {"ctx": ctx}
 
     report: dict[str, Any] = {"model": path.name, "threads": args.threads, "prompt_tokens": args.prompt_tokens}
@@ -110,6 +117,8 @@ def main() -> None:
         for fork in forks:
             fork.close()
         snapshot.close()
+    report.update(prefill_ms_cold=1000 * statistics.median(prefill_s["cold"]),
+                  prefill_ms_zygote_one_thread=1000 * statistics.median(prefill_s["zygote"]))
     report["targets"] = {"fork_to_first_token_ms": 50.0, "four_forks_vs_one": 1.5}
     emit_report(report, args.json_out)
 
