@@ -10,9 +10,11 @@ A prepared instance holds the model and a context prefilled with an -n token pro
 
 Rounds interleave a cold start and a fork; the medians are reported, with the fork split into fork()
 and the first token, and the prompt's prefill in a cold start (THREADS threads) against the zygote's
-(one thread: the price of forking without an OpenMP team, docs/SNAPSHOTS.md). Memory, with 4 forks alive that have each generated 16 tokens: the proportional set
-size (/proc/PID/smaps_rollup Pss: shared pages split among their sharers) of the 4 forks, and of the 4
-forks plus their zygote, against one cold instance that holds the same (measured alone). Targets from
+(one thread: the price of forking without an OpenMP team, docs/SNAPSHOTS.md).
+
+Memory, with 4 forks alive that have each generated 16 tokens: the proportional set size
+(/proc/PID/smaps_rollup Pss: shared pages split among their sharers) of the 4 forks, and of the 4 forks
+plus their zygote, against one cold instance that holds the same (measured alone). Targets from
 the snapshots issue: fork to first token <= 50 ms; 4 forks' PSS <= 1.5x one instance.
 """
 
