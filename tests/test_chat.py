@@ -1,11 +1,12 @@
 """Chat prompts through llama.cpp's Jinja engine: the formats by name against reference strings, Jinja
-source, tools, and typed errors for templates that cannot be used."""
+source, tools, and typed errors for templates that cannot be used; model output parsed by the parser of
+the template's format (content, reasoning, tool calls)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lloyal_pool import Model, TemplateError
+from lloyal_pool import ChatMessage, Model, TemplateError, ToolCall
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -85,3 +86,70 @@ def test_a_formatted_prompt_generates_with_one_bos(gemma: Model) -> None:
         ctx.close()
     assert history[0] == gemma.info.bos and history[1] != gemma.info.bos
     assert r.n_decoded > 0
+
+
+# A Hermes-style format written for these tests (ChatML turns, <tool_call>{json}</tool_call>, <think> blocks),
+# given as Jinja source: llama.cpp's format analysis finds its tool-call and reasoning markers by rendering it.
+HERMES = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "To call one, write <tool_call>\n{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n{% endif %}"
+    "{{ m.content }}"
+    "{% for tc in m.tool_calls %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{% if tc.function.arguments is string %}{{ tc.function.arguments }}"
+    "{% else %}{{ tc.function.arguments | tojson }}{% endif %}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.gemma
+def test_gemma_output_parses_as_plain_content(gemma: Model) -> None:
+    prompt = gemma.apply_chat_template([{"role": "user", "content": "Hello, I am Ada."}], template="gemma")
+    ctx = gemma.new_context(n_ctx=256)
+    try:
+        r = ctx.generate(prompt, n_predict=8)
+    finally:
+        ctx.close()
+    assert r.text.strip()
+    msg = gemma.parse_chat_output(r.text, template="gemma")
+    assert msg == ChatMessage(content=r.text)  # Gemma's format has no reasoning or tool-call markers
+
+
+def test_a_tool_call_and_content_are_parsed_apart(tiny: Model) -> None:
+    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    msg = tiny.parse_chat_output(text, template=HERMES, tools=WEATHER)
+    assert msg.content == "Let me look." and msg.reasoning == ""
+    assert msg.tool_calls == [ToolCall(name="get_weather", arguments='{"city": "Paris"}')]
+    assert msg.tool_calls[0].args() == {"city": "Paris"}
+    # Without tools the same text is content: nothing is parsed as a call.
+    plain = tiny.parse_chat_output(text, template=HERMES)
+    assert plain.tool_calls == [] and plain.content == text
+
+
+def test_a_reasoning_block_is_parsed_apart(tiny: Model) -> None:
+    msg = tiny.parse_chat_output("<think>\nParis is in France.\n</think>\nIt is sunny.", template=HERMES)
+    assert msg.reasoning.strip() == "Paris is in France." and msg.content == "It is sunny."
+    assert msg.to_message() == {"role": "assistant", "content": "It is sunny.", "reasoning_content": msg.reasoning}
+
+
+def test_output_the_format_cannot_parse_is_a_typed_error(tiny: Model) -> None:
+    with pytest.raises(TemplateError, match="chat output"):
+        tiny.parse_chat_output('<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',
+                               template=HERMES, tools=WEATHER)
+    with pytest.raises(TemplateError):
+        tiny.parse_chat_output("Hi", template=HERMES, tools=[{"type": "function"}])  # no function in it
+    with pytest.raises(TemplateError, match="no chat template"):
+        tiny.parse_chat_output("Hi")
+    assert tiny.parse_chat_output("Still serving.", template=HERMES).content == "Still serving."
