@@ -2,11 +2,12 @@
 this process never loads llama.cpp.
 
 A Pool starts the worker processes; ``pool[i].load_model(path)`` loads a Model into one of them, and
-``model.new_context()`` gives a Context to generate, stream, evaluate or embed with, or to grow a tree of
-forkable branches on (Context.branch, Branch, BranchStore, KV), or to chat on (Context.chat, Session). Every handle method is a request to its
-worker and blocks until the reply arrives (``*_async`` variants return a Future). Parameters and results
-are in ``lloyal_pool.params``, the errors in ``lloyal_pool.errors`` (all derive from LloyalError),
-entropy and surprisal over logits in ``lloyal_pool.metrics``.
+``model.new_context()`` gives a Context to generate, stream, evaluate or embed with, to grow a tree of
+forkable branches on (Context.branch, Branch, BranchStore, KV), or to chat on (Context.chat, Session).
+Every handle method is a request to its worker and blocks until the reply arrives (``*_async`` variants
+return a Future). Parameters and results are in ``lloyal_pool.params``, the errors in
+``lloyal_pool.errors`` (all derive from LloyalError), entropy and surprisal over logits in
+``lloyal_pool.metrics``.
 
 The callback types:
 
