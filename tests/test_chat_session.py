@@ -161,6 +161,19 @@ def test_a_tool_call_parsed_from_the_session_matches_the_weather_schema(gemma: M
         ctx.close()
 
 
+def test_a_required_tool_call_grammar_starts_after_the_generation_prompt(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=1024)
+    try:
+        session = ctx.chat(template=HERMES, tools=WEATHER, tool_choice="required", n_predict=6)
+        assert session.prompt("What is the weather in Paris?").endswith("<|im_start|>assistant\n")
+        reply = session.send("What is the weather in Paris?")
+        # The grammar begins with "<|im_start|>assistant\n"; without its prefill it would make the model
+        # write that again.
+        assert reply.result.n_decoded == 6 and not reply.result.text.startswith("<|im_start|>")
+    finally:
+        ctx.close()
+
+
 def test_a_grammar_prefill_is_accepted_before_the_first_token(gemma: Model) -> None:
     ctx = gemma.new_context(n_ctx=256)
     try:
