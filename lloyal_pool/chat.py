@@ -10,6 +10,9 @@ published description; ``Model.apply_chat_template(template="gemma")`` uses it.
 The templates write the model's BOS first, as the originals do; llama.cpp's engine takes it off the
 rendered prompt when the model adds BOS itself, so the prompt starts with the first turn and a generate
 adds the BOS once.
+
+ChatMessage and ToolCall are what llama.cpp's parser for a template's format makes of a model's output
+(Model.parse_chat_output, and every reply of a Session).
 """
 
 from __future__ import annotations

@@ -482,8 +482,10 @@ class Context:
         Model.apply_chat_template) and generates with the prompt cache, so only the new turn's tokens are
         decoded. ``system`` starts it with a system message. ``tools`` (OpenAI-style definitions) are
         rendered by the template, and where its format has tool calls a grammar from llama.cpp constrains
-        them: lazily, once the model starts a call, with ``tool_choice="auto"``; from the first token with
-        "required". ``params`` and keyword ``defaults`` (GenerateParams fields) apply to every turn."""
+        them: lazily, once the model writes the format's call marker, with ``tool_choice="auto"``; from
+        the first token with "required" (a grammar that is not lazy); not at all with "none". ``params``
+        and keyword ``defaults`` (GenerateParams fields) apply to every turn. ValueError for an unknown
+        tool_choice, TypeError for an unknown GenerateParams field."""
         from .session import Session
 
         return Session(self, system, template=template, tools=tools, tool_choice=tool_choice, params=params,
