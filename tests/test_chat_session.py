@@ -161,6 +161,24 @@ def test_a_tool_call_parsed_from_the_session_matches_the_weather_schema(gemma: M
         ctx.close()
 
 
+def test_call_markers_that_are_control_tokens_reach_the_parser(gemma: Model) -> None:
+    # <unused0> and <unused1> are control tokens of Gemma's vocabulary, which text leaves out by default.
+    markers = HERMES.replace("<tool_call>\n", "<unused0>").replace("\n</tool_call>", "<unused1>")
+    ctx = gemma.new_context(n_ctx=2048)
+    try:
+        session = ctx.chat(template=markers, tools=WEATHER, n_predict=28, stop=["<|im_end|>"])
+        session.add("user", "What is the weather in Rome?")
+        session.add("assistant", "", tool_calls=_call(1, "Rome"))
+        session.add("user", "What is the weather in Berlin?")
+        session.add("assistant", "", tool_calls=_call(2, "Berlin"))
+        reply = session.send("What is the weather in Paris?")
+        (unused0,) = gemma.tokenize("<unused0>", add_special=False, parse_special=True)
+        assert reply.result.tokens[0] == unused0 and reply.result.text.startswith("<unused0>")
+        assert reply.tool_calls[0].name == "get_weather" and reply.tool_calls[0].args() == {"city": "Paris"}
+    finally:
+        ctx.close()
+
+
 def test_a_required_tool_call_grammar_starts_after_the_generation_prompt(gemma: Model) -> None:
     ctx = gemma.new_context(n_ctx=1024)
     try:
