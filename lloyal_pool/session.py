@@ -164,7 +164,7 @@ class Session:
                  overrides: Mapping[str, Any]) -> tuple[str, GenerateParams]:
         gen = GenerateParams.of(params if params is not None else self.defaults, overrides)
         fmt = self._format(turn)
-        changes: dict[str, Any] = {"cache_prompt": True}
+        changes: dict[str, Any] = {}
         if fmt.additional_stops:
             changes["stop"] = tuple(dict.fromkeys([*gen.stop, *fmt.additional_stops]))
         if fmt.grammar:
@@ -178,7 +178,7 @@ class Session:
         if fmt.preserved_tokens:
             # The format's markers (<tool_call>, ...) may be control tokens: the parser needs to see them.
             changes["render_special"] = True
-        return fmt.prompt, replace(gen, **changes)
+        return fmt.prompt, replace(gen, **changes) if changes else gen
 
     def _finish(self, stream: ChatStream | None, turn: list[dict[str, Any]], result: Result) -> ChatReply:
         if stream is not None and self._pending is stream:

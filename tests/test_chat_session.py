@@ -11,6 +11,7 @@ import pytest
 from chatformats import HERMES, WEATHER
 
 from lloyal_pool import ChatStream, Context, GrammarError, Model, Result, Session, StopReason, TemplateError
+from lloyal_pool.chat import GEMMA
 from lloyal_pool.params import Grammar
 
 pytestmark = pytest.mark.gemma
@@ -106,6 +107,21 @@ def test_a_streamed_turn_joins_the_conversation_and_an_interrupted_one_is_kept(g
         held = ctx.tokens()
         after = session.send(TURNS[1])
         assert after.result.n_cached == len(held)
+    finally:
+        ctx.close()
+
+
+def test_the_formats_extra_stop_strings_end_a_reply(gemma: Model) -> None:
+    # llama.cpp's format analysis adds "</assistant>" as a stop string for templates of the Laguna family,
+    # which it recognises by this name in the source.
+    laguna_like = "{# laguna_glm_thinking #}" + GEMMA
+    ctx = gemma.new_context(n_ctx=1024)
+    try:
+        session = ctx.chat(template=laguna_like, n_predict=24, logit_bias={_eot(gemma): EOT_BIAS})
+        reply = session.send("Hello, I am Ada </assistant> and you?")  # the base model repeats it
+        assert reply.result.stop_reason is StopReason.STOP and reply.text == "Hello, I am Ada "
+        plain = ctx.chat(template="gemma", n_predict=24, logit_bias={_eot(gemma): EOT_BIAS})
+        assert "</assistant>" in plain.send("Hello, I am Ada </assistant> and you?").text
     finally:
         ctx.close()
 
