@@ -10,9 +10,20 @@ from typing import Any
 import pytest
 from chatformats import HERMES, WEATHER
 
-from lloyal_pool import ChatStream, Context, GrammarError, Model, Result, Session, StopReason, TemplateError
+from lloyal_pool import (
+    ChatStream,
+    Context,
+    ContextOverflowError,
+    GenerateParams,
+    Grammar,
+    GrammarError,
+    Model,
+    Result,
+    Session,
+    StopReason,
+    TemplateError,
+)
 from lloyal_pool.chat import GEMMA
-from lloyal_pool.params import Grammar
 
 pytestmark = pytest.mark.gemma
 
@@ -241,6 +252,14 @@ def test_a_session_refuses_what_cannot_work(gemma: Model, tiny: Model) -> None:
         with pytest.raises(ValueError, match="tool-call grammar"):
             tools.send("Hi")
         ok = ctx.chat(template="chatml", n_predict=2)
-        assert ok.send("Hi").result.n_decoded > 0 and len(ok.messages) == 2
+        # A streamed turn that fails (the prompt does not fit) is not recorded, read or not.
+        failed = ok.stream("word " * 300)
+        assert ok.messages == []
+        with pytest.raises(ContextOverflowError):
+            failed.reply  # noqa: B018
+        assert ok.send("Hi").result.n_decoded == 2 and len(ok.messages) == 2
+        # params replaces the session's defaults for one turn; keyword overrides apply on top.
+        assert ok.send("Hi", GenerateParams(n_predict=1)).result.n_decoded == 1
+        assert ok.send("Hi", n_predict=3).result.n_decoded == 3 and len(ok.messages) == 6
     finally:
         ctx.close()
