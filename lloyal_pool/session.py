@@ -83,6 +83,11 @@ class ChatStream(Stream):
         return self
 
     @property
+    def result(self) -> Result:
+        """The reply's Result (blocks until the generation ends; the turn then joins the conversation)."""
+        return self.reply.result
+
+    @property
     def reply(self) -> ChatReply:
         """The parsed turn (blocks until the generation ends); raises the generation's error, if any."""
         with self._reply_lock:

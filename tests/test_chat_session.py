@@ -108,12 +108,16 @@ def test_a_streamed_turn_joins_the_conversation_and_an_interrupted_one_is_kept(g
         pieces = list(stream)
         assert "".join(pieces) == stream.reply.text and stream.reply.result.stop_reason is StopReason.EOS
         assert session.messages[-1] == {"role": "assistant", "content": stream.reply.text}
+        # Reading result also ends the turn.
+        quick = session.stream("Thanks.")
+        assert quick.result.n_decoded > 0 and session.messages[-1]["content"] == quick.reply.text
+        assert len(session.messages) == 5
         # A long reply closed after its first piece: what it got to is the turn.
         with session.stream("Tell me a long story.", n_predict=400, logit_bias={}) as long:
             first = next(long)
         assert long.reply.result.interrupted and long.reply.text.startswith(first)
         assert session.messages[-1]["content"] == long.reply.text
-        assert len(session.messages) == 5
+        assert len(session.messages) == 7
         # The next turn reuses all of it.
         held = ctx.tokens()
         after = session.send(TURNS[1])
@@ -237,7 +241,7 @@ def test_a_grammar_prefill_is_accepted_before_the_first_token(gemma: Model) -> N
         ctx.close()
 
 
-def test_a_session_refuses_what_cannot_work(gemma: Model, tiny: Model) -> None:
+def test_a_session_refuses_what_cannot_work(tiny: Model) -> None:
     ctx: Context = tiny.new_context(n_ctx=256)
     try:
         with pytest.raises(ValueError, match="tool_choice"):
