@@ -229,6 +229,13 @@ def test_a_grammar_prefill_is_accepted_before_the_first_token(gemma: Model) -> N
         g = Grammar(gbnf='root ::= "Hello" " world" "!"', prefill="Hello")
         r = ctx.generate("Say hello:", n_predict=8, grammar=g)
         assert r.text == " world!" and r.stop_reason is StopReason.EOS
+        # A branch's grammar takes a prefill the same way.
+        branch_ctx = gemma.new_context(n_ctx=256)
+        try:
+            branch = branch_ctx.branch("Say hello:", grammar=g)
+            assert "".join(t.text for t in branch.iterate(8)) == " world!"
+        finally:
+            branch_ctx.close()
         with pytest.raises(GrammarError, match="does not accept its prefill"):
             ctx.generate("Say hello:", n_predict=8, grammar=Grammar(gbnf='root ::= "Hi"', prefill="Bye"))
         with pytest.raises(GrammarError, match="end-of-generation"):
