@@ -2,11 +2,12 @@
 this process never loads llama.cpp.
 
 A Pool starts the worker processes; ``pool[i].load_model(path)`` loads a Model into one of them, and
-``model.new_context()`` gives a Context to generate, stream, evaluate or embed with, or to grow a tree of
-forkable branches on (Context.branch, Branch, BranchStore, KV). Every handle method is a request to its
-worker and blocks until the reply arrives (``*_async`` variants return a Future). Parameters and results
-are in ``lloyal_pool.params``, the errors in ``lloyal_pool.errors`` (all derive from LloyalError),
-entropy and surprisal over logits in ``lloyal_pool.metrics``.
+``model.new_context()`` gives a Context to generate, stream, evaluate or embed with, to grow a tree of
+forkable branches on (Context.branch, Branch, BranchStore, KV), or to chat on (Context.chat, Session).
+Every handle method is a request to its worker and blocks until the reply arrives (``*_async`` variants
+return a Future). Parameters and results are in ``lloyal_pool.params``, the errors in
+``lloyal_pool.errors`` (all derive from LloyalError), entropy and surprisal over logits in
+``lloyal_pool.metrics``.
 
 The callback types:
 
@@ -26,6 +27,7 @@ import logging
 from . import metrics
 from ._link import PromptProgress
 from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
+from .chat import ChatMessage, ToolCall
 from .client import Context, Instance, LoraAdapter, Model, Pool, ProgressCallback, Stream
 from .errors import (
     BranchError,
@@ -62,6 +64,7 @@ from .params import (
     Score,
     StopReason,
 )
+from .session import ChatReply, ChatStream, Session
 from .snapshot import Snapshot
 
 __version__ = "0.1.0"
@@ -76,6 +79,9 @@ __all__ = [
     "BranchError",
     "BranchInfo",
     "BranchStore",
+    "ChatMessage",
+    "ChatReply",
+    "ChatStream",
     "Context",
     "ContextError",
     "ContextOverflowError",
@@ -106,6 +112,7 @@ __all__ = [
     "ResultTooLargeError",
     "SamplerParams",
     "Score",
+    "Session",
     "Snapshot",
     "SnapshotError",
     "StaleHandleError",
@@ -113,6 +120,7 @@ __all__ = [
     "StopReason",
     "Stream",
     "TemplateError",
+    "ToolCall",
     "WorkerCrashedError",
     "WorkerError",
     "WorkerStartupError",

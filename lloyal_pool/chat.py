@@ -10,9 +10,17 @@ published description; ``Model.apply_chat_template(template="gemma")`` uses it.
 The templates write the model's BOS first, as the originals do; llama.cpp's engine takes it off the
 rendered prompt when the model adds BOS itself, so the prompt starts with the first turn and a generate
 adds the BOS once.
+
+ChatMessage and ToolCall are what llama.cpp's parser for a template's format makes of a model's output
+(Model.parse_chat_output, and every reply of a Session).
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
 
 GEMMA = (
     "{{ bos_token }}"
@@ -57,4 +65,49 @@ def template_source(template: str | None) -> str:
     raise ValueError(f"unknown chat format {template!r}: one of {sorted(CHAT_FORMATS)}, or Jinja source")
 
 
-__all__ = ["CHAT_FORMATS", "template_source"]
+#: What ``tool_choice`` takes: "auto" (the model may call a tool: a lazy grammar waits for the format's
+#: tool-call marker), "required" (the reply is tool calls: the grammar constrains it from the start) and
+#: "none" (tools are described in the prompt, but the reply is not constrained or parsed for calls).
+TOOL_CHOICES = ("auto", "required", "none")
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """One tool call parsed from an assistant turn: the tool's ``name``, its ``arguments`` as JSON text
+    (as the model wrote them, normalised by the parser), and an ``id`` ("" when the format has none)."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def args(self) -> Any:
+        """The arguments, decoded from JSON."""
+        return json.loads(self.arguments) if self.arguments else {}
+
+    def to_message(self) -> dict[str, Any]:
+        """The call as an OpenAI-style ``tool_calls`` entry, as an assistant message carries it."""
+        out: dict[str, Any] = {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if self.id:
+            out["id"] = self.id
+        return out
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """An assistant turn parsed by llama.cpp's parser for the format its template yields
+    (Model.parse_chat_output): the ``content``, the ``reasoning`` (a ``<think>`` block or the format's
+    own, "" when none), and the ``tool_calls``."""
+
+    content: str
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
+
+    def to_message(self) -> dict[str, Any]:
+        """The turn as an OpenAI-style assistant message, the form a template renders again."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_message() for c in self.tool_calls]
+        return out
+
+
+__all__ = ["CHAT_FORMATS", "TOOL_CHOICES", "ChatMessage", "ToolCall", "template_source"]

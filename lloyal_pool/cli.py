@@ -1,7 +1,9 @@
-"""Command line: ``lloyal-pool generate PROMPT`` and ``lloyal-pool info`` (also ``python -m lloyal_pool``).
+"""Command line: ``lloyal-pool generate PROMPT``, ``lloyal-pool chat`` and ``lloyal-pool info`` (also
+``python -m lloyal_pool``).
 
 generate prints only the generated text on stdout, streamed as it is decoded; the load progress bar and
-diagnostics go to stderr, so the output can be piped.
+diagnostics go to stderr, so the output can be piped. chat reads one user turn per line from stdin and
+streams each reply to stdout, one line per reply; Ctrl-C stops a reply, Ctrl-D (end of input) ends.
 """
 
 from __future__ import annotations
@@ -79,6 +81,67 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The bias ``chat`` puts on <end_of_turn> when it falls back to the Gemma format for a model without a
+#: template: Gemma 3 270M, a base model, ranks that token far down and would not end a turn on its own.
+BASE_MODEL_END_BIAS = 12.0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    path = _model_path(args.model)
+    with Pool(1, variant=args.variant) as pool:
+        model = pool[0].load_model(path, progress=_ProgressBar(f"loading {path.name}") if not args.quiet else None)
+        ctx = model.new_context(ContextParams(n_ctx=args.n_ctx, n_threads=args.threads))
+        template = args.template
+        end_bias = args.end_bias
+        if template is None and model.info.chat_template is None:
+            template = "gemma"
+            if end_bias is None:
+                end_bias = BASE_MODEL_END_BIAS
+            print(f"lloyal-pool chat: {path.name} has no chat template: using the Gemma format (--template to "
+                  f"choose another), with {end_bias:+g} on <end_of_turn> so that a base model ends its turns "
+                  f"(--end-bias)", file=sys.stderr)
+        bias: dict[int, float] = {}
+        if end_bias:
+            end = model.tokenize("<end_of_turn>", add_special=False, parse_special=True)
+            if len(end) != 1:
+                raise SystemExit("lloyal-pool chat: --end-bias needs a vocabulary with an <end_of_turn> token")
+            bias[end[0]] = end_bias
+        session = ctx.chat(args.system, template=template, n_predict=args.n_predict,
+                           temperature=args.temperature, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
+                           min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                           repeat_last_n=args.repeat_last_n, stop=tuple(args.stop or ()), logit_bias=bias)
+        interactive = sys.stdin.isatty()
+        while True:
+            try:
+                line = input("> ") if interactive else sys.stdin.readline()
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")  # Ctrl-C at the prompt drops the line; Ctrl-D ends
+                continue
+            if not interactive and not line:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            stream = session.stream(text)
+            try:
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                stream.interrupt()  # the reply stops where it is and stays in the conversation
+            result = stream.reply.result
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if result.interrupted:
+                print("[interrupted]", file=sys.stderr)
+            if args.verbose:
+                print(f"[{result.n_prompt} prompt tokens, {result.n_cached} reused; {result.n_decoded} tokens in "
+                      f"{result.decode_ms:.0f} ms; stop: {result.stop_reason.value}]", file=sys.stderr)
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     with Pool(1, variant=args.variant) as pool:
@@ -115,6 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars (model load, prompt)")
     g.add_argument("-v", "--verbose", action="store_true", help="timings on stderr")
     g.set_defaults(fn=_cmd_generate)
+
+    c = sub.add_parser("chat", help="chat: a user turn per line on stdin, each reply streamed to stdout")
+    c.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")
+    c.add_argument("--template", help="a chat format (gemma, chatml, llama3) or Jinja source; default: the "
+                   "model's own, or gemma for a model without one")
+    c.add_argument("--system", help="a system message to start the conversation with")
+    c.add_argument("--end-bias", type=float, default=None,
+                   help=f"logit bias on <end_of_turn> (default {BASE_MODEL_END_BIAS:g} when falling back to the "
+                   "Gemma format, else 0)")
+    c.add_argument("-n", "--n-predict", type=int, default=256, help="most tokens per reply (<= 0: no limit)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=0.0)
+    c.add_argument("--min-p", type=float, default=0.0)
+    c.add_argument("--repeat-penalty", type=float, default=0.0)
+    c.add_argument("--repeat-last-n", type=int, default=0)
+    c.add_argument("--stop", action="append", help="stop string (repeatable)")
+    c.add_argument("-c", "--n-ctx", type=int, default=4096)
+    c.add_argument("-t", "--threads", type=int, default=None)
+    c.add_argument("-q", "--quiet", action="store_true", help="no model loading bar")
+    c.add_argument("-v", "--verbose", action="store_true", help="tokens and timings of each reply on stderr")
+    c.set_defaults(fn=_cmd_chat)
 
     i = sub.add_parser("info", help="model info as JSON")
     i.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")

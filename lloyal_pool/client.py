@@ -13,6 +13,7 @@ serving, and Pool.replace() starts a fresh one in its place.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -29,17 +30,20 @@ from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
+from .chat import TOOL_CHOICES, ChatMessage
 from .errors import LoraError, ModelLoadError, PoolClosedError, StaleHandleError
 from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams, Score
 from .protocol import Request
 from .shm import DEFAULT_SIZE
 
 if TYPE_CHECKING:
+    from .session import Session
     from .snapshot import Snapshot
 
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
 R = TypeVar("R")
+S = TypeVar("S", bound="Stream")
 
 
 class Instance:
@@ -138,8 +142,6 @@ class Instance:
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
-        import json
-
         text = schema if isinstance(schema, str) else json.dumps(schema)
         return self._proc.call(p.JsonSchemaToGrammar(schema=text)).result()
 
@@ -154,6 +156,12 @@ class Instance:
     def fault(self, kind: str, **args: Any) -> Future[Any]:
         """Test-only: ask the worker to crash in a given way (needs LLOYAL_POOL_TEST_FAULTS=1)."""
         return self._proc.call(p.Fault(kind=kind, **args))
+
+
+def _tool_choice(choice: str) -> str:
+    if choice not in TOOL_CHOICES:
+        raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {choice!r}")
+    return choice
 
 
 def _beneath(path: str, dirs: Sequence[str]) -> bool:
@@ -231,12 +239,33 @@ class Model:
         definitions) are rendered where the template places them. TemplateError when the model has no
         template and none is given, or the template does not parse or render; ValueError for an unknown
         format name."""
-        import json
-
         pairs = [(m["role"], m["content"]) for m in messages]
         return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
                                               add_generation_prompt=add_generation_prompt,
                                               tools=json.dumps(list(tools)) if tools else ""))
+
+    def parse_chat_output(self, text: str, *, template: str | None = None,
+                          tools: Sequence[Mapping[str, Any]] | None = None) -> ChatMessage:
+        """Parses ``text``, an assistant turn the model generated, with llama.cpp's parser for the format
+        that the template (as for apply_chat_template) yields: a ChatMessage with the ``content``, the
+        ``reasoning`` (a ``<think>`` block, where the format has one) and the ``tool_calls`` (name,
+        arguments as JSON text, id) when ``tools`` were offered. TemplateError for text that the format
+        cannot parse, or a template that cannot be used."""
+        return self._parse_chat(text, template=template, tools=tools)
+
+    def _parse_chat(self, text: str, *, template: str | None, tools: Sequence[Mapping[str, Any]] | None,
+                    messages: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
+                    partial: bool = False) -> ChatMessage:
+        return self._call(p.ParseChatOutput(model=self._handle, text=text,
+                                            messages=json.dumps(list(messages)) if messages else "",
+                                            template=template, tools=json.dumps(list(tools)) if tools else "",
+                                            tool_choice=_tool_choice(tool_choice), partial=partial))
+
+    def _format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
+                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str = "auto") -> p.ChatPrompt:
+        return self._call(p.ChatFormat(model=self._handle, messages=json.dumps(list(messages)), template=template,
+                                       tools=json.dumps(list(tools)) if tools else "",
+                                       tool_choice=_tool_choice(tool_choice)))
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
@@ -453,12 +482,33 @@ class Context:
                append: bool = False, progress: PromptProgress | None = None, **overrides: Any) -> Stream:
         """Like generate, but returns at once with a Stream: iterate it for the pieces, then read its
         ``result``. Close it (or use ``with``) to stop early."""
-        s = Stream(self)
-        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=True, append=append,
-                                     progress=progress is not None)
+        return self._start_stream(Stream(self), prompt, GenerateParams.of(params, overrides), append=append,
+                                  progress=progress)
+
+    def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
+                      progress: PromptProgress | None) -> S:
+        req = self._generate_request(prompt, params, stream=True, append=append, progress=progress is not None)
         s._attach(self._link.call(req, events(piece=s._q.put, prompt_progress=spread_progress(progress)),
                                   on_id=s._set_id))
         return s
+
+    def chat(self, system: str | None = None, *, template: str | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
+             params: GenerateParams | None = None, **defaults: Any) -> Session:
+        """A multi-turn conversation on this context (a Session): ``send(text)`` adds a user turn and
+        generates the assistant's reply, ``stream(text)`` does it piece by piece. Every turn formats the
+        whole conversation with the template (the model's, or a format name or Jinja source as for
+        Model.apply_chat_template) and generates with the prompt cache, so only the new turn's tokens are
+        decoded. ``system`` starts it with a system message. ``tools`` (OpenAI-style definitions) are
+        rendered by the template, and where its format has tool calls a grammar from llama.cpp constrains
+        them: lazily, once the model writes the format's call marker, with ``tool_choice="auto"``; from
+        the first token with "required" (a grammar that is not lazy); not at all with "none". ``params``
+        and keyword ``defaults`` (GenerateParams fields) apply to every turn. ValueError for an unknown
+        tool_choice, TypeError for an unknown GenerateParams field."""
+        from .session import Session
+
+        return Session(self, system, template=template, tools=tools, tool_choice=tool_choice, params=params,
+                       **defaults)
 
     def generate_with_draft(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                             draft: str | Context = "ngram", n_draft: int = 8, ngram_min: int = 2, ngram_max: int = 4,

@@ -140,7 +140,9 @@ class GenerateParams(SamplerParams):
 class Grammar:
     """A grammar for a branch: GBNF text, or a JSON schema (converted by llama.cpp's own converter in the
     worker). A lazy grammar leaves sampling free until a trigger fires (a word, a regex pattern matched
-    against the whole generated text, or a token), then constrains what follows."""
+    against the whole generated text, or a token), then constrains what follows. ``prefill``: text the
+    prompt already ends with, which a grammar that is not lazy accepts before the first sampled token
+    (llama.cpp's tool-call grammars start with the assistant's generation prompt)."""
 
     gbnf: str | None = None
     json_schema: str | Mapping[str, Any] | None = None
@@ -149,6 +151,7 @@ class Grammar:
     trigger_patterns: Sequence[str] = ()
     trigger_tokens: Sequence[int] = ()
     root: str = "root"
+    prefill: str = ""
 
     def __post_init__(self) -> None:
         if (self.gbnf is None) == (self.json_schema is None):
@@ -158,12 +161,16 @@ class Grammar:
                 raise TypeError(f"{name} must be a sequence of strings, not a string")
         if self.lazy and not (self.trigger_words or self.trigger_patterns or self.trigger_tokens):
             raise ValueError("a lazy grammar needs at least one trigger (word, pattern or token)")
+        if self.lazy and self.prefill:
+            raise ValueError("a prefill applies to a grammar that is not lazy")
 
     def to_wire(self) -> dict[str, Any]:
         """The grammar as the plain dict a request carries to the worker (a JSON schema as JSON text)."""
         out: dict[str, Any] = {"root": self.root, "lazy": self.lazy, "trigger_words": list(self.trigger_words),
                                "trigger_patterns": list(self.trigger_patterns),
                                "trigger_tokens": [int(t) for t in self.trigger_tokens]}
+        if self.prefill:
+            out["prefill"] = self.prefill
         if self.gbnf is not None:
             out["gbnf"] = self.gbnf
         else:

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Generic, TypeVar, get_args
 
 import msgspec
 
+from .chat import ChatMessage
 from .errors import BadRequestError, ProtocolError
 from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 
@@ -116,6 +117,9 @@ class Op(str, enum.Enum):
     FREEZE = "freeze"
     FORK = "fork"
     REAP = "reap"
+    # Chat (client.Model.parse_chat_output, session.Session).
+    CHAT_FORMAT = "chat_format"
+    PARSE_CHAT_OUTPUT = "parse_chat_output"
     FAULT = "_fault"  # test-only, refused unless the worker runs with LLOYAL_POOL_TEST_FAULTS=1
 
 
@@ -221,6 +225,22 @@ class StateLoaded(Reply):
     tokens: list[int]
     n_bytes: int
     states: list[BranchState]  # the branch that took the loaded cells, if one did
+
+
+class ChatPrompt(Reply):
+    """A conversation formatted for the assistant's next turn (common/chat): the prompt, and with tools the
+    grammar of the format's tool calls (lazy: free until a trigger) and what else generating needs."""
+
+    prompt: str
+    format: str
+    grammar: str  # GBNF; "": none
+    grammar_lazy: bool
+    trigger_words: list[str]
+    trigger_patterns: list[str]
+    trigger_tokens: list[int]
+    preserved_tokens: list[str]
+    additional_stops: list[str]
+    generation_prompt: str
 
 
 # -- requests -------------------------------------------------------------------------------------------
@@ -619,6 +639,25 @@ class Reap(Request[int | None]):
     op = Op.REAP
     pid: int
     timeout: float = 0.0
+class ChatFormat(Request[ChatPrompt]):
+    op = Op.CHAT_FORMAT
+    model: int
+    messages: str  # OpenAI-style messages as a JSON array (tool_calls, tool_call_id, reasoning_content)
+    template: str | None = None  # as ApplyChatTemplate's
+    add_generation_prompt: bool = True
+    tools: str = ""  # an OpenAI-style tools array as JSON; "": none
+    tool_choice: str = "auto"
+
+
+class ParseChatOutput(Request[ChatMessage]):
+    op = Op.PARSE_CHAT_OUTPUT
+    model: int
+    text: str  # an assistant turn generated after messages
+    messages: str = ""  # as ChatFormat's; "": one user message
+    template: str | None = None
+    tools: str = ""
+    tool_choice: str = "auto"
+    partial: bool = False  # text that stops midway
 
 
 class Fault(Request[Any]):

@@ -138,7 +138,57 @@ void register_model(py::module_ & m) {
             py::arg("messages"), py::arg("template_source"), py::arg("add_generation_prompt"),
             py::arg("tools_json"),
             "(role, content) pairs through llama.cpp's Jinja chat engine (common/chat); template_source \"\" =\n"
-            "the model's own. TemplateError when there is none, or the template does not parse or render.");
+            "the model's own. TemplateError when there is none, or the template does not parse or render.")
+        .def(
+            "format_chat",
+            [](const Model & self, const std::string & messages_json, const std::string & template_source,
+               bool add_generation_prompt, const std::string & tools_json, const std::string & tool_choice) {
+                const chat_conversation conv{messages_json, template_source, add_generation_prompt, tools_json,
+                                             tool_choice};
+                chat_prompt p;
+                {
+                    gil_release nogil;
+                    p = format_chat(self, conv);
+                }
+                py::dict d;
+                d["prompt"] = decode_utf8_replace(p.prompt);
+                d["format"] = p.format;
+                d["grammar"] = p.grammar;
+                d["grammar_lazy"] = p.grammar_lazy;
+                d["trigger_words"] = p.trigger_words;
+                d["trigger_patterns"] = p.trigger_patterns;
+                d["trigger_tokens"] = p.trigger_tokens;
+                d["preserved_tokens"] = p.preserved_tokens;
+                d["additional_stops"] = p.additional_stops;
+                d["generation_prompt"] = decode_utf8_replace(p.generation_prompt);
+                return d;
+            },
+            py::arg("messages_json"), py::arg("template_source"), py::arg("add_generation_prompt"),
+            py::arg("tools_json"), py::arg("tool_choice"),
+            "OpenAI-style messages (JSON) through common/chat: the prompt, and the format's tool-call grammar\n"
+            "(lazy or not) with its triggers, preserved tokens and extra stop strings, as a dict.")
+        .def(
+            "parse_chat",
+            [](const Model & self, const std::string & messages_json, const std::string & template_source,
+               const std::string & tools_json, const std::string & tool_choice, const std::string & text,
+               bool partial) {
+                const chat_conversation conv{messages_json, template_source, true, tools_json, tool_choice};
+                chat_message msg;
+                {
+                    gil_release nogil;
+                    msg = parse_chat(self, conv, text, partial);
+                }
+                py::list calls;
+                for (const auto & tc : msg.tool_calls) {
+                    calls.append(py::make_tuple(decode_utf8_replace(tc.name), decode_utf8_replace(tc.arguments),
+                                                decode_utf8_replace(tc.id)));
+                }
+                return py::make_tuple(decode_utf8_replace(msg.content), decode_utf8_replace(msg.reasoning), calls);
+            },
+            py::arg("messages_json"), py::arg("template_source"), py::arg("tools_json"), py::arg("tool_choice"),
+            py::arg("text"), py::arg("partial"),
+            "An assistant turn generated after the messages, through the parser of the template's format:\n"
+            "(content, reasoning, [(name, arguments JSON, id)]). TemplateError for text it cannot parse.");
 
     py::class_<lora_adapter, std::shared_ptr<lora_adapter>>(m, "Lora")
         .def(py::init([](std::shared_ptr<Model> model, const std::string & path) {

@@ -358,11 +358,12 @@ std::optional<grammar_spec> parse_grammar(py::handle spec, const Model & model) 
     }
     const py::dict d = py::reinterpret_borrow<py::dict>(spec);
     static const std::set<std::string> keys = {"gbnf", "root", "lazy", "trigger_words", "trigger_patterns",
-                                               "trigger_tokens"};
+                                               "trigger_tokens", "prefill"};
     for (auto item : d) {
         if (!PyUnicode_Check(item.first.ptr()) || keys.count(item.first.cast<std::string>()) == 0) {
             throw std::invalid_argument("unknown grammar key " + py::repr(item.first).cast<std::string>() +
-                                        " (gbnf, root, lazy, trigger_words, trigger_patterns, trigger_tokens)");
+                                        " (gbnf, root, lazy, trigger_words, trigger_patterns, trigger_tokens, "
+                                        "prefill)");
         }
     }
     grammar_spec g;
@@ -400,6 +401,15 @@ std::optional<grammar_spec> parse_grammar(py::handle spec, const Model & model) 
     }
     if (!g.lazy && has_triggers) {
         throw std::invalid_argument("triggers only apply to a lazy grammar (lazy=True)");
+    }
+    if (d.contains("prefill") && !d["prefill"].is_none()) {
+        if (!PyUnicode_Check(d["prefill"].ptr())) {
+            throw py::type_error("grammar 'prefill' must be a str");
+        }
+        g.prefill = d["prefill"].cast<std::string>();
+        if (g.lazy && !g.prefill.empty()) {
+            throw std::invalid_argument("a prefill applies to a grammar that is not lazy");
+        }
     }
     return g;
 }

@@ -136,7 +136,23 @@ sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g) {
         throw grammar_error("invalid grammar" + (parsed.empty() ? log_reason_since(mark, 1) : ": " + parsed));
     }
     write_all_stderr(captured);
-    return sampler_ptr(smpl);
+    sampler_ptr out(smpl);
+    if (!g.prefill.empty()) {
+        for (const llama_token tok : model.tokenize(g.prefill, false, true)) {
+            // An end-of-generation token the grammar cannot end at would GGML_ABORT inside llama.cpp.
+            if (llama_vocab_is_eog(model.vocab(), tok)) {
+                throw grammar_error("a grammar prefill cannot hold an end-of-generation token (" +
+                                    model.token_to_piece(tok, true) + ")");
+            }
+            try {
+                llama_sampler_accept(out.get(), tok);
+            } catch (const std::exception & e) {
+                throw grammar_error("the grammar does not accept its prefill at " + model.token_to_piece(tok, true) +
+                                    ": " + e.what());
+            }
+        }
+    }
+    return out;
 }
 
 std::string json_schema_to_gbnf(const std::string & schema_json) {

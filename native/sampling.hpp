@@ -66,6 +66,9 @@ struct grammar_spec {
     bool lazy = false;
     std::vector<std::string> trigger_patterns;
     std::vector<llama_token> trigger_tokens;
+    // Text the prompt already ends with that the grammar must accept first (not lazy grammars): a
+    // tool-call grammar of llama.cpp's chat formats starts with the assistant's generation prompt.
+    std::string prefill;
 };
 
 // generate()'s params: the sampler plus what a whole generation needs.

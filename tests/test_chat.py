@@ -1,11 +1,13 @@
 """Chat prompts through llama.cpp's Jinja engine: the formats by name against reference strings, Jinja
-source, tools, and typed errors for templates that cannot be used."""
+source, tools, and typed errors for templates that cannot be used; model output parsed by the parser of
+the template's format (content, reasoning, tool calls)."""
 
 from __future__ import annotations
 
 import pytest
+from chatformats import HERMES, WEATHER
 
-from lloyal_pool import Model, TemplateError
+from lloyal_pool import ChatMessage, Model, TemplateError, ToolCall
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -85,3 +87,44 @@ def test_a_formatted_prompt_generates_with_one_bos(gemma: Model) -> None:
         ctx.close()
     assert history[0] == gemma.info.bos and history[1] != gemma.info.bos
     assert r.n_decoded > 0
+
+
+@pytest.mark.gemma
+def test_gemma_output_parses_as_plain_content(gemma: Model) -> None:
+    prompt = gemma.apply_chat_template([{"role": "user", "content": "Hello, I am Ada."}], template="gemma")
+    ctx = gemma.new_context(n_ctx=256)
+    try:
+        r = ctx.generate(prompt, n_predict=8)
+    finally:
+        ctx.close()
+    assert r.text.strip()
+    msg = gemma.parse_chat_output(r.text, template="gemma")
+    assert msg == ChatMessage(content=r.text)  # Gemma's format has no reasoning or tool-call markers
+
+
+def test_a_tool_call_and_content_are_parsed_apart(tiny: Model) -> None:
+    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    msg = tiny.parse_chat_output(text, template=HERMES, tools=WEATHER)
+    assert msg.content == "Let me look." and msg.reasoning == ""
+    assert msg.tool_calls == [ToolCall(name="get_weather", arguments='{"city": "Paris"}')]
+    assert msg.tool_calls[0].args() == {"city": "Paris"}
+    # Without tools the same text is content: nothing is parsed as a call.
+    plain = tiny.parse_chat_output(text, template=HERMES)
+    assert plain.tool_calls == [] and plain.content == text
+
+
+def test_a_reasoning_block_is_parsed_apart(tiny: Model) -> None:
+    msg = tiny.parse_chat_output("<think>\nParis is in France.\n</think>\nIt is sunny.", template=HERMES)
+    assert msg.reasoning.strip() == "Paris is in France." and msg.content == "It is sunny."
+    assert msg.to_message() == {"role": "assistant", "content": "It is sunny.", "reasoning_content": msg.reasoning}
+
+
+def test_output_the_format_cannot_parse_is_a_typed_error(tiny: Model) -> None:
+    with pytest.raises(TemplateError, match="chat output"):
+        tiny.parse_chat_output('<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',
+                               template=HERMES, tools=WEATHER)
+    with pytest.raises(TemplateError):
+        tiny.parse_chat_output("Hi", template=HERMES, tools=[{"type": "function"}])  # no function in it
+    with pytest.raises(TemplateError, match="no chat template"):
+        tiny.parse_chat_output("Hi")
+    assert tiny.parse_chat_output("Still serving.", template=HERMES).content == "Still serving."

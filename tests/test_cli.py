@@ -1,13 +1,17 @@
-"""The command line: generate prints only the generated text; info prints JSON."""
+"""The command line: generate prints only the generated text; chat streams replies to turns read from
+stdin; info prints JSON."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from lloyal_pool import Model
+from lloyal_pool.cli import BASE_MODEL_END_BIAS
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -73,3 +77,45 @@ def test_generate_reads_a_prompt_file_and_shows_its_progress(tmp_path: Path, tin
     assert "prompt: done" in out.stderr  # the bar, as it ends when stderr is not a terminal
     quiet = _run("generate", "-m", str(tiny_model), "-n", "4", "-q", "-f", str(prompt))
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == out.stdout
+
+
+def test_chat_streams_each_reply_on_a_line_in_the_gemma_format(gemma: Model) -> None:
+    turns = ["Hello, I am Ada.", "Do you remember my name?"]
+    out = subprocess.run([sys.executable, "-m", "lloyal_pool", "chat", "-q", "-n", "16", "-c", "1024"],
+                         input="".join(t + "\n" for t in turns), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    # The default model's file has no template: the CLI says which format it uses instead.
+    assert "has no chat template: using the Gemma format" in out.stderr
+    ctx = gemma.new_context(n_ctx=1024)
+    try:
+        (eot,) = gemma.tokenize("<end_of_turn>", add_special=False, parse_special=True)
+        session = ctx.chat(template="gemma", n_predict=16, logit_bias={eot: BASE_MODEL_END_BIAS})
+        expected = [session.send(t).text for t in turns]
+    finally:
+        ctx.close()
+    assert out.stdout == "".join(r + "\n" for r in expected)
+    assert "Ada" in expected[1]
+
+
+def test_chat_ctrl_c_stops_the_reply_not_the_program(tiny_model: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "lloyal_pool", "chat", "-m", str(tiny_model), "--template",
+                             "chatml", "-q", "-v", "-n", "300", "-c", "1024"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b"Tell me a long story.\n")
+        first = os.read(proc.stdout.fileno(), 1)  # the reply has started streaming
+        assert first
+        proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends (the workers are in their own session)
+        # A second turn, then the end of input: the program ends after that turn.
+        _, err = proc.communicate(b"Hi\n", timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()
+    log = err.decode()
+    assert log.count("[interrupted]") == 1
+    stats = [line for line in log.splitlines() if line.endswith(("stop: interrupted]", "stop: length]",
+                                                                  "stop: eos]"))]
+    assert len(stats) == 2 and stats[0].endswith("stop: interrupted]")  # the second turn was served

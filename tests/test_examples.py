@@ -45,3 +45,18 @@ def test_the_readme_tour_runs_as_written(gemma_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr == ""  # quiet: no native warnings on stderr
     assert "prompt tokens reused" in out.stdout
+
+
+def test_chat_example_runs_from_stdin(gemma_path: Path) -> None:
+    script = EXAMPLES / "chat" / "chat.py"
+    assert (EXAMPLES / "chat" / "README.md").exists()
+    out = subprocess.run([sys.executable, str(script), "-m", str(gemma_path), "-n", "16"],
+                         input="Hello, I am Ada.\nDo you remember my name?\n", capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    replies = [line for line in out.stdout.splitlines() if line.startswith("model> ")]
+    stats = [line for line in out.stdout.splitlines() if line.startswith("  [")]
+    assert len(replies) == 2 and "Ada" in replies[1]
+    assert ", 0 reused" in stats[0]
+    assert " 0 reused" not in stats[1]  # the second turn reuses the first from the cache
+    assert out.stdout.rstrip().endswith("4 messages")

@@ -85,6 +85,10 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.StateSeqSet(context=2, seq=1, data=b"\x01\x02"),
     p.StateSeqSaveFile(context=2, seq=1, path="/s.bin", tokens=[1, 2]),
     p.StateSeqLoadFile(context=2, seq=1, path="/s.bin"),
+    p.ChatFormat(model=1, messages='[{"role": "user", "content": "hi"}]', template="gemma",
+                 add_generation_prompt=False, tools="[]", tool_choice="required"),
+    p.ParseChatOutput(model=1, text="Hello", messages='[{"role": "user", "content": "hi"}]', template="chatml",
+                      tools="[]", tool_choice="none", partial=True),
     p.Fault(kind="exit", code=4, seconds=1.5),
 ]}
 

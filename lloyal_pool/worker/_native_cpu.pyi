@@ -67,6 +67,21 @@ class Model:
         the model's own. tools_json: an OpenAI-style tools array ("" none). TemplateError when the model has
         no template and none is given (llama.cpp itself would silently use ChatML), or the template does
         not parse or render."""
+    def format_chat(
+        self, messages_json: str, template_source: str, add_generation_prompt: bool, tools_json: str,
+        tool_choice: str
+    ) -> dict[str, Any]:
+        """OpenAI-style messages (a JSON array) through common/chat: prompt, format, grammar, grammar_lazy,
+        trigger_words, trigger_patterns (anchored where the format matches whole outputs), trigger_tokens,
+        preserved_tokens, additional_stops, generation_prompt. TemplateError as apply_chat_template;
+        ValueError for a tool_choice other than "auto", "required" or "none"."""
+    def parse_chat(
+        self, messages_json: str, template_source: str, tools_json: str, tool_choice: str, text: str,
+        partial: bool
+    ) -> tuple[str, str, list[tuple[str, str, str]]]:
+        """An assistant turn generated after the messages, through the parser of the template's format:
+        (content, reasoning, [(name, arguments JSON, id)]). TemplateError for text the format cannot
+        parse (unless partial)."""
 
 class Lora:
     """A LoRA adapter loaded for one model; it keeps that model alive and is freed when the last reference

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from .. import protocol as p
-from ..chat import template_source
+from ..chat import ChatMessage, ToolCall, template_source
 from ..errors import ContextError, LoraError, ModelLoadError, SnapshotError, StaleHandleError
 from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
@@ -215,6 +215,24 @@ class Engine:
         native = self._model(req.model).native
         return str(native.apply_chat_template(req.messages, template_source(req.template), req.add_generation_prompt,
                                               req.tools))
+
+    @handles(p.ChatFormat)
+    def chat_format(self, req: p.ChatFormat, call: Call) -> p.ChatPrompt:
+        native = self._model(req.model).native
+        d = native.format_chat(req.messages, template_source(req.template), req.add_generation_prompt, req.tools,
+                               req.tool_choice)
+        return msgspec.convert(d, p.ChatPrompt)
+
+    @handles(p.ParseChatOutput)
+    def parse_chat_output(self, req: p.ParseChatOutput, call: Call) -> ChatMessage:
+        native = self._model(req.model).native
+        # The parser expects what follows the generation prompt, which a conversation ending in a user turn
+        # yields: one stands in when the caller gives none.
+        messages = req.messages or '[{"role": "user", "content": "?"}]'
+        content, reasoning, calls = native.parse_chat(messages, template_source(req.template), req.tools,
+                                                      req.tool_choice, req.text, req.partial)
+        return ChatMessage(content=content, reasoning=reasoning,
+                           tool_calls=[ToolCall(name=n, arguments=a, id=i) for n, a, i in calls])
 
     @handles(p.JsonSchemaToGrammar)
     def json_schema_to_grammar(self, req: p.JsonSchemaToGrammar, call: Call) -> str:

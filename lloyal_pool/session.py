@@ -1,0 +1,208 @@
+"""Multi-turn chat on one context (Context.chat).
+
+A Session keeps the conversation as OpenAI-style messages. Each turn formats the WHOLE conversation with
+the template (llama.cpp's common/chat) and generates with the prompt cache: the context already holds
+every earlier turn, so the tokens of the formatted prompt match its history up to the new turn, and only
+the new turn is decoded. The context then holds exactly what a fresh context would hold after the same
+conversation formatted from scratch. The reply ends at the model's end-of-generation token (Gemma's
+<end_of_turn>), which is not part of it, and is parsed by llama.cpp's parser for the template's format
+(content, reasoning, tool calls) before it joins the conversation.
+
+    session = ctx.chat("You are terse.", template="gemma", n_predict=128)
+    print(session.send("Name a colour.").text)
+    with session.stream("And another?") as stream:
+        for piece in stream:
+            print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from . import protocol as p
+from .chat import TOOL_CHOICES, ChatMessage, ToolCall
+from .client import Stream
+from .errors import LloyalError
+from .params import GenerateParams, Grammar, Result, StopReason
+
+if TYPE_CHECKING:
+    from .client import Context
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """One assistant turn of a Session: the parsed ``message`` (content, reasoning, tool calls) and the
+    generation's ``result`` (tokens, n_cached, stop_reason, timings)."""
+
+    message: ChatMessage
+    result: Result
+
+    @property
+    def text(self) -> str:
+        """The reply's content (reasoning and tool calls apart)."""
+        return self.message.content
+
+    @property
+    def reasoning(self) -> str:
+        """The reply's reasoning, where the format has one ("" otherwise)."""
+        return self.message.reasoning
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The tool calls the reply made (tools offered, and a format that has calls)."""
+        return list(self.message.tool_calls)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class ChatStream(Stream):
+    """A Session turn as a Stream: iterate it for the raw pieces of the reply as they are decoded, then
+    read ``reply``, the parsed turn, which joins the conversation when the generation ends (at the end of
+    the iteration, on reading ``reply`` or ``result``, or at the session's next turn). ``close()`` or
+    ``interrupt()`` stops the reply where it is; what was generated so far is the turn."""
+
+    def __init__(self, session: Session, turn: list[dict[str, Any]]) -> None:
+        super().__init__(session.context)
+        self._session = session
+        self._turn = turn
+        self._reply: ChatReply | None = None
+        self._reply_lock = threading.Lock()
+
+    def __next__(self) -> str:
+        try:
+            return super().__next__()
+        except StopIteration:
+            self.reply  # noqa: B018 - the turn joins the conversation as soon as the reply has ended
+            raise
+
+    def __enter__(self) -> ChatStream:
+        return self
+
+    @property
+    def result(self) -> Result:
+        """The reply's Result (blocks until the generation ends; the turn then joins the conversation)."""
+        return self.reply.result
+
+    @property
+    def reply(self) -> ChatReply:
+        """The parsed turn (blocks until the generation ends); raises the generation's error, if any."""
+        with self._reply_lock:
+            if self._reply is None:
+                self._reply = self._session._finish(self, self._turn, self.future.result())
+            return self._reply
+
+
+class Session:
+    """A multi-turn conversation on one context: ``send`` and ``stream`` add a user turn and generate the
+    assistant's reply, ``add`` appends any message (a tool's result, say), ``messages`` is the
+    conversation so far. Create it with Context.chat. One turn at a time: a new turn first waits for the
+    last streamed reply to end. A turn whose generation or parse fails is not recorded (the error is
+    raised to whoever waits for it); the session stays as it was before that turn."""
+
+    def __init__(self, context: Context, system: str | None = None, *, template: str | None = None,
+                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
+                 params: GenerateParams | None = None, **defaults: Any) -> None:
+        if tool_choice not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {tool_choice!r}")
+        self.context = context
+        self.template = template
+        self.tools: list[dict[str, Any]] | None = [dict(t) for t in tools] if tools else None
+        self.tool_choice = tool_choice
+        self.defaults = GenerateParams.of(params, defaults)
+        self._messages: list[dict[str, Any]] = []
+        if system is not None:
+            self._messages.append({"role": "system", "content": system})
+        self._pending: ChatStream | None = None
+
+    def __repr__(self) -> str:
+        return f"<Session {len(self._messages)} messages on {self.context!r}>"
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation so far, as OpenAI-style messages (a copy)."""
+        self._settle()
+        return [dict(m) for m in self._messages]
+
+    def add(self, role: str, content: str, **fields: Any) -> None:
+        """Appends a message without generating: a tool's result (``add("tool", result,
+        tool_call_id=call.id)``), or a turn written by hand. ``send(None)`` then generates the reply."""
+        self._settle()
+        self._messages.append({"role": role, "content": content, **fields})
+
+    def prompt(self, text: str | None = None) -> str:
+        """The prompt the next turn would decode (the whole conversation, with ``text`` as the user's turn
+        when given), as the template formats it."""
+        self._settle()
+        return self._format(self._turn(text)).prompt
+
+    def send(self, text: str | None, params: GenerateParams | None = None, **overrides: Any) -> ChatReply:
+        """Adds ``text`` as the user's turn (None: none, e.g. after a tool's result) and generates the
+        assistant's reply, which joins the conversation. ``params`` replaces the session's generate
+        defaults for this turn; keyword overrides are GenerateParams fields."""
+        self._settle()
+        turn = self._turn(text)
+        prompt, gen = self._prepare(turn, params, overrides)
+        return self._finish(None, turn, self.context.generate(prompt, gen))
+
+    def stream(self, text: str | None, params: GenerateParams | None = None, **overrides: Any) -> ChatStream:
+        """send() piece by piece: returns at once with a ChatStream of the reply's raw text."""
+        self._settle()
+        turn = self._turn(text)
+        prompt, gen = self._prepare(turn, params, overrides)
+        stream = self.context._start_stream(ChatStream(self, turn), prompt, gen, append=False, progress=None)
+        self._pending = stream
+        return stream
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _turn(self, text: str | None) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": text}] if text is not None else []
+
+    def _format(self, turn: list[dict[str, Any]]) -> p.ChatPrompt:
+        return self.context.model._format_chat(self._messages + turn, template=self.template, tools=self.tools,
+                                               tool_choice=self.tool_choice)
+
+    def _prepare(self, turn: list[dict[str, Any]], params: GenerateParams | None,
+                 overrides: Mapping[str, Any]) -> tuple[str, GenerateParams]:
+        gen = GenerateParams.of(params if params is not None else self.defaults, overrides)
+        fmt = self._format(turn)
+        changes: dict[str, Any] = {}
+        if fmt.additional_stops:
+            changes["stop"] = tuple(dict.fromkeys([*gen.stop, *fmt.additional_stops]))
+        if fmt.grammar:
+            if gen.grammar:
+                raise ValueError("a grammar= cannot apply together with the tool-call grammar of tools=")
+            # Lazy (tool_choice "auto"): free text until the format's tool-call marker. Otherwise the grammar
+            # starts with the generation prompt, which the prompt already holds: the grammar accepts it first.
+            changes["grammar"] = Grammar(gbnf=fmt.grammar, lazy=fmt.grammar_lazy, trigger_words=fmt.trigger_words,
+                                         trigger_patterns=fmt.trigger_patterns, trigger_tokens=fmt.trigger_tokens,
+                                         prefill="" if fmt.grammar_lazy else fmt.generation_prompt)
+        if fmt.preserved_tokens:
+            # The format's markers (<tool_call>, ...) may be control tokens: the parser needs to see them.
+            changes["render_special"] = True
+        return fmt.prompt, replace(gen, **changes) if changes else gen
+
+    def _finish(self, stream: ChatStream | None, turn: list[dict[str, Any]], result: Result) -> ChatReply:
+        if stream is not None and self._pending is stream:
+            self._pending = None
+        messages = self._messages + turn
+        # A reply cut short (n_predict, interrupt) may stop inside a tool call: parse it as partial.
+        partial = result.stop_reason in (StopReason.LENGTH, StopReason.INTERRUPTED)
+        message = self.context.model._parse_chat(result.text, template=self.template, tools=self.tools,
+                                                 messages=messages, tool_choice=self.tool_choice, partial=partial)
+        self._messages = [*messages, message.to_message()]
+        return ChatReply(message, result)
+
+    def _settle(self) -> None:
+        stream = self._pending
+        if stream is not None:
+            try:
+                stream.reply  # noqa: B018 - waits for the streamed turn and records it
+            except LloyalError:
+                self._pending = None  # that turn failed and is not recorded; its reader got the error
+
+
+__all__ = ["ChatReply", "ChatStream", "Session"]
