@@ -51,7 +51,9 @@ from .errors import (
 )
 from .models import default_model_path
 from .params import (
+    BufferMemory,
     ContextParams,
+    Device,
     EvalResult,
     GenerateParams,
     Grammar,
@@ -74,11 +76,13 @@ __all__ = [
     "BranchError",
     "BranchInfo",
     "BranchStore",
+    "BufferMemory",
     "Context",
     "ContextError",
     "ContextOverflowError",
     "ContextParams",
     "DecodeError",
+    "Device",
     "EvalResult",
     "GenerateParams",
     "Grammar",

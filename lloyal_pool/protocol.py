@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Generic, TypeVar, get_args
 import msgspec
 
 from .errors import BadRequestError, ProtocolError
-from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
+from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
 PROTOCOL_VERSION = 4
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
@@ -112,6 +112,8 @@ class Op(str, enum.Enum):
     STATE_SEQ_SET = "state_seq_set"
     STATE_SEQ_SAVE_FILE = "state_seq_save_file"
     STATE_SEQ_LOAD_FILE = "state_seq_load_file"
+    DEVICES = "devices"
+    MEMORY_BREAKDOWN = "memory_breakdown"
     FAULT = "_fault"  # test-only, refused unless the worker runs with LLOYAL_POOL_TEST_FAULTS=1
 
 
@@ -582,6 +584,14 @@ class StateSeqLoadFile(ContextRequest[StateLoaded]):
     op = Op.STATE_SEQ_LOAD_FILE
     seq: int
     path: str
+
+
+class Devices(Request[list[Device]]):
+    op = Op.DEVICES
+
+
+class MemoryBreakdown(ContextRequest[list[BufferMemory]]):
+    op = Op.MEMORY_BREAKDOWN
 
 
 class Fault(Request[Any]):

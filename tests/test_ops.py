@@ -82,6 +82,8 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.StateSeqSet(context=2, seq=1, data=b"\x01\x02"),
     p.StateSeqSaveFile(context=2, seq=1, path="/s.bin", tokens=[1, 2]),
     p.StateSeqLoadFile(context=2, seq=1, path="/s.bin"),
+    p.Devices(),
+    p.MemoryBreakdown(context=2),
     p.Fault(kind="exit", code=4, seconds=1.5),
 ]}
 
