@@ -54,7 +54,9 @@ from .errors import (
 )
 from .models import default_model_path
 from .params import (
+    BufferMemory,
     ContextParams,
+    Device,
     EvalResult,
     GenerateParams,
     Grammar,
@@ -79,6 +81,7 @@ __all__ = [
     "BranchError",
     "BranchInfo",
     "BranchStore",
+    "BufferMemory",
     "ChatMessage",
     "ChatReply",
     "ChatStream",
@@ -87,6 +90,7 @@ __all__ = [
     "ContextOverflowError",
     "ContextParams",
     "DecodeError",
+    "Device",
     "EvalResult",
     "GenerateParams",
     "Grammar",

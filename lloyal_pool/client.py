@@ -32,7 +32,18 @@ from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import TOOL_CHOICES, ChatMessage
 from .errors import LoraError, ModelLoadError, PoolClosedError, StaleHandleError
-from .params import RERANK_PROMPT, ContextParams, EvalResult, GenerateParams, ModelInfo, Result, SamplerParams, Score
+from .params import (
+    RERANK_PROMPT,
+    BufferMemory,
+    ContextParams,
+    Device,
+    EvalResult,
+    GenerateParams,
+    ModelInfo,
+    Result,
+    SamplerParams,
+    Score,
+)
 from .protocol import Request
 from .shm import DEFAULT_SIZE
 
@@ -144,6 +155,11 @@ class Instance:
         """llama.cpp's own JSON schema -> GBNF converter."""
         text = schema if isinstance(schema, str) else json.dumps(schema)
         return self._proc.call(p.JsonSchemaToGrammar(schema=text)).result()
+
+    def devices(self) -> list[Device]:
+        """The devices the worker's ggml backends registered, in their order: the CPU in every variant,
+        and in a GPU variant each GPU it sees (the variant only loads when it sees one)."""
+        return self._proc.call(p.Devices()).result()
 
     def stats(self) -> dict[str, Any]:
         """RSS, CPU, threads and state of the worker process (psutil)."""
@@ -639,6 +655,13 @@ class Context:
     def n_past(self) -> int:
         """How many tokens the context's history holds (sequence mode; 0 with branches)."""
         return self._link.call(p.NPast(context=self.handle)).result()
+
+    def memory_breakdown(self) -> list[BufferMemory]:
+        """Where this context's memory and its model's weights sit: bytes per ggml buffer type (llama.cpp's
+        memory breakdown). The weights a GPU variant offloaded (Instance.load_model's ``n_gpu_layers``)
+        show as ``model`` bytes on a buffer type of the GPU device; on the CPU variant every row is the
+        CPU's."""
+        return self._link.call(p.MemoryBreakdown(context=self.handle)).result()
 
     def tokens(self) -> list[int]:
         """The tokens in the KV cache, in order."""

@@ -321,3 +321,36 @@ class KVPressure(msgspec.Struct, frozen=True):
     n_seq_max: int
     seqs_leased: int  # by branches and detached sequences
     seqs_free: int
+
+
+class Device(msgspec.Struct, frozen=True):
+    """One device ggml's backend registry holds in a worker (Instance.devices()): ``name`` ("CPU",
+    "CUDA0", ...), ``description`` (the CPU or GPU model), ``backend`` (the backend that registered it:
+    "CPU", "CUDA", ...), ``type`` ("cpu", "gpu", "igpu" or "accel"), and its memory in bytes as the
+    backend reports it (for the CPU: the host's)."""
+
+    name: str
+    description: str
+    backend: str
+    type: str
+    memory_free: int
+    memory_total: int
+
+    @property
+    def is_gpu(self) -> bool:
+        """A discrete or integrated GPU."""
+        return self.type in ("gpu", "igpu")
+
+
+class BufferMemory(msgspec.Struct, frozen=True):
+    """The bytes a context and its model hold in one ggml buffer type (Context.memory_breakdown()):
+    ``model`` (weights), ``context`` (the KV cache), ``compute`` (compute buffers). ``buffer`` is the
+    buffer type ("CPU", "CPU_Mapped", "CUDA0", "CUDA_Host", ...), ``device`` the device it belongs to
+    ("" when ggml names none), ``host`` whether it lives in host memory."""
+
+    buffer: str
+    device: str
+    host: bool
+    model: int
+    context: int
+    compute: int

@@ -33,7 +33,7 @@ import msgspec
 
 from .chat import ChatMessage
 from .errors import BadRequestError, ProtocolError
-from .params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
+from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
 PROTOCOL_VERSION = 5
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
@@ -120,6 +120,8 @@ class Op(str, enum.Enum):
     # Chat (client.Model.parse_chat_output, session.Session).
     CHAT_FORMAT = "chat_format"
     PARSE_CHAT_OUTPUT = "parse_chat_output"
+    DEVICES = "devices"
+    MEMORY_BREAKDOWN = "memory_breakdown"
     FAULT = "_fault"  # test-only, refused unless the worker runs with LLOYAL_POOL_TEST_FAULTS=1
 
 
@@ -639,6 +641,8 @@ class Reap(Request[int | None]):
     op = Op.REAP
     pid: int
     timeout: float = 0.0
+
+
 class ChatFormat(Request[ChatPrompt]):
     op = Op.CHAT_FORMAT
     model: int
@@ -658,6 +662,14 @@ class ParseChatOutput(Request[ChatMessage]):
     tools: str = ""
     tool_choice: str = "auto"
     partial: bool = False  # text that stops midway
+
+
+class Devices(Request[list[Device]]):
+    op = Op.DEVICES
+
+
+class MemoryBreakdown(ContextRequest[list[BufferMemory]]):
+    op = Op.MEMORY_BREAKDOWN
 
 
 class Fault(Request[Any]):

@@ -1,6 +1,7 @@
-// Module-level functions: the variant, llama.cpp's build info, the log level, the JSON-schema converter,
-// and the sampler fields the C++ side declares (sampling.hpp).
+// Module-level functions: the variant, llama.cpp's build info, the devices ggml sees, the log level, the
+// JSON-schema converter, and the sampler fields the C++ side declares (sampling.hpp).
 #include "bind.hpp"
+#include "devices.hpp"
 
 #include "build-info.h"
 #include "common.h"
@@ -12,6 +13,17 @@ namespace lloyal {
 void register_backend(py::module_ & m) {
     backend_init_once();
     install_log_callback();
+    if (std::string(LLOYAL_VARIANT_NAME) != "cpu") {
+        // A GPU build without a GPU would run everything on the CPU while claiming to be the GPU variant:
+        // refuse to load instead, so that the worker falls back to the CPU build (or fails when strict).
+        // The first look at the registry initialises the GPU backend, which logs why it found nothing.
+        const uint64_t mark = log_mark();
+        if (gpu_device_count() == 0) {
+            throw py::import_error(std::string("the ") + LLOYAL_VARIANT_NAME +
+                                   " build sees no GPU device (no driver, or no device visible)" +
+                                   log_reason_since(mark));
+        }
+    }
     m.attr("variant") = LLOYAL_VARIANT_NAME;
 
     m.def(
@@ -41,6 +53,28 @@ void register_backend(py::module_ & m) {
             return d;
         },
         "llama.cpp version/commit/compiler, ggml system info, default thread count, variant.");
+    m.def(
+        "devices",
+        [] {
+            std::vector<device_info> devs;
+            {
+                gil_release nogil;
+                devs = list_devices();
+            }
+            py::list out;
+            for (const auto & d : devs) {
+                py::dict e;
+                e["name"] = d.name;
+                e["description"] = d.description;
+                e["backend"] = d.backend;
+                e["type"] = d.type;
+                e["memory_free"] = d.memory_free;
+                e["memory_total"] = d.memory_total;
+                out.append(e);
+            }
+            return out;
+        },
+        "The devices ggml's backend registry holds, in its order.");
     m.def("set_log_level", &set_log_level, py::arg("level"),
           "Minimum llama.cpp log level written to fd 2 (0 debug, 1 info, 2 warn, 3 error, 4 none).");
     m.def(

@@ -2,6 +2,7 @@
 // (eval, generate, logits, history). Each method turns its Python arguments into typed ones, calls the
 // driver without the GIL, and turns the result back.
 #include "bind_context.hpp"
+#include "devices.hpp"
 #include "errors.hpp"
 
 #include <cmath>
@@ -364,6 +365,26 @@ void register_context(py::module_ & m) {
         .def("set_interrupt_word", &set_interrupt_word, py::arg("control"), py::arg("index") = 0)
         .def("n_past", [](const py_context & c) { return c.sequence->n_past(); })
         .def("tokens", [](const py_context & c) { return c.sequence->tokens(); })
+        .def("memory_breakdown",
+             [](const py_context & c) {
+                 std::vector<buffer_memory> rows;
+                 {
+                     gil_release nogil;
+                     rows = memory_breakdown(c.core->get());
+                 }
+                 py::list out;
+                 for (const auto & r : rows) {
+                     py::dict e;
+                     e["buffer"] = r.buffer;
+                     e["device"] = r.device;
+                     e["host"] = r.host;
+                     e["model"] = r.model;
+                     e["context"] = r.context;
+                     e["compute"] = r.compute;
+                     out.append(e);
+                 }
+                 return out;
+             })
         .def("reset", &reset)
         .def("set_lora", &set_lora, py::arg("adapters"),
              "Replaces the whole LoRA configuration with (Lora, scale) pairs ([] clears it). Returns True\n"

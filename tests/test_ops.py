@@ -89,6 +89,8 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
                  add_generation_prompt=False, tools="[]", tool_choice="required"),
     p.ParseChatOutput(model=1, text="Hello", messages='[{"role": "user", "content": "hi"}]', template="chatml",
                       tools="[]", tool_choice="none", partial=True),
+    p.Devices(),
+    p.MemoryBreakdown(context=2),
     p.Fault(kind="exit", code=4, seconds=1.5),
 ]}
 

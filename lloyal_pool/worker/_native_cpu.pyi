@@ -20,6 +20,11 @@ def build_info() -> dict[str, Any]:
     supports_mmap, supports_mlock,
     supports_gpu_offload, max_devices, max_parallel_sequences."""
 
+def devices() -> list[dict[str, Any]]:
+    """The devices ggml's backend registry holds, in its order: name, description, backend, type ("cpu",
+    "gpu", "igpu", "accel"), memory_free, memory_total (bytes). A GPU variant's module refuses to import
+    (ImportError) when it holds no gpu/igpu device."""
+
 def set_log_level(level: int) -> None:
     """Minimum llama.cpp log level written to fd 2 (0 debug, 1 info, 2 warn, 3 error, 4 none); default 2.
     Lines look like "[llama.cpp W] ...". Warnings and errors are remembered whatever the level, for the
@@ -180,6 +185,9 @@ class Context:
         """Tokens in the KV cache of sequence 0 (the length of the context's token history)."""
     def tokens(self) -> list[int]:
         """The token history of sequence 0."""
+    def memory_breakdown(self) -> list[dict[str, Any]]:
+        """Per ggml buffer type, the bytes the context and its model hold: buffer, device ("" when none),
+        host, model (weights), context (KV cache), compute (GIL released)."""
     def reset(self) -> None:
         """Clears the KV cache and the token history."""
     def set_lora(self, adapters: Sequence[tuple[Lora, float]]) -> bool:

@@ -21,7 +21,7 @@ import msgspec
 from .. import protocol as p
 from ..chat import ChatMessage, ToolCall, template_source
 from ..errors import ContextError, LoraError, ModelLoadError, SnapshotError, StaleHandleError
-from ..params import BranchInfo, EvalResult, KVPressure, ModelInfo, Result, Score
+from ..params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
 from ..shm import BULK_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
 
@@ -56,7 +56,8 @@ Handler = Callable[["Engine", Any, Call], Any]
 HANDLERS: dict[type[Request[Any]], Handler] = {}
 # What an embedding context (embeddings=True) takes; every other context request is refused there.
 _EMBEDDING_OPS: frozenset[type[Request[Any]]] = frozenset(
-    {p.FreeContext, p.Embed, p.Rerank, p.Reset, p.Tokens, p.NPast, p.KvPressureRequest, p.SetLora})
+    {p.FreeContext, p.Embed, p.Rerank, p.Reset, p.Tokens, p.NPast, p.KvPressureRequest, p.SetLora,
+     p.MemoryBreakdown})
 # What a frozen zygote still serves (Fork itself is the loop's: worker/zygote.py).
 _FROZEN_OPS: frozenset[type[Request[Any]]] = frozenset({p.Ping, p.Reap, p.Fault})
 _PLACEHOLDER = re.compile(r"\{query\}|\{document\}")
@@ -370,6 +371,15 @@ class Engine:
     @handles(p.NPast)
     def n_past(self, req: p.NPast, call: Call) -> int:
         return int(self._context(req.context).native.n_past())
+
+    @handles(p.MemoryBreakdown)
+    def memory_breakdown(self, req: p.MemoryBreakdown, call: Call) -> list[BufferMemory]:
+        return [BufferMemory(**row) for row in self._context(req.context).native.memory_breakdown()]
+
+    # -- devices --------------------------------------------------------------------------------------
+    @handles(p.Devices)
+    def devices(self, req: p.Devices, call: Call) -> list[Device]:
+        return [Device(**row) for row in self.native.devices()]
 
     # -- embeddings and rerank ------------------------------------------------------------------------
     @handles(p.Embed)
