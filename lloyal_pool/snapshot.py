@@ -147,45 +147,54 @@ def _check_handles(named: Mapping[str, Any], instance: Instance) -> dict[str, Ha
 
 
 def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Handle]:
-    """The fork's own handle objects: same handle numbers (the fork inherited the zygote's engine),
+    """The fork's own handle objects: the same handle numbers (the fork inherited the zygote's engine),
     bound to the fork's worker."""
     from .client import Context, LoraAdapter, Model
 
-    models: dict[int, Model] = {}
-    adapters: dict[int, LoraAdapter] = {}
-
     def model(old: Model) -> Model:
-        if id(old) not in models:
-            models[id(old)] = Model(instance, instance._proc, old._handle, old.info, old.path)
-        return models[id(old)]
+        return Model(instance, instance._proc, old._handle, old.info, old.path, old._load)
 
-    def adapter(old: LoraAdapter) -> LoraAdapter:
-        if id(old) not in adapters:
-            new = LoraAdapter(model(old.model), old._handle, old.path, old.alpha, old.meta)
-            adapters[id(old)] = new
-            new.model._loras.add(new)
-        return adapters[id(old)]
-
-    def context(old: Context) -> Context:
-        new = Context(model(old.model), old._desc)
-        new.model._contexts.add(new)
-        new._lora = [(adapter(a), scale) for a, scale in old._lora]
+    def adapter(old: LoraAdapter, owner: Model) -> LoraAdapter:
+        new = LoraAdapter(owner, old._handle, old.path, old.alpha, old.meta)
+        owner._loras.add(new)
         return new
 
-    out: dict[str, Handle] = {}
-    for name, handle in handles.items():
-        if isinstance(handle, Model):
-            out[name] = model(handle)
-        elif isinstance(handle, LoraAdapter):
-            out[name] = adapter(handle)
-        else:
-            out[name] = context(handle)
-    return out
+    def context(old: Context, owner: Model, lora: list[tuple[LoraAdapter, float]]) -> Context:
+        new = Context(owner, old._desc)
+        owner._contexts.add(new)
+        new._lora = lora
+        return new
+
+    return _carry(handles, model, adapter, context)
 
 
 def _replay(handles: Mapping[str, Handle], states: Mapping[int, bytes], instance: Instance) -> dict[str, Handle]:
     """Makes in a fresh worker what the named handles are: each model loaded as it was, each adapter
     loaded, each context created with its parameters, its adapters applied and its saved state loaded."""
+    from .client import Model
+
+    def model(old: Model) -> Model:
+        loaded = instance._proc.call(old._load).result()
+        return Model(instance, instance._proc, loaded.model, loaded.info, old.path, old._load)
+
+    def adapter(old: LoraAdapter, owner: Model) -> LoraAdapter:
+        return owner.load_lora(old.path)
+
+    def context(old: Context, owner: Model, lora: list[tuple[LoraAdapter, float]]) -> Context:
+        new = owner.new_context(old._params)
+        if lora:
+            new.set_lora(lora)
+        new.load_state(states[id(old)])
+        return new
+
+    return _carry(handles, model, adapter, context)
+
+
+def _carry(handles: Mapping[str, Handle], make_model: Callable[[Model], Model],
+           make_adapter: Callable[[LoraAdapter, Model], LoraAdapter],
+           make_context: Callable[[Context, Model, list[tuple[LoraAdapter, float]]], Context]) -> dict[str, Handle]:
+    """The named handles made anew by the make_* functions, each model and adapter once however many
+    handles share it, a context's model and adapters before the context."""
     from .client import LoraAdapter, Model
 
     models: dict[int, Model] = {}
@@ -193,21 +202,13 @@ def _replay(handles: Mapping[str, Handle], states: Mapping[int, bytes], instance
 
     def model(old: Model) -> Model:
         if id(old) not in models:
-            loaded = instance._proc.call(old._load).result()
-            models[id(old)] = Model(instance, instance._proc, loaded.model, loaded.info, old.path, old._load)
+            models[id(old)] = make_model(old)
         return models[id(old)]
 
     def adapter(old: LoraAdapter) -> LoraAdapter:
         if id(old) not in adapters:
-            adapters[id(old)] = model(old.model).load_lora(old.path)
+            adapters[id(old)] = make_adapter(old, model(old.model))
         return adapters[id(old)]
-
-    def context(old: Context) -> Context:
-        new = model(old.model).new_context(old._params)
-        if old._lora:
-            new.set_lora([(adapter(a), scale) for a, scale in old._lora])
-        new.load_state(states[id(old)])
-        return new
 
     out: dict[str, Handle] = {}
     for name, handle in handles.items():
@@ -216,7 +217,7 @@ def _replay(handles: Mapping[str, Handle], states: Mapping[int, bytes], instance
         elif isinstance(handle, LoraAdapter):
             out[name] = adapter(handle)
         else:
-            out[name] = context(handle)
+            out[name] = make_context(handle, model(handle.model), [(adapter(a), s) for a, s in handle._lora])
     return out
 
 

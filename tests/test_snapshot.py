@@ -283,3 +283,40 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["fork", "replay"])
+def test_lora_adapters_come_with_a_fork(snap_pool: Pool, tiny_model: Path, tmp_path: Path, fork: bool) -> None:
+    from loras import attention_shapes, write_lora
+
+    from lloyal_pool import LoraAdapter
+
+    probe = snap_pool[0].load_model(tiny_model)
+    lora_path = write_lora(tmp_path / "tiny.gguf", "llama", attention_shapes(probe.info, range(probe.info.n_layer)),
+                           rank=4, seed=1)
+    # The cold path: the same adapter on a context in an ordinary worker.
+    cold = probe.new_context(n_ctx=256)
+    cold.set_lora([(probe.load_lora(lora_path), 1.0)])
+    cold.eval("Hello world")
+    expected = cold.generate("", append=True, n_predict=8).tokens
+
+    def prepare(instance: Instance) -> dict[str, Model | Context | LoraAdapter]:
+        model = instance.load_model(tiny_model)
+        adapter = model.load_lora(lora_path)
+        ctx = model.new_context(n_ctx=256)
+        ctx.set_lora([(adapter, 1.0)])
+        ctx.eval("Hello world")
+        return {"ctx": ctx, "adapter": adapter}
+
+    try:
+        with snap_pool.snapshot(prepare, fork=fork) as snapshot:
+            instance = snapshot.fork()
+            ctx, adapter = instance.prepared["ctx"], instance.prepared["adapter"]
+            assert isinstance(ctx, Context) and isinstance(adapter, LoraAdapter)
+            assert ctx.lora == [(adapter, 1.0)] and adapter.model is ctx.model
+            assert ctx.generate("", append=True, n_predict=8).tokens == expected
+            ctx.set_lora([])  # the fork's adapter handle is its own: it can be released there
+            adapter.close()
+            instance.close()
+    finally:
+        probe.close()
