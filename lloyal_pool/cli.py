@@ -155,6 +155,20 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    """What generate and chat both take: sampling, stop strings, context size, threads."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=0.0)
+    p.add_argument("--repeat-last-n", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("-c", "--n-ctx", type=int, default=4096)
+    p.add_argument("-t", "--threads", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lloyal-pool", description="crash-isolated llama.cpp inference")
     ap.add_argument("--variant", default=None, help="native variant: cpu, cuda, vulkan or auto")
@@ -165,16 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-f", "--file", help="read the prompt from this file")
     g.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")
     g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (<= 0: until full)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=0.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repeat-penalty", type=float, default=0.0)
-    g.add_argument("--repeat-last-n", type=int, default=0)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("-c", "--n-ctx", type=int, default=4096)
-    g.add_argument("-t", "--threads", type=int, default=None)
+    _sampling_args(g)
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars (model load, prompt)")
     g.add_argument("-v", "--verbose", action="store_true", help="timings on stderr")
     g.set_defaults(fn=_cmd_generate)
@@ -188,16 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"logit bias on <end_of_turn> (default {BASE_MODEL_END_BIAS:g} when falling back to the "
                    "Gemma format, else 0)")
     c.add_argument("-n", "--n-predict", type=int, default=256, help="most tokens per reply (<= 0: no limit)")
-    c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=0.0)
-    c.add_argument("--min-p", type=float, default=0.0)
-    c.add_argument("--repeat-penalty", type=float, default=0.0)
-    c.add_argument("--repeat-last-n", type=int, default=0)
-    c.add_argument("--stop", action="append", help="stop string (repeatable)")
-    c.add_argument("-c", "--n-ctx", type=int, default=4096)
-    c.add_argument("-t", "--threads", type=int, default=None)
+    _sampling_args(c)
     c.add_argument("-q", "--quiet", action="store_true", help="no model loading bar")
     c.add_argument("-v", "--verbose", action="store_true", help="tokens and timings of each reply on stderr")
     c.set_defaults(fn=_cmd_chat)
