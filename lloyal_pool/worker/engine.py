@@ -20,7 +20,7 @@ import msgspec
 
 from .. import protocol as p
 from ..chat import ChatMessage, ToolCall, template_source
-from ..errors import ContextError, LoraError, ModelLoadError, SnapshotError, StaleHandleError
+from ..errors import ContextError, LloyalError, LoraError, ModelLoadError, SnapshotError, StaleHandleError
 from ..params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
 from ..shm import BULK_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
@@ -707,9 +707,6 @@ def _check_gguf_file(path: str, error: type[Exception] = ModelLoadError, what: s
         raise error(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
 
 
-__all__ = ["HANDLERS", "Call", "Engine", "EventSink", "handles"]
-
-
 # context_core.cpp's message when llama.cpp returns no context (its buffers could not be allocated).
 _NO_CONTEXT = "failed to create the llama context"
 
@@ -719,25 +716,34 @@ def _memory_cap() -> int | None:
     return None if limit == resource.RLIM_INFINITY else int(limit)
 
 
-def _name_memory_limit(exc: ContextError | MemoryError) -> BaseException:
-    """A context that did not fit: under a memory cap, the error says which option to raise."""
-    if isinstance(exc, ContextError) and _NO_CONTEXT not in str(exc):
-        return exc  # a refused parameter, not an allocation
+def _under_memory_cap(exc: BaseException, error: type[LloyalError], failed_allocation: bool, what: str,
+                      advice: str) -> BaseException:
+    """A failed allocation as ``error``: under a memory cap, saying which option to raise. Anything else
+    (a refused parameter, a bad or missing file) is returned as it is."""
+    if not failed_allocation:
+        return exc
     message = str(exc) or "out of memory"
     limit = _memory_cap()
     if limit is None:
-        return exc if isinstance(exc, ContextError) else ContextError(f"creating the context: {message}")
-    return ContextError(f"the context does not fit under this worker's memory cap, Pool(memory_limit={limit}) "
-                        f"bytes: raise memory_limit or lower n_ctx ({message})")
+        return exc if isinstance(exc, error) else error(f"{what}: {message}")
+    return error(f"{advice.format(limit=limit)} ({message})")
+
+
+def _name_memory_limit(exc: ContextError | MemoryError) -> BaseException:
+    """A context that did not fit: under a memory cap, the error says which option to raise."""
+    return _under_memory_cap(
+        exc, ContextError, not isinstance(exc, ContextError) or _NO_CONTEXT in str(exc), "creating the context",
+        "the context does not fit under this worker's memory cap, Pool(memory_limit={limit}) bytes: raise "
+        "memory_limit or lower n_ctx")
 
 
 def _name_memory_limit_load(exc: ModelLoadError | MemoryError) -> BaseException:
     """A model whose buffers could not be allocated under a memory cap says which option to raise."""
-    message = str(exc) or "out of memory"
-    limit = _memory_cap()
-    if isinstance(exc, ModelLoadError) and (limit is None or "alloc" not in message):
-        return exc  # not a failed allocation under our cap (a bad file, a missing one)
-    if limit is None:
-        return ModelLoadError(f"loading the model: {message}")
-    return ModelLoadError(f"the model does not fit under this worker's memory cap, Pool(memory_limit={limit}) "
-                          f"bytes: raise memory_limit, or keep use_mmap=True ({message})")
+    allocation = _memory_cap() is not None and "alloc" in (str(exc) or "out of memory")
+    return _under_memory_cap(
+        exc, ModelLoadError, not isinstance(exc, ModelLoadError) or allocation,
+        "loading the model", "the model does not fit under this worker's memory cap, "
+        "Pool(memory_limit={limit}) bytes: raise memory_limit, or keep use_mmap=True")
+
+
+__all__ = ["HANDLERS", "Call", "Engine", "EventSink", "handles"]
