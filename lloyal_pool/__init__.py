@@ -28,11 +28,13 @@ from . import metrics
 from ._link import PromptProgress
 from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
 from .chat import ChatMessage, ToolCall
-from .client import Context, Instance, LoraAdapter, Model, Pool, ProgressCallback, Stream
+from .client import Context, Instance, LoraAdapter, Model, Pool, ProgressCallback, Stream, WorkerEvent
 from .errors import (
     BranchError,
+    CallTimeoutError,
     ContextError,
     ContextOverflowError,
+    DeadWorkerError,
     DecodeError,
     GrammarError,
     InterruptedByClient,
@@ -50,6 +52,7 @@ from .errors import (
     TemplateError,
     WorkerCrashedError,
     WorkerError,
+    WorkerHungError,
     WorkerStartupError,
 )
 from .models import default_model_path
@@ -82,6 +85,7 @@ __all__ = [
     "BranchInfo",
     "BranchStore",
     "BufferMemory",
+    "CallTimeoutError",
     "ChatMessage",
     "ChatReply",
     "ChatStream",
@@ -89,6 +93,7 @@ __all__ = [
     "ContextError",
     "ContextOverflowError",
     "ContextParams",
+    "DeadWorkerError",
     "DecodeError",
     "Device",
     "EvalResult",
@@ -127,6 +132,8 @@ __all__ = [
     "ToolCall",
     "WorkerCrashedError",
     "WorkerError",
+    "WorkerEvent",
+    "WorkerHungError",
     "WorkerStartupError",
     "default_model_path",
     "metrics",

@@ -12,12 +12,13 @@ interrupt() from stopping that generate.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from ._process import WorkerProcess
-from .errors import StaleHandleError
+from .errors import CallTimeoutError, StaleHandleError, WorkerError
 from .protocol import Request
 
 R = TypeVar("R")
@@ -47,6 +48,43 @@ def spread_progress(progress: PromptProgress | None) -> Callable[[Any], None] | 
     return lambda pair: progress(int(pair[0]), int(pair[1]))
 
 
+STOP_GRACE = 2.0
+"""Seconds a timed-out call that was interrupted gets to end before wait() gives up on it."""
+
+
+def wait(fut: Future[R], timeout: float | None, stop: Callable[[], None] | None = None,
+         what: str = "the call") -> R:
+    """fut's result, waiting at most ``timeout`` seconds (None: as long as it takes). When the time has
+    passed, ``stop()`` (an interrupt) runs, the call gets STOP_GRACE seconds to end, and CallTimeoutError
+    is raised, carrying what the stopped call returned (an interrupted generation's partial Result). Its
+    worker dying meanwhile raises that error instead: it says more."""
+    if timeout is None:
+        return fut.result()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
+    try:
+        return fut.result(timeout)
+    except TimeoutError:
+        if fut.done():
+            raise  # the call's own error happens to be a TimeoutError
+    partial: Any = None
+    state = "it may still complete in its worker, unobserved"
+    if stop is not None:
+        stop()
+        try:
+            partial = fut.result(STOP_GRACE)
+            state = "it was interrupted"
+        except WorkerError:
+            raise
+        except TimeoutError:
+            state = f"it was interrupted but had not ended {STOP_GRACE:g}s later"
+        except Exception:
+            state = "it was interrupted"
+    err = CallTimeoutError(f"{what} did not end within timeout={timeout:g}s; {state}")
+    err.result = partial
+    raise err
+
+
 class ContextLink:
     def __init__(self, proc: WorkerProcess, handle: int, interrupt_slot: int) -> None:
         self.proc = proc
@@ -57,6 +95,8 @@ class ContextLink:
         self._lock = threading.RLock()
         self._decoding: list[int] = []  # ids of decoding requests in flight, in the order the worker runs them
         self._cancelled: set[int] = set()  # of those, the ones to interrupt as soon as the worker starts them
+        # A decoding call's future -> its request id, for wait()'s interrupt when its timeout passes.
+        self._ids: weakref.WeakKeyDictionary[Future[Any], int] = weakref.WeakKeyDictionary()
         self.closed = False
 
     def call(self, req: Request[R], on_event: EventHandler | None = None,
@@ -93,8 +133,15 @@ class ContextLink:
             if sent:
                 untrack(sent[0])
             raise
+        self._ids[fut] = sent[0]
         fut.add_done_callback(lambda _: untrack(sent[0]))
         return fut
+
+    def wait(self, fut: Future[R], timeout: float | None, what: str) -> R:
+        """fut's result within timeout seconds (module wait()); a decoding call is interrupted when the
+        time has passed."""
+        req_id = self._ids.get(fut)
+        return wait(fut, timeout, None if req_id is None else lambda: self.interrupt_request(req_id), what)
 
     def interrupt(self) -> None:
         """Stops the decoding request the worker runs (or runs next) on this context; a no-op when none."""

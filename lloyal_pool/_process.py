@@ -4,10 +4,12 @@
                      ◀─Future─ reader thread ◀──replies pipe── worker   (RESPONSE/ERROR resolve, EVENT calls back)
                                stderr thread ◀──stderr pipe─── worker   (ring buffer + Python logging)
 
-Death is learned from the OS, not from heartbeats: when the worker exits for any reason its end of the
-replies pipe closes, the reader thread sees EOF at once, reaps the process for its exit status, and fails
-every waiting call with WorkerCrashedError (exit code or signal, stderr tail). Other workers have their
-own pipes and threads and never notice.
+Death is learned from the OS: when the worker exits for any reason its end of the replies pipe closes,
+the reader thread sees EOF at once, reaps the process for its exit status, and fails every waiting call
+with WorkerCrashedError (exit code or signal, stderr tail). Other workers have their own pipes and threads
+and never notice. A worker that is alive but stuck (stopped, deadlocked, in a loop with no interrupt check)
+is found by the pool's watchdog (HangWatch): while calls wait on it, its heartbeat word in shared memory
+must move; one that stands still for hang_timeout is killed, and its calls fail with WorkerHungError.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ import psutil
 
 from . import variants
 from .errors import (
+    DeadWorkerError,
     LloyalError,
     PoolClosedError,
     ProtocolError,
     SnapshotError,
-    StaleHandleError,
     WorkerCrashedError,
+    WorkerHungError,
     WorkerStartupError,
     describe_exit,
     rebuild,
@@ -82,6 +85,7 @@ class WorkerOptions:
     writable_dirs: tuple[str, ...] = ()
     network: bool = False
     sandbox: bool = True
+    temp_root: str | None = None  # where the workers' private directories go (the pool's TempRoot)
 
 
 @dataclass
@@ -155,6 +159,16 @@ class WorkerProcess:
         self._dead: WorkerCrashedError | PoolClosedError | None = None
         self._closing = False  # close() was asked for: calls in flight end with PoolClosedError
         self._closed = False
+        # Set before close() sends its kill: a worker that close() ended is "closed", one that died before
+        # (a crash racing with Pool.replace()) stays a crash.
+        self._killed_by_close = False
+        self._hung_for = 0.0  # > 0 once the watchdog killed it as hung
+        # The watchdog's view: the heartbeat it last saw and when it last moved (None: nothing waits).
+        self._beat_seen = 0
+        self._beat_since: float | None = None
+        self._in_callback = False  # the reader runs a user callback: the worker may block on a full pipe
+        #: Called (on the reader thread) with this process and its error when it dies other than by close().
+        self.on_death: Callable[[WorkerProcess, WorkerCrashedError], None] | None = None
         self._dead_event = threading.Event()
         self._stderr_tail: collections.deque[str] = collections.deque()
         self._stderr_bytes = 0
@@ -177,7 +191,7 @@ class WorkerProcess:
             self._cwd = tempfile.mkdtemp(prefix=f"fork{worker_id}-", dir=fork_from._cwd)
         else:
             self.region = Region.create(options.shm_bytes, backend=options.shm_backend)
-            self._cwd = tempfile.mkdtemp(prefix=f"lloyal-worker{worker_id}-")
+            self._cwd = tempfile.mkdtemp(prefix=f"worker{worker_id}-", dir=options.temp_root)
         req_r, self._req_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
         # The lifeline: the worker exits when this pipe reaches EOF, that is when every copy of our
@@ -374,11 +388,12 @@ class WorkerProcess:
 
     def _stale_error(self) -> BaseException:
         dead = self._dead
-        if isinstance(dead, PoolClosedError):
+        if isinstance(dead, PoolClosedError) or dead is None:
             return PoolClosedError(f"worker {self.worker_id} was closed")
-        err = StaleHandleError(
-            f"worker {self.worker_id} is dead ({dead}); its models and contexts are gone. "
-            "Start a replacement with Pool.replace().")
+        first = str(dead).split("\n--- worker stderr")[0]
+        err = DeadWorkerError(
+            f"{first}; its models and contexts are gone. Start a replacement with Pool.replace().",
+            returncode=dead.returncode, worker_id=self.worker_id, pid=self.pid, stderr_tail=dead.stderr_tail)
         err.__cause__ = dead
         return err
 
@@ -401,10 +416,13 @@ class WorkerProcess:
             if kind == Kind.EVENT:
                 pending = self._pending.get(req_id)
                 if pending is not None and pending.on_event is not None:
+                    self._in_callback = True
                     try:
                         pending.on_event(payload)
                     except Exception:  # a user callback must not take the reader down
                         log.exception("event callback for request %d raised", req_id)
+                    finally:
+                        self._in_callback = False
                 continue
             if kind not in (Kind.RESPONSE, Kind.ERROR):
                 why = f"protocol violation: unexpected {kind.name} frame"
@@ -433,19 +451,55 @@ class WorkerProcess:
             code = self.proc.wait()
         self._stderr_thread.join(timeout=1.0)
         error: WorkerCrashedError | PoolClosedError
-        if self._closing:
+        if self._closing and (code == 0 or self._killed_by_close):
             error = PoolClosedError(f"worker {self.worker_id} was closed while the call was in flight")
+        elif self._hung_for > 0:
+            error = WorkerHungError(
+                f"worker {self.worker_id} (pid {self.pid}) hung: no sign of life for {self._hung_for:.1f}s "
+                f"with calls waiting (hang_timeout), so the pool killed it; {describe_exit(code)}",
+                hung_for=self._hung_for, returncode=code, worker_id=self.worker_id, pid=self.pid,
+                stderr_tail=self.stderr_tail())
         else:
             error = WorkerCrashedError(
                 f"worker {self.worker_id} (pid {self.pid}) {describe_exit(code)}; {why}",
                 returncode=code, worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
+        if isinstance(error, WorkerCrashedError):
             log.error("[crash] %s", str(error).splitlines()[0])
         with self._lock:
             self._dead = error
             pending, self._pending = self._pending, {}
         self._dead_event.set()
         for p in pending.values():
-            p.future.set_exception(_copy_error(error))
+            if not p.future.done():  # a call whose caller gave up (timeout) may have been failed already
+                p.future.set_exception(_copy_error(error))
+        if isinstance(error, WorkerCrashedError) and self.on_death is not None:
+            try:
+                self.on_death(self, error)
+            except Exception:  # an application's callback must not take the reader down
+                log.exception("worker death callback raised")
+
+    # -- the hang watchdog's check --------------------------------------------------------------------
+    def check_hang(self, now: float, hang_timeout: float) -> None:
+        """Called by the pool's watchdog every tick: kills the worker when calls wait on it and its
+        heartbeat has not moved for hang_timeout seconds. An idle worker is not watched (nothing waits,
+        and its next call starts the clock), nor one whose reader runs a user callback (then the worker
+        may rightly be blocked writing to a full pipe)."""
+        if self._dead is not None or self._closing or self._hung_for > 0:
+            return
+        with self._lock:
+            busy = bool(self._pending)
+        if not busy:
+            self._beat_since = None
+            return
+        beat = self.region.heartbeat
+        if self._beat_since is None or beat != self._beat_seen or self._in_callback:
+            self._beat_seen, self._beat_since = beat, now
+            return
+        if now - self._beat_since >= hang_timeout:
+            self._hung_for = now - self._beat_since
+            log.error("[hang] worker %d (pid %d): no sign of life for %.1fs with calls waiting; killing it",
+                      self.worker_id, self.pid, self._hung_for)
+            self._kill_tree()
 
     # -- stderr ---------------------------------------------------------------------------------------
     def _drain_stderr(self) -> None:
@@ -499,6 +553,11 @@ class WorkerProcess:
             except psutil.Error:
                 pass
 
+    def _kill_by_close(self) -> None:
+        if self.proc.returncode is None:
+            self._killed_by_close = True
+        self._kill_tree()
+
     def kill(self) -> None:
         """SIGKILL the worker (and its children) now; waiting calls fail with WorkerCrashedError."""
         self._kill_tree()
@@ -517,7 +576,7 @@ class WorkerProcess:
             # the fd is closed only under the write lock, so no write can reach a reused fd number.
             if not self._write_lock.acquire(timeout=timeout / 2):
                 log.warning("[shutdown] worker %d: a request is stuck in its pipe; killing it", self.worker_id)
-                self._kill_tree()
+                self._kill_by_close()
                 self._write_lock.acquire()
             try:
                 write_frame(self._req_w, pack(Kind.SHUTDOWN, 0, None))
@@ -533,7 +592,7 @@ class WorkerProcess:
             self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("[shutdown] worker %d did not exit within %.1fs; killing it", self.worker_id, timeout)
-        self._kill_tree()  # also any grandchildren the worker left behind
+        self._kill_by_close()  # also any grandchildren the worker left behind
         self.proc.wait()
         if self._reader.is_alive():
             self._reader.join(timeout=5.0)
@@ -587,6 +646,74 @@ class ForkedChild:
         return self.returncode
 
 
+class TempRoot:
+    """A pool's temporary directory, which holds its workers' private directories, and a janitor that
+    removes it should this process die without closing the pool (SIGKILL, os._exit): a shell whose stdin
+    is a pipe only we hold the write end of. When we die, however, it reads EOF and removes the directory
+    (retrying while dying workers may still be writing there); when close() ends it, we have already."""
+
+    _SCRIPT = ('cat >/dev/null; for i in 1 2 3 4 5; do rm -rf -- "$1" 2>/dev/null; '
+               '[ -e "$1" ] || exit 0; sleep 1; done')
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="lloyal-pool-")
+        life_r, self._life_w = os.pipe()
+        try:
+            self._janitor: subprocess.Popen[bytes] | None = _spawner.run(lambda: subprocess.Popen(
+                ["/bin/sh", "-c", self._SCRIPT, "lloyal-janitor", self.path], stdin=life_r,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
+                start_new_session=True))
+        except OSError as exc:
+            # Without a shell the directory is still removed by close(), only not after a SIGKILL.
+            log.warning("[startup] no janitor for %s (%s): a killed parent would leave it behind", self.path, exc)
+            self._janitor = None
+        finally:
+            os.close(life_r)
+
+    def close(self) -> None:
+        """Removes the directory and ends the janitor. Idempotent."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._life_w >= 0:
+            os.close(self._life_w)
+            self._life_w = -1
+        if self._janitor is not None:
+            try:
+                self._janitor.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._janitor.kill()
+                self._janitor.wait()
+            self._janitor = None
+
+
+class HangWatch:
+    """A pool's hang watchdog: one daemon thread that, every tick, has each worker with calls waiting
+    compare its heartbeat with the last one seen (WorkerProcess.check_hang). No round trip, no signal:
+    reading a word of shared memory costs nothing to a worker that is busy decoding."""
+
+    def __init__(self, procs: list[WorkerProcess], hang_timeout: float) -> None:
+        # The pool's own list (it holds no reference to the Pool, whose finalizer stops this thread).
+        self._procs = procs
+        self.hang_timeout = hang_timeout
+        self._tick = min(0.25, hang_timeout / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="lloyal-hang-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick):
+            now = time.monotonic()
+            for proc in list(self._procs):
+                try:
+                    proc.check_hang(now, self.hang_timeout)
+                except Exception:  # one worker's trouble must not end the watch over the others
+                    log.exception("hang check of worker %d failed", proc.worker_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+
 def _sandbox_args(options: WorkerOptions) -> list[str]:
     import json
 
@@ -603,9 +730,12 @@ def _sandbox_args(options: WorkerOptions) -> list[str]:
 def _copy_error(err: BaseException) -> BaseException:
     """A fresh exception per waiting call, so tracebacks do not pile onto one shared instance."""
     if isinstance(err, WorkerCrashedError):
-        new: BaseException = WorkerCrashedError(str(err).split("\n--- worker stderr")[0],
-                                                returncode=err.returncode, worker_id=err.worker_id,
-                                                pid=err.pid, stderr_tail=err.stderr_tail)
+        first = str(err).split("\n--- worker stderr")[0]
+        details: dict[str, Any] = {"returncode": err.returncode, "worker_id": err.worker_id, "pid": err.pid,
+                                   "stderr_tail": err.stderr_tail}
+        if isinstance(err, WorkerHungError):
+            details["hung_for"] = err.hung_for
+        new: BaseException = type(err)(first, **details)
     else:
         new = type(err)(*err.args)
     return new

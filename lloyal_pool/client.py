@@ -13,7 +13,9 @@ serving, and Pool.replace() starts a fresh one in its place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import queue
 import threading
@@ -21,17 +23,25 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
 from . import protocol as p
 from ._futures import mapped
-from ._link import ContextLink, PromptProgress, events, spread_progress
-from ._process import WorkerOptions, WorkerProcess
+from ._link import ContextLink, PromptProgress, events, spread_progress, wait
+from ._process import HangWatch, TempRoot, WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import TOOL_CHOICES, ChatMessage
-from .errors import LoraError, ModelLoadError, PoolClosedError, StaleHandleError
+from .errors import (
+    CallTimeoutError,
+    LoraError,
+    ModelLoadError,
+    PoolClosedError,
+    StaleHandleError,
+    WorkerCrashedError,
+)
 from .params import (
     RERANK_PROMPT,
     BufferMemory,
@@ -51,6 +61,7 @@ if TYPE_CHECKING:
     from .session import Session
     from .snapshot import Snapshot
 
+log = logging.getLogger("lloyal_pool")
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
 R = TypeVar("R")
@@ -122,21 +133,22 @@ class Instance:
         self._proc.close(timeout)
 
     def ping(self, timeout: float | None = None) -> float:
-        """Round-trip time in seconds."""
+        """Round-trip time in seconds; CallTimeoutError when there is no answer within ``timeout``."""
         t0 = time.perf_counter()
-        self._proc.call(p.Ping()).result(timeout)
+        wait(self._proc.call(p.Ping()), timeout, what="ping")
         return time.perf_counter() - t0
 
     def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                   vocab_only: bool = False, progress: ProgressCallback | None = None) -> Model:
+                   vocab_only: bool = False, progress: ProgressCallback | None = None,
+                   timeout: float | None = None) -> Model:
         """Loads a GGUF model into this worker and returns its handle; blocks until it is loaded.
         ``n_gpu_layers`` layers go to the GPU (GPU variants only), ``use_mmap`` maps the file instead of
         reading it, ``vocab_only`` loads the vocabulary alone (tokenize, templates; no contexts).
         ``progress(fraction)`` is called on a client thread as the load proceeds. ModelLoadError for a
         missing, unreadable or invalid file, or one outside the pool's ``allowed_dirs``; the worker keeps
-        serving."""
-        return self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
-                                     vocab_only=vocab_only, progress=progress).result()
+        serving. ``timeout``: seconds to wait at most (CallTimeoutError; the load goes on in the worker)."""
+        return wait(self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
+                                          vocab_only=vocab_only, progress=progress), timeout, what="load_model")
 
     def load_model_async(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
                          vocab_only: bool = False, progress: ProgressCallback | None = None) -> Future[Model]:
@@ -370,11 +382,17 @@ class Stream:
 
     _END = object()
 
-    def __init__(self, context: Context) -> None:
+    def __init__(self, context: Context, timeout: float | None = None) -> None:
         self._link = context._link
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._request_id = 0
         self.future: Future[Result]
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ValueError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
+        self._timed_out: CallTimeoutError | None = None
 
     def _attach(self, fut: Future[Result]) -> None:
         self.future = fut
@@ -388,7 +406,13 @@ class Stream:
         return self
 
     def __next__(self) -> str:
-        item = self._q.get()
+        if self._timed_out is not None:
+            raise self._timed_out
+        try:
+            item = self._q.get(timeout=self._left())
+        except queue.Empty:
+            self._wait_result()  # raises CallTimeoutError, unless the generation ended just now
+            item = self._q.get()
         if item is self._END:
             self._q.put(self._END)  # stay exhausted
             self.future.result()  # raises the call's error, if any
@@ -407,11 +431,25 @@ class Stream:
         if self._request_id and fut is not None and not fut.done():
             self._link.interrupt_request(self._request_id)
 
+    def _left(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def _wait_result(self) -> Result:
+        if self._timed_out is not None:
+            raise self._timed_out
+        try:
+            return wait(self.future, self._left(), self.interrupt, f"stream (timeout={self._timeout:g}s)"
+                        if self._timeout is not None else "stream")
+        except CallTimeoutError as exc:
+            self._timed_out = exc
+            raise
+
     @property
     def result(self) -> Result:
         """The whole generation's Result. Blocks until the generation ends (read it after iterating, or
-        instead of iterating); raises the call's error, if it failed."""
-        return self.future.result()
+        instead of iterating); raises the call's error, if it failed, and CallTimeoutError once the
+        stream's timeout has passed."""
+        return self._wait_result()
 
     @property
     def done(self) -> bool:
@@ -470,7 +508,7 @@ class Context:
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  append: bool = False, on_piece: Callable[[str], None] | None = None,
-                 progress: PromptProgress | None = None, **overrides: Any) -> Result:
+                 progress: PromptProgress | None = None, timeout: float | None = None, **overrides: Any) -> Result:
         """Generates a continuation of ``prompt`` (text, or token ids) and returns it when it ends.
 
         ``prompt`` is the whole input, as in llama-server: what the context held before is replaced.
@@ -482,9 +520,12 @@ class Context:
         ``on_piece`` is called, on a client thread, with each piece of final text; ``progress(done,
         total)`` with the prompt tokens decoded so far. Keyword overrides are GenerateParams fields
         (``n_predict``, ``temperature``, ``stop``, ...). Raises ContextOverflowError when the prompt does
-        not fit, GrammarError, InvalidTokenError, ValueError for an empty prompt without append."""
-        return self.generate_async(prompt, params, append=append, on_piece=on_piece, progress=progress,
-                                   **overrides).result()
+        not fit, GrammarError, InvalidTokenError, ValueError for an empty prompt without append.
+
+        ``timeout``: seconds to wait at most (this and every other blocking call that takes it): then the
+        generation is interrupted and CallTimeoutError raised, its ``result`` the partial Result."""
+        return self._link.wait(self.generate_async(prompt, params, append=append, on_piece=on_piece,
+                                                   progress=progress, **overrides), timeout, "generate")
 
     def generate_async(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                        append: bool = False, on_piece: Callable[[str], None] | None = None,
@@ -495,11 +536,14 @@ class Context:
         return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-               append: bool = False, progress: PromptProgress | None = None, **overrides: Any) -> Stream:
+               append: bool = False, progress: PromptProgress | None = None, timeout: float | None = None,
+               **overrides: Any) -> Stream:
         """Like generate, but returns at once with a Stream: iterate it for the pieces, then read its
-        ``result``. Close it (or use ``with``) to stop early."""
-        return self._start_stream(Stream(self), prompt, GenerateParams.of(params, overrides), append=append,
-                                  progress=progress)
+        ``result``. Close it (or use ``with``) to stop early. ``timeout``: seconds the whole generation
+        may take; past it the stream is interrupted and iterating it (or reading ``result``) raises
+        CallTimeoutError."""
+        return self._start_stream(Stream(self, timeout), prompt, GenerateParams.of(params, overrides),
+                                  append=append, progress=progress)
 
     def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
                       progress: PromptProgress | None) -> S:
@@ -529,7 +573,8 @@ class Context:
     def generate_with_draft(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                             draft: str | Context = "ngram", n_draft: int = 8, ngram_min: int = 2, ngram_max: int = 4,
                             append: bool = False, on_piece: Callable[[str], None] | None = None,
-                            progress: PromptProgress | None = None, **overrides: Any) -> Result:
+                            progress: PromptProgress | None = None, timeout: float | None = None,
+                            **overrides: Any) -> Result:
         """generate() with speculative decoding (go-llama's GenerateWithDraft): a drafter proposes up to
         ``n_draft`` tokens, this context decodes them in one batch, and its own sampler keeps them for as
         long as it chooses the same tokens. Every token is this context's sampler's choice, so greedy
@@ -540,9 +585,10 @@ class Context:
         down to ``ngram_min`` tokens, and what followed it; no second model), or a Context of a smaller
         model with the same vocabulary in the same worker (its greedy continuation; it must not be in use
         meanwhile). Needs swa_full=True on sliding-window models (the default)."""
-        return self.generate_with_draft_async(prompt, params, draft=draft, n_draft=n_draft, ngram_min=ngram_min,
-                                              ngram_max=ngram_max, append=append, on_piece=on_piece,
-                                              progress=progress, **overrides).result()
+        fut = self.generate_with_draft_async(prompt, params, draft=draft, n_draft=n_draft, ngram_min=ngram_min,
+                                             ngram_max=ngram_max, append=append, on_piece=on_piece,
+                                             progress=progress, **overrides)
+        return self._link.wait(fut, timeout, "generate_with_draft")
 
     def generate_with_draft_async(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                                   draft: str | Context = "ngram", n_draft: int = 8, ngram_min: int = 2,
@@ -573,12 +619,13 @@ class Context:
                           append=bool(append), progress=progress)
 
     def eval(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
-             parse_special: bool = True, progress: PromptProgress | None = None) -> EvalResult:
+             parse_special: bool = True, progress: PromptProgress | None = None,
+             timeout: float | None = None) -> EvalResult:
         """Decodes prompt into the KV cache after what it holds, without sampling (prefill). Text gets
         the model's BOS only when the context is empty, unless add_special says otherwise.
         ``progress(done, total)`` is called with the tokens decoded so far."""
-        return self.eval_async(prompt, add_special=add_special, parse_special=parse_special,
-                               progress=progress).result()
+        return self._link.wait(self.eval_async(prompt, add_special=add_special, parse_special=parse_special,
+                                               progress=progress), timeout, "eval")
 
     def eval_async(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
                    parse_special: bool = True, progress: PromptProgress | None = None) -> Future[EvalResult]:
@@ -730,25 +777,26 @@ class Context:
         return self._link.call(p.LoadState(context=self.handle, path=os.path.abspath(os.fspath(path)))).result()
 
     # -- scoring ---------------------------------------------------------------------------------------
-    def score(self, text: str | Sequence[int]) -> Score:
+    def score(self, text: str | Sequence[int], *, timeout: float | None = None) -> Score:
         """Teacher-forced score of a whole text (text gets the model's BOS; token ids are taken as they
         are): every token after the first is scored against the logits of the tokens before it, so
         n_scored = n_tokens - 1. Like a generate prompt, the text replaces what the context held and stays
         in it afterwards. ValueError for fewer than two tokens, ContextOverflowError past n_ctx."""
-        return self.score_async(text).result()
+        return self._link.wait(self.score_async(text), timeout, "score")
 
     def score_async(self, text: str | Sequence[int]) -> Future[Score]:
         """score() without waiting: a Future of the Score."""
         wire: str | list[int] = text if isinstance(text, str) else [int(t) for t in text]
         return self._link.call(p.ScoreText(context=self.handle, text=wire))
 
-    def score_choices(self, choices: Sequence[str | Sequence[int]]) -> list[Score]:
+    def score_choices(self, choices: Sequence[str | Sequence[int]], *,
+                      timeout: float | None = None) -> list[Score]:
         """Scores each choice (text without BOS, or token ids) as the continuation of what the context
         holds; every token of a choice is scored (n_scored = n_tokens). The context is left as it was:
         its cache is rolled back and its last logits kept. With n_seq_max > 1 the choices are decoded
         together, one sequence each (as many at once as there are sequences); with n_seq_max 1 one
         after another."""
-        return self.score_choices_async(choices).result()
+        return self._link.wait(self.score_choices_async(choices), timeout, "score_choices")
 
     def score_choices_async(self, choices: Sequence[str | Sequence[int]]) -> Future[list[Score]]:
         """score_choices() without waiting: a Future of the list of Scores."""
@@ -801,15 +849,44 @@ def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _close_procs(procs: list[WorkerProcess], timeout: float) -> None:
+def _close_procs(procs: list[WorkerProcess], timeout: float, watch: HangWatch | None = None,
+                 temp: TempRoot | None = None) -> None:
     # Module-level and holding no reference to the Pool, so weakref.finalize can run it after the Pool is
     # collected or at interpreter exit.
+    if watch is not None:
+        watch.stop()
     threads = [threading.Thread(target=p.close, args=(timeout,), daemon=True) for p in procs]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     procs.clear()
+    if temp is not None:
+        temp.close()
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """What Pool.subscribe() callbacks receive. ``kind``: "died" (the worker crashed, was killed or hung;
+    ``error`` says how: WorkerCrashedError, WorkerHungError) or "replaced" (Pool.replace() started
+    ``instance`` in its place, at ``index``). Not sent for workers that close() ended."""
+
+    kind: str
+    worker_id: int
+    pid: int
+    error: WorkerCrashedError | None = None
+    instance: Instance | None = None
+    index: int | None = None
+
+
+def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, WorkerCrashedError], None]:
+    # A weak reference: a worker's reader thread must not keep its pool alive.
+    def on_death(proc: WorkerProcess, error: WorkerCrashedError) -> None:
+        pool = pool_ref()
+        if pool is not None:
+            pool._emit(WorkerEvent("died", proc.worker_id, proc.pid, error=error))
+
+    return on_death
 
 
 class Pool:
@@ -827,6 +904,11 @@ class Pool:
     (e.g. ``env={"CUDA_VISIBLE_DEVICES": None}``). ``native_log_level``:
     the llama.cpp messages forwarded to the ``lloyal_pool.worker.<id>`` loggers ("debug" ... "none").
     ``threads_per_worker``: a context's default n_threads (default: the CPUs shared among the workers).
+    ``hang_timeout``: seconds a worker with calls waiting may show no sign of life (its heartbeat, which
+    it advances at every interrupt check of its decode and sampling loops and at every request) before
+    the pool kills it and fails its calls with WorkerHungError; None turns the watch off. A single native
+    step with no interrupt check (tokenizing hundreds of megabytes, a state of many gigabytes, a GPU
+    kernel compile) must fit in it. ``subscribe()`` tells an application of deaths and replacements.
 
     Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
     only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),
@@ -846,9 +928,12 @@ class Pool:
                  native_log_level: str = "warning", threads_per_worker: int | None = None,
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
-                 sandbox: bool = True) -> None:
+                 sandbox: bool = True, hang_timeout: float | None = 30.0) -> None:
         if size < 1:
             raise ValueError(f"a Pool needs at least one worker, got size={size}")
+        if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
+                hang_timeout, (int, float)) or not hang_timeout > 0):
+            raise ValueError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")
         for name, value in (env or {}).items():
             if not isinstance(name, str) or not name or "=" in name or "\0" in name:
                 raise ValueError(f"env: {name!r} is not an environment variable name")
@@ -874,7 +959,12 @@ class Pool:
         self._instances: list[Instance] = []
         self._closed = False
         self._next_worker_id = 0
-        self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0)
+        self._subscribers: list[Callable[[WorkerEvent], None]] = []
+        self._temp = TempRoot()
+        self._options = dataclasses.replace(self._options, temp_root=self._temp.path)
+        self.hang_timeout = hang_timeout
+        self._watch = None if hang_timeout is None else HangWatch(self._all_procs, float(hang_timeout))
+        self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0, self._watch, self._temp)
         try:
             procs = [self._spawn() for _ in range(size)]  # start them all, then wait: start-ups overlap
             for proc in procs:
@@ -891,9 +981,35 @@ class Pool:
             worker_id = self._next_worker_id
             self._next_worker_id += 1
         proc = WorkerProcess(worker_id, self._options, zygote=zygote, fork_from=fork_from)
+        proc.on_death = _death_relay(weakref.ref(self))
         with self._lock:
             self._all_procs.append(proc)
         return proc
+
+    def subscribe(self, callback: Callable[[WorkerEvent], None]) -> Callable[[], None]:
+        """Calls ``callback(event)`` (a WorkerEvent) when a worker of this pool dies (crash, kill, hang;
+        also a snapshot's fork) and when replace() has started a replacement, so an application need not
+        poll ``Instance.alive``. It runs on a lloyal_pool thread (the dead worker's reader, or the thread
+        that called replace()) and must return promptly; what it raises is logged, never propagated.
+        Returns a function that unsubscribes it."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _emit(self, event: WorkerEvent) -> None:
+        with self._lock:
+            callbacks = list(self._subscribers)
+        for callback in callbacks:
+            try:
+                callback(event)
+            except Exception:
+                log.exception("a Pool.subscribe() callback raised on %s", event.kind)
 
     def _release(self, proc: WorkerProcess, timeout: float = 5.0) -> None:
         proc.close(timeout)
@@ -951,10 +1067,12 @@ class Pool:
         old.close(timeout=2.0)
         proc = self._spawn()
         proc.wait_ready()
+        fresh = Instance(proc)
         with self._lock:
-            self._instances[index] = Instance(proc)
+            self._instances[index] = fresh
             self._all_procs.remove(old)
-        return self._instances[index]
+        self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
+        return fresh
 
     def stats(self) -> list[dict[str, Any]]:
         """Instance.stats() of every worker, in index order."""
@@ -964,11 +1082,18 @@ class Pool:
         """Ends every worker (shutdown, then kill after timeout), reaps every process and frees every
         shared-memory region. Idempotent; also runs at interpreter exit."""
         self._closed = True
-        _close_procs(self._all_procs, timeout)
+        _close_procs(self._all_procs, timeout, self._watch, self._temp)
         self._finalizer.detach()
 
     @property
     def closed(self) -> bool:
         """Whether close() was called; calls on the pool's handles then raise PoolClosedError."""
         return self._closed
+
+    @property
+    def temp_dir(self) -> str:
+        """The pool's temporary directory, which holds each worker's private one (its working directory,
+        the only place it may write besides ``writable_dirs``). close() removes it, and should this
+        process die without closing the pool, a janitor process (a shell waiting on a pipe) does."""
+        return self._temp.path
 

@@ -19,9 +19,13 @@
     ├── ProtocolError             a frame that cannot be encoded or decoded, or a reply of the wrong type
     │   └── BadRequestError       a request with an unknown op, or a field missing or of the wrong type
     ├── PoolClosedError           the pool was closed
+    ├── CallTimeoutError          a call's ``timeout=`` passed (also a TimeoutError); the call was stopped
     └── WorkerError
         ├── WorkerStartupError    the worker did not complete its handshake
         └── WorkerCrashedError    the worker process died (exit code or signal, stderr tail)
+            ├── WorkerHungError   it showed no sign of life for the pool's hang_timeout and was killed
+            └── DeadWorkerError   a call on a handle of a worker that had already died (also a
+                                  StaleHandleError): how it died
 
 Errors raised inside a worker travel as (type name, message, remote traceback) and are raised again in the
 client as the class of the same name; the remote traceback is kept on ``remote_traceback`` and chained
@@ -187,6 +191,33 @@ class WorkerCrashedError(WorkerError):
             return f"signal {-self.returncode}"
 
 
+class WorkerHungError(WorkerCrashedError):
+    """The worker had requests to serve and showed no sign of life (its heartbeat word in shared memory
+    stood still) for the pool's ``hang_timeout``: stopped (SIGSTOP), deadlocked, or stuck in a native loop.
+    The pool killed it; ``returncode`` is that kill's status and ``hung_for`` the seconds it stood still."""
+
+    def __init__(self, message: str, *, hung_for: float = 0.0, returncode: int | None = None,
+                 worker_id: int | None = None, pid: int | None = None, stderr_tail: str = "") -> None:
+        self.hung_for = hung_for
+        super().__init__(message, returncode=returncode, worker_id=worker_id, pid=pid, stderr_tail=stderr_tail)
+
+
+class DeadWorkerError(WorkerCrashedError, StaleHandleError):
+    """A call on a handle whose worker had already died (while idle, or in an earlier call): says how it
+    died, as WorkerCrashedError does, and is also a StaleHandleError (the handle is of no use any more;
+    Pool.replace() starts a fresh worker)."""
+
+
+class CallTimeoutError(LloyalError, TimeoutError):
+    """A call's ``timeout=`` passed before it ended. A call that decodes (generate, eval, score, ...) was
+    interrupted, so its context is free again and holds what an interrupt leaves; any other call may still
+    complete in its worker, unobserved. Also a built-in TimeoutError. ``result``: what the interrupted
+    call returned when it ended in time (a generation's partial Result, stop_reason "interrupted"), else
+    None."""
+
+    result: object = None
+
+
 def describe_exit(returncode: int | None) -> str:
     """'killed by SIGKILL (-9)', 'exited with code 70', 'still running'."""
     if returncode is None:
@@ -255,9 +286,9 @@ class _RemoteTraceback(Exception):
 
 
 __all__ = [
-    "BadRequestError", "BranchError", "ContextError", "ContextOverflowError", "DecodeError", "GrammarError",
-    "InterruptedByClient", "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError",
-    "ProtocolError", "RemoteError", "ResultTooLargeError", "SnapshotError", "StaleHandleError", "StateError",
-    "TemplateError", "WorkerCrashedError", "WorkerError", "WorkerStartupError",
-    "describe_exit", "error_class", "rebuild",
+    "BadRequestError", "BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError",
+    "DeadWorkerError", "DecodeError", "GrammarError", "InterruptedByClient", "InvalidTokenError", "LloyalError",
+    "LoraError", "ModelLoadError", "PoolClosedError", "ProtocolError", "RemoteError", "ResultTooLargeError",
+    "SnapshotError", "StaleHandleError", "StateError", "TemplateError", "WorkerCrashedError", "WorkerError",
+    "WorkerHungError", "WorkerStartupError", "describe_exit", "error_class", "rebuild",
 ]

@@ -5,6 +5,8 @@ SIGKILLed) and hands it to the worker; the worker writes bulk data (logits) into
 reads it back as numpy arrays, with no serialization.
 
     offset 0      header      magic, layout version, size
+    offset 64     heartbeat   a u64 the worker advances while it works (every interrupt check of the native
+                              loops, every request): the parent's hang watchdog reads it, no round trip
     offset 4096   interrupt   INTERRUPT_SLOTS u64 words, one per context: the client stores the id of the
                               request to stop; the native loop compares it with the request it runs
     offset 8192   bulk        page-aligned blocks the worker's native arena hands out: a logits row per
@@ -31,6 +33,7 @@ from .errors import LloyalError
 MAGIC = 0x4C4C4F59414C5348  # "LLOYALSH"
 LAYOUT_VERSION = 1
 PAGE = mmap.PAGESIZE
+HEARTBEAT_OFFSET = 64  # its own cache line: the native side stores to it from the decode loops
 INTERRUPT_OFFSET = 4096
 INTERRUPT_SLOTS = 512
 BULK_OFFSET = 8192
@@ -68,6 +71,7 @@ class Region:
         # Only the interrupt words are touched through numpy; keeping one array avoids re-wrapping per call.
         self.interrupt = np.frombuffer(self.view, dtype=np.uint64, count=INTERRUPT_SLOTS,
                                        offset=INTERRUPT_OFFSET)
+        self._heartbeat = np.frombuffer(self.view, dtype=np.uint64, count=1, offset=HEARTBEAT_OFFSET)
 
     # -- creation -----------------------------------------------------------------------------------
     @classmethod
@@ -183,6 +187,15 @@ class Region:
         arr.flags.writeable = False
         return arr
 
+    @property
+    def heartbeat(self) -> int:
+        """The worker's heartbeat count: it changes while the worker makes progress."""
+        return int(self._heartbeat[0]) if len(self._heartbeat) else 0
+
+    def beat(self) -> None:
+        """Worker side: a sign of life (the native loops give theirs through the same word)."""
+        self._heartbeat[0] += 1
+
     def set_interrupt(self, slot: int, request_id: int) -> None:
         # One aligned 8-byte store; the native side loads it atomically. No lock, no round trip.
         self.interrupt[slot] = request_id
@@ -201,6 +214,7 @@ class Region:
         mapped until it is collected; the segment itself is gone either way."""
         self.close_fd()
         self.interrupt = np.zeros(0, dtype=np.uint64)
+        self._heartbeat = np.zeros(0, dtype=np.uint64)
         try:
             self.view.release()
         except BufferError:

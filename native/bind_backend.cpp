@@ -2,13 +2,44 @@
 // JSON-schema converter, and the sampler fields the C++ side declares (sampling.hpp).
 #include "bind.hpp"
 #include "devices.hpp"
+#include "heartbeat.hpp"
 
 #include "build-info.h"
 #include "common.h"
 
+#include <memory>
 #include <thread>
 
 namespace lloyal {
+
+namespace {
+
+// The buffer the heartbeat word lives in, pinned until detached. A plain pointer, never a static object:
+// a static destructor would release the Python buffer after the interpreter has finalized.
+held_buffer * heartbeat_buffer = nullptr;
+
+void set_heartbeat_word(const py::object & buffer, int64_t index) {
+    if (buffer.is_none()) {
+        heartbeat_word = nullptr;
+        delete heartbeat_buffer;
+        heartbeat_buffer = nullptr;
+        return;
+    }
+    auto buf = std::make_unique<held_buffer>(buffer, true);
+    if (index < 0 || static_cast<uint64_t>(index) >= buf->size() / 8) {
+        throw std::invalid_argument("heartbeat index " + std::to_string(index) + " is outside a " +
+                                    std::to_string(buf->size()) + "-byte buffer");
+    }
+    auto * word = reinterpret_cast<uint64_t *>(static_cast<char *>(buf->data()) + static_cast<size_t>(index) * 8);
+    if (reinterpret_cast<uintptr_t>(word) % alignof(uint64_t) != 0) {
+        throw std::invalid_argument("the heartbeat word is not 8-byte aligned");
+    }
+    heartbeat_word = word;
+    delete heartbeat_buffer;
+    heartbeat_buffer = buf.release();
+}
+
+}  // namespace
 
 void register_backend(py::module_ & m) {
     backend_init_once();
@@ -84,6 +115,9 @@ void register_backend(py::module_ & m) {
             return json_schema_to_gbnf(schema_json);
         },
         py::arg("schema_json"), "llama.cpp's own JSON-schema -> GBNF converter. Raises GrammarError on an invalid schema.");
+    m.def("set_heartbeat_word", &set_heartbeat_word, py::arg("buffer"), py::arg("index") = 0,
+          "Points the heartbeat (advanced at every interrupt check) at u64 word `index` of a writable "
+          "buffer; None detaches it.");
     m.def("sampler_fields", &sampler_field_names, "The sampler params' names, in the order they are declared.");
 }
 

@@ -1,4 +1,5 @@
 #include "context_core.hpp"
+#include "heartbeat.hpp"
 #include "errors.hpp"
 
 #include <algorithm>
@@ -169,6 +170,7 @@ bool context_core::abort_callback(void * data) {
 }
 
 bool context_core::interrupt_requested() const {
+    heartbeat();  // every interrupt check is also a sign of life
     const uint64_t id = current_request_.load(std::memory_order_acquire);
     if (id == 0 || interrupt_word_ == nullptr) {
         return false;

@@ -104,6 +104,10 @@ class Lora:
     def meta(self) -> dict[str, str]:
         """The adapter GGUF's scalar metadata as strings (array values left out)."""
 
+def set_heartbeat_word(buffer: memoryview | None, index: int = 0) -> None:
+    """Points the heartbeat (advanced at every interrupt check) at u64 word `index` of a writable buffer;
+    None detaches it."""
+
 def sampler_fields() -> list[str]:
     """The sampler params' names in the order native/sampling.hpp declares them (LLOYAL_SAMPLER_FIELDS)."""
 

@@ -8,10 +8,12 @@ the request's type. Bulk results are written into the shared-memory region and r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import resource
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,7 +25,7 @@ from ..chat import ChatMessage, ToolCall, template_source
 from ..errors import ContextError, LloyalError, LoraError, ModelLoadError, SnapshotError, StaleHandleError
 from ..params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
-from ..shm import BULK_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
+from ..shm import BULK_OFFSET, HEARTBEAT_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
 
 if TYPE_CHECKING:  # the stub is the native module's contract: mypy checks the engine's calls against it
     from . import _native_cpu as native_api
@@ -60,6 +62,12 @@ _EMBEDDING_OPS: frozenset[type[Request[Any]]] = frozenset(
      p.MemoryBreakdown})
 # What a frozen zygote still serves (Fork itself is the loop's: worker/zygote.py).
 _FROZEN_OPS: frozenset[type[Request[Any]]] = frozenset({p.Ping, p.Reap, p.Fault})
+# Work that llama.cpp does with no interrupt check (no heartbeat from the native loops) but that ends on its
+# own: reading a file, building a vocabulary, allocating a cache. The worker keeps its heartbeat going
+# while these run, so that a large model or state is not taken for a hang (a stopped worker still is).
+_UNCHECKED_OPS: frozenset[type[Request[Any]]] = frozenset(
+    {p.LoadModel, p.FreeModel, p.LoadLora, p.NewContext, p.FreeContext, p.SaveState, p.LoadState,
+     p.StateSeqGet, p.StateSeqSet, p.StateSeqSaveFile, p.StateSeqLoadFile, p.Tokenize, p.Detokenize})
 _PLACEHOLDER = re.compile(r"\{query\}|\{document\}")
 
 
@@ -111,6 +119,8 @@ class Engine:
         # The region's bulk area, handed out by the native side: a block per context (its logits row)
         # and per branch (its snapshot), each freed natively with its owner.
         self.arena = native.Arena(region.view, BULK_OFFSET, PAGE)
+        # The native loops advance it at every interrupt check; handle() at every request.
+        native.set_heartbeat_word(region.view, HEARTBEAT_OFFSET // 8)
         self._models: dict[int, _ModelEntry] = {}
         self._contexts: dict[int, _ContextEntry] = {}
         self._loras: dict[int, _LoraEntry] = {}
@@ -119,6 +129,7 @@ class Engine:
 
     def handle(self, req: Request[Any], request_id: int = 0, emit: EventSink | None = None) -> Any:
         """Runs one request through its registered handler."""
+        self.region.beat()
         if self.frozen and type(req) not in _FROZEN_OPS:
             raise SnapshotError(f"{req.op.value}: this worker is a frozen snapshot; it serves only forks "
                                 "(Snapshot.fork())")
@@ -127,6 +138,9 @@ class Engine:
             if entry is not None and entry.native.embeddings:
                 raise ContextError(f"{req.op.value} needs a generation context; this one was created with "
                                    "embeddings=True (it can embed, and rerank with pooling='rank')")
+        if type(req) in _UNCHECKED_OPS:
+            with _keepalive(self.region):
+                return HANDLERS[type(req)](self, req, Call(request_id, emit))
         return HANDLERS[type(req)](self, req, Call(request_id, emit))
 
     def thaw(self) -> None:
@@ -172,6 +186,7 @@ class Engine:
         emit = call.emit
 
         def progress(fraction: float) -> bool:
+            self.region.beat()  # a large file loads for longer than a hang timeout
             # llama.cpp reports hundreds of steps; a percent is enough for a progress bar.
             if emit is not None and (fraction - last[0] >= 0.01 or fraction >= 1.0):
                 last[0] = fraction
@@ -679,7 +694,27 @@ class Engine:
     def close(self) -> None:
         for model in list(self._models):
             self.free_model(p.FreeModel(model=model), Call())
+        self.native.set_heartbeat_word(None)
 
+
+
+@contextlib.contextmanager
+def _keepalive(region: Region) -> Iterator[None]:
+    """Beats the heartbeat from a thread while the body runs (the native call releases the GIL). A thread
+    per call, not a standing one: a snapshot's zygote must hold no thread but its main one when it forks."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(0.05):
+            region.beat()
+
+    thread = threading.Thread(target=beat, daemon=True, name="lloyal-keepalive")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _common_prefix(x: Sequence[int], y: Sequence[int]) -> int:

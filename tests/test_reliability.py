@@ -1,0 +1,255 @@
+"""What a desktop app meets in the wild: hung workers, per-call timeouts, crashes that race with
+replace(), deaths to be told of, and a parent that dies without closing its pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lloyal_pool import (
+    CallTimeoutError,
+    DeadWorkerError,
+    Pool,
+    PoolClosedError,
+    StaleHandleError,
+    WorkerCrashedError,
+    WorkerEvent,
+    WorkerHungError,
+)
+
+FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
+
+
+@pytest.fixture
+def hang_pool() -> Pool:
+    with Pool(2, env=FAULTS, hang_timeout=1.0) as p:
+        yield p  # type: ignore[misc]
+
+
+# -- hangs -------------------------------------------------------------------------------------------
+def test_a_stopped_worker_is_found_hung_killed_and_reported(hang_pool: Pool) -> None:
+    victim = hang_pool[0]
+    os.kill(victim.pid, signal.SIGSTOP)
+    with pytest.raises(WorkerHungError, match="hung: no sign of life") as info:
+        victim.ping()  # no timeout of its own: the pool's hang watch ends it
+    assert info.value.hung_for >= 1.0 and info.value.signal_name == "SIGKILL"
+    assert isinstance(info.value, WorkerCrashedError)
+    assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+    assert hang_pool[1].ping(timeout=5) < 1.0
+
+
+def test_a_loop_with_no_sign_of_life_is_a_hang(hang_pool: Pool) -> None:
+    # The test fault sleeps in Python: like a native loop with no interrupt check, it never beats.
+    queued_behind = hang_pool[0].ping  # noqa: F841 - the call below is what waits
+    stuck = hang_pool[0].fault("hang", seconds=60)
+    waiting = hang_pool[0]._proc.call(__import__("lloyal_pool.protocol", fromlist=["Ping"]).Ping())
+    for fut in (stuck, waiting):
+        with pytest.raises(WorkerHungError):
+            fut.result(timeout=10)
+
+
+def test_long_work_that_beats_is_not_a_hang(gemma_path: Path) -> None:
+    # Prompt decoding and generation advance the heartbeat at every interrupt check: a call far longer
+    # than hang_timeout completes.
+    with Pool(1, hang_timeout=0.3) as pool:
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
+        t0 = time.monotonic()
+        r = ctx.generate("Write a long story about a lighthouse keeper. " * 20, n_predict=48, ignore_eos=True)
+        assert r.n_decoded == 48 and time.monotonic() - t0 > 0.6
+        assert pool[0].alive
+
+
+def test_an_idle_stopped_worker_is_not_killed_until_a_call_waits() -> None:
+    with Pool(1, hang_timeout=0.5) as pool:
+        os.kill(pool[0].pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        assert pool[0].alive  # nothing waited on it
+        os.kill(pool[0].pid, signal.SIGCONT)
+        assert pool[0].ping(timeout=5) < 1.0
+
+
+def test_hang_timeout_is_validated() -> None:
+    for bad in (0, -1.0, "30", True):
+        with pytest.raises(ValueError, match="hang_timeout"):
+            Pool(1, hang_timeout=bad)  # type: ignore[arg-type]
+
+
+# -- per-call timeouts -------------------------------------------------------------------------------
+def test_a_generate_timeout_interrupts_and_keeps_the_partial_result(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=8192)
+        with pytest.raises(CallTimeoutError, match="timeout=0.3s; it was interrupted") as info:
+            ctx.generate("Hello", n_predict=0, ignore_eos=True, timeout=0.3)
+        assert isinstance(info.value, TimeoutError)
+        partial = info.value.result
+        assert partial is not None and partial.stop_reason == "interrupted" and partial.n_decoded > 0
+        # The context is free again at once.
+        assert ctx.generate("Hello", n_predict=3, ignore_eos=True, timeout=30).n_decoded == 3
+
+
+def test_a_stream_timeout_raises_while_iterating(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=8192)
+        stream = ctx.stream("Hello", n_predict=0, ignore_eos=True, timeout=1.0)
+        with pytest.raises(CallTimeoutError) as info:
+            for _ in stream:
+                pass
+        assert info.value.result is not None and info.value.result.stop_reason == "interrupted"
+        with pytest.raises(CallTimeoutError):
+            stream.result  # noqa: B018 - stays timed out
+        assert ctx.eval("Hi", timeout=30).n_tokens > 0
+
+
+def test_a_call_within_its_timeout_returns_normally(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model, timeout=60).new_context(n_ctx=512)
+        assert ctx.generate("Hi", n_predict=2, timeout=60).n_decoded == 2
+        assert ctx.score("Hello there", timeout=60).n_scored > 0
+        with pytest.raises(ValueError, match="timeout"):
+            ctx.generate("Hi", n_predict=2, timeout=-1)
+
+
+def test_a_ping_timeout_is_a_lloyal_error_and_a_timeout_error() -> None:
+    with Pool(1, hang_timeout=None) as pool:
+        os.kill(pool[0].pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CallTimeoutError) as info:
+                pool[0].ping(timeout=0.2)
+            assert isinstance(info.value, TimeoutError)
+        finally:
+            os.kill(pool[0].pid, signal.SIGCONT)
+        assert pool[0].ping(timeout=5) < 1.0
+
+
+# -- crash reports -----------------------------------------------------------------------------------
+def test_a_crash_racing_with_replace_is_a_crash_not_a_close(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=8192)
+        for _ in range(3):
+            fut = ctx.generate_async("Hello", n_predict=0, ignore_eos=True)
+            time.sleep(0.05)
+            os.kill(pool[0].pid, signal.SIGKILL)
+            pool.replace(0)  # at once: the reader may not have seen the death yet
+            with pytest.raises(WorkerCrashedError) as info:
+                fut.result(timeout=10)
+            assert not isinstance(info.value, PoolClosedError) and info.value.signal_name == "SIGKILL"
+            ctx = pool[0].load_model(tiny_model).new_context(n_ctx=8192)
+
+
+def test_a_worker_that_died_idle_reports_how_on_the_next_call(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
+        os.kill(pool[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while pool[0].alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(WorkerCrashedError) as info:
+            ctx.generate("Hi", n_predict=2)
+        err = info.value
+        assert isinstance(err, DeadWorkerError) and isinstance(err, StaleHandleError)
+        assert err.signal_name == "SIGKILL" and "Pool.replace()" in str(err)
+
+
+def test_calls_in_flight_at_close_get_pool_closed(tiny_model: Path) -> None:
+    pool = Pool(1)
+    ctx = pool[0].load_model(tiny_model).new_context(n_ctx=8192)
+    fut = ctx.generate_async("Hello", n_predict=0, ignore_eos=True)
+    time.sleep(0.1)
+    pool.close(timeout=0.5)
+    with pytest.raises(PoolClosedError):
+        fut.result(timeout=10)
+
+
+def test_subscribers_hear_of_deaths_and_replacements(hang_pool: Pool) -> None:
+    events: list[WorkerEvent] = []
+    got = threading.Event()
+
+    def on_event(event: WorkerEvent) -> None:
+        events.append(event)
+        got.set()
+
+    def broken(event: WorkerEvent) -> None:
+        raise RuntimeError("an application's bug must not reach the pool")
+
+    hang_pool.subscribe(broken)
+    unsubscribe = hang_pool.subscribe(on_event)
+    victim = hang_pool[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    assert got.wait(5)
+    died = events[0]
+    assert (died.kind, died.worker_id, died.pid) == ("died", victim.worker_id, victim.pid)
+    assert died.error is not None and died.error.signal_name == "SIGKILL"
+    fresh = hang_pool.replace(0)
+    replaced = events[-1]
+    assert (replaced.kind, replaced.instance, replaced.index) == ("replaced", fresh, 0)
+    # A hang is a death too, with its own error type.
+    os.kill(hang_pool[1].pid, signal.SIGSTOP)
+    with pytest.raises(WorkerHungError):
+        hang_pool[1].ping()
+    deadline = time.monotonic() + 5
+    while len(events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert isinstance(events[2].error, WorkerHungError)
+    unsubscribe()
+    hang_pool[0].kill()
+    time.sleep(0.5)
+    assert len(events) == 3
+    # close() ends workers without a "died" event.
+
+
+# -- temporary directories ---------------------------------------------------------------------------
+def test_close_removes_the_pool_temporary_directory() -> None:
+    pool = Pool(2)
+    root = pool.temp_dir
+    assert sorted(n.split("-")[0] for n in os.listdir(root)) == ["worker0", "worker1"]
+    pool.close()
+    assert not os.path.exists(root)
+
+
+def test_a_failed_pool_leaves_no_directory_descriptor_or_memfd() -> None:
+    from lloyal_pool import WorkerStartupError
+
+    before_fds = set(os.listdir("/proc/self/fd"))
+    before_tmp = {n for n in os.listdir("/tmp") if n.startswith("lloyal-pool-")}
+    before_children = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(WorkerStartupError):
+        Pool(2, variant="vulkan", strict_variant=True)
+    assert {n for n in os.listdir("/tmp") if n.startswith("lloyal-pool-")} == before_tmp
+    assert set(os.listdir("/proc/self/fd")) <= before_fds
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before_children
+
+
+def test_a_killed_parent_leaves_no_temporary_directory(tmp_path: Path, tiny_model: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from lloyal_pool import Pool\n"
+        "pool = Pool(2)\n"
+        f"ctx = pool[0].load_model({str(tiny_model)!r}).new_context(n_ctx=8192)\n"
+        "stream = ctx.stream('Hello', n_predict=0, ignore_eos=True)\n"
+        "next(stream)\n"  # a busy worker, not only an idle one
+        "print(pool.temp_dir, ' '.join(str(i.pid) for i in pool), flush=True)\n"
+        "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        root, *pids = parent.stdout.readline().split()
+        assert os.path.isdir(root) and len(pids) == 2
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(root):
+            time.sleep(0.05)
+        assert not os.path.exists(root)
+        assert not any(psutil.pid_exists(int(p)) and psutil.Process(int(p)).status() != psutil.STATUS_ZOMBIE
+                       for p in pids)
+    finally:
+        parent.kill()
