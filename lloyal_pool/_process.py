@@ -66,6 +66,9 @@ from .shm import DEFAULT_SIZE, Region, TransferFile, WorkerTransfer
 log = logging.getLogger("lloyal_pool")
 STDERR_TAIL_BYTES = 64 << 10
 R = TypeVar("R")
+# What a worker's data segment (RLIMIT_DATA, Pool(memory_limit=)) holds once it has started: Python, numpy,
+# the native module. Measured: 105 MiB; it fails to start under about 110 MiB.
+_START_DATA_BYTES = 110 << 20
 _LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
 
 
@@ -297,7 +300,7 @@ class WorkerProcess:
                 try:
                     kind, _, payload = read_frame(self._rep_r)
                 except (PeerClosed, ProtocolError) as exc:
-                    raise self._startup_error(f"died during start-up ({exc or 'pipe closed'})") from None
+                    raise self._startup_error(f"died during start-up ({str(exc) or 'its pipe closed'})") from None
                 if kind == Kind.ERROR:
                     raise self._startup_error(f"{payload.get('type')}: {payload.get('message')}", kill=True)
                 if kind != Kind.HELLO:
@@ -339,6 +342,10 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             code = None
         self._stderr_thread.join(timeout=1.0)
+        limit = self.options.memory_limit
+        if limit and limit < _START_DATA_BYTES * 2:
+            why += (f"; memory_limit={limit} bytes ({limit / 2**20:.0f} MiB) is likely too small for a worker to "
+                    f"start: one needs about {_START_DATA_BYTES >> 20} MiB of data before it loads a model")
         return WorkerStartupError(
             f"worker {self.worker_id} (pid {self.pid}) failed to start: {why}; {describe_exit(code)}",
             worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
