@@ -17,9 +17,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import msgspec
+
 from ._process import WorkerProcess
-from .errors import CallTimeoutError, StaleHandleError, WorkerError
-from .protocol import Request
+from .errors import CallTimeoutError, DeadWorkerError, StaleHandleError, WorkerCrashedError, WorkerError
+from .protocol import ContextRequest, Request
+from .recovery import Journal
 
 R = TypeVar("R")
 EventHandler = Callable[[dict[str, Any]], None]
@@ -98,14 +101,34 @@ class ContextLink:
         # A decoding call's future -> its request id, for wait()'s interrupt when its timeout passes.
         self._ids: weakref.WeakKeyDictionary[Future[Any], int] = weakref.WeakKeyDictionary()
         self.closed = False
+        # Crash recovery (recovery.py): the context's journal, why it could not be restored, and the ids
+        # its calls in flight were sent again under (first id -> latest).
+        self.journal: Journal | None = Journal() if proc.salvage is not None else None
+        self.lost: str | None = None
+        self._lost_error: WorkerCrashedError | None = None
+        self._alias: dict[int, int] = {}
 
     def call(self, req: Request[R], on_event: EventHandler | None = None,
-             on_id: Callable[[int], None] | None = None) -> Future[R]:
-        """Sends req; on_id(id) learns a decoding request's id (for interrupt_request)."""
+             on_id: Callable[[int], None] | None = None,
+             after: Callable[[Future[Any]], None] | None = None) -> Future[R]:
+        """Sends req; on_id(id) learns a decoding request's id (for interrupt_request); ``after`` is a done
+        callback that runs right after the journal has recorded the call (a checkpoint's mark)."""
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
+        if not self.proc.alive:
+            self.proc.await_recovery()  # rebinds this link when it succeeds
+            if isinstance(req, ContextRequest) and req.context != self.handle:
+                req = msgspec.structs.replace(req, context=self.handle)
+        if self.lost is not None:
+            err = self._lost_error
+            raise DeadWorkerError(
+                f"context handle {self.handle}: its worker died and crash recovery could not restore it: "
+                f"{self.lost}", returncode=getattr(err, "returncode", None), worker_id=getattr(err, "worker_id", None),
+                pid=getattr(err, "pid", None))
         if not req.decodes:
-            return self.proc.call(req, on_event)
+            fut = self.proc.call(req, on_event)
+            self._journal(req, fut, after)
+            return fut
         sent: list[int] = []
 
         def track(req_id: int) -> None:
@@ -117,6 +140,7 @@ class ContextLink:
 
         def untrack(req_id: int) -> None:
             with self._lock:
+                req_id = self._latest(req_id)
                 self._decoding.remove(req_id)
                 self._cancelled.discard(req_id)
                 # The worker starts the next request now (or already has): if it was cancelled while
@@ -126,7 +150,7 @@ class ContextLink:
                 self.proc.interrupt(self._slot, target)
 
         try:
-            fut = self.proc.call(req, on_event, on_id=track)
+            fut = self.proc.call(req, on_event, on_id=track, on_resent=self._resent)
         except BaseException:
             # Failed after the id was tracked (e.g. KeyboardInterrupt in a blocked write): a phantom id at
             # the head of the list would take every later interrupt() of this context.
@@ -135,7 +159,44 @@ class ContextLink:
             raise
         self._ids[fut] = sent[0]
         fut.add_done_callback(lambda _: untrack(sent[0]))
+        self._journal(req, fut, after)
         return fut
+
+    def _journal(self, req: Request[Any], fut: Future[Any], after: Callable[[Future[Any]], None] | None) -> None:
+        if self.journal is not None:
+            journal = self.journal
+            fut.add_done_callback(lambda f: journal.record(req, f, self.handle))
+        if after is not None:
+            fut.add_done_callback(after)
+
+    # -- crash recovery ---------------------------------------------------------------------------------
+    def rebind(self, proc: WorkerProcess, handle: int, interrupt_slot: int) -> None:
+        """Points the link at the context recovery made in a replacement worker."""
+        with self._lock:
+            self.proc, self.handle, self._slot = proc, handle, interrupt_slot
+
+    def lose(self, why: str, error: WorkerCrashedError | None = None) -> None:
+        """Recovery could not restore the context: its calls raise DeadWorkerError saying why."""
+        self.lost, self._lost_error = why, error
+
+    def _latest(self, req_id: int) -> int:
+        while req_id in self._alias:
+            req_id = self._alias[req_id]
+        return req_id
+
+    def _resent(self, old_id: int, new_id: int) -> None:
+        """A decoding call in flight at a crash was sent again under new_id."""
+        with self._lock:
+            old_id = self._latest(old_id)
+            self._alias[old_id] = new_id
+            if old_id in self._decoding:
+                self._decoding[self._decoding.index(old_id)] = new_id
+            if old_id in self._cancelled:
+                self._cancelled.discard(old_id)
+                self._cancelled.add(new_id)
+            target = new_id if self._decoding and self._decoding[0] == new_id and new_id in self._cancelled else 0
+        if target:
+            self.proc.interrupt(self._slot, target)
 
     def wait(self, fut: Future[R], timeout: float | None, what: str) -> R:
         """fut's result within timeout seconds (module wait()); a decoding call is interrupted when the
@@ -154,6 +215,7 @@ class ContextLink:
         """Stops one decoding request: now if the worker runs it, else as soon as it starts; a no-op once
         it has ended."""
         with self._lock:
+            req_id = self._latest(req_id)
             if req_id not in self._decoding:
                 return
             self._cancelled.add(req_id)

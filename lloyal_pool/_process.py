@@ -61,6 +61,7 @@ from .protocol import (
     request_payload,
     write_frame,
 )
+from .recovery import Ledger
 from .shm import DEFAULT_SIZE, Region, TransferFile, WorkerTransfer
 
 log = logging.getLogger("lloyal_pool")
@@ -96,6 +97,17 @@ class _Pending:
     future: Future[Any]
     on_event: Callable[[dict[str, Any]], None] | None
     request: type[Request[Any]]
+    # For a replay by crash recovery (recovery.py): the request itself, what its caller has been given
+    # of its events, and how its context link learns the id it is sent again under.
+    request_obj: Request[Any] | None = None
+    request_id: int = 0
+    ledger: Ledger | None = None
+    on_resent: Callable[[int, int], None] | None = None
+
+
+# Request ids are unique across every worker of this process, so that a call sent again to a replacement
+# (crash recovery) never shares an id with one of the replacement's own.
+_request_ids = itertools.count(1)
 
 
 class _Spawner:
@@ -155,7 +167,6 @@ class WorkerProcess:
         self.worker_id = worker_id
         self.options = options
         self.hello: dict[str, Any] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
@@ -172,6 +183,10 @@ class WorkerProcess:
         self._in_callback = False  # the reader runs a user callback: the worker may block on a full pipe
         #: Called (on the reader thread) with this process and its error when it dies other than by close().
         self.on_death: Callable[[WorkerProcess, WorkerCrashedError], None] | None = None
+        #: Crash recovery (Pool(recover=True)): takes, of the calls in flight at a crash, those it will send
+        #: again to a replacement (the others fail as usual). ``recovering`` is set when it is done.
+        self.salvage: Callable[[WorkerProcess, WorkerCrashedError, list[_Pending]], list[_Pending]] | None = None
+        self.recovering: threading.Event | None = None
         self._dead_event = threading.Event()
         self._stderr_tail: collections.deque[str] = collections.deque()
         self._stderr_bytes = 0
@@ -365,7 +380,8 @@ class WorkerProcess:
         return self._dead is None
 
     def call(self, req: Request[R], on_event: Callable[[dict[str, Any]], None] | None = None,
-             on_id: Callable[[int], None] | None = None) -> Future[R]:
+             on_id: Callable[[int], None] | None = None, *, ledger: Ledger | None = None,
+             on_resent: Callable[[int, int], None] | None = None) -> Future[R]:
         """Sends req; the future gets its reply, converted to the type req declares (protocol.py).
 
         Request ids follow the order frames enter the pipe, which is the order the worker serves them.
@@ -373,12 +389,16 @@ class WorkerProcess:
         never I/O. The pipe write itself can block (a frame larger than the pipe buffer while the
         worker is busy), so nothing a caller holds across it may be needed to interrupt the worker."""
         fut: Future[R] = Future()
+        if self.salvage is not None and ledger is None:
+            ledger = Ledger(on_event)
+            on_event = ledger.deliver
         with self._write_lock:
             with self._lock:
                 if self._dead is not None:
                     raise self._stale_error()
-                req_id = next(self._ids)
-                self._pending[req_id] = _Pending(fut, on_event, type(req))
+                req_id = next(_request_ids)
+                self._pending[req_id] = _Pending(fut, on_event, type(req), req if ledger else None, req_id, ledger,
+                                                 on_resent)
             try:
                 frame = pack(Kind.REQUEST, req_id, request_payload(req))
             except BaseException:
@@ -403,6 +423,12 @@ class WorkerProcess:
             returncode=dead.returncode, worker_id=self.worker_id, pid=self.pid, stderr_tail=dead.stderr_tail)
         err.__cause__ = dead
         return err
+
+    def await_recovery(self, timeout: float | None = None) -> None:
+        """A dead worker that crash recovery is replacing: returns once the replacement serves (the
+        handles have been rebound to it), or at once otherwise."""
+        if self._dead is not None and self.recovering is not None:
+            self.recovering.wait(timeout if timeout is not None else self.options.start_timeout + 300)
 
     def interrupt(self, slot: int, request_id: int) -> None:
         if self._dead is None:
@@ -458,7 +484,10 @@ class WorkerProcess:
             code = self.proc.wait()
         self._stderr_thread.join(timeout=1.0)
         error: WorkerCrashedError | PoolClosedError
-        if self._closing and (code == 0 or self._killed_by_close):
+        closed = self._closing and (code == 0 or self._killed_by_close)
+        if self.salvage is not None and not closed:
+            self.recovering = threading.Event()  # before _dead: a call that sees the death waits for it
+        if closed:
             error = PoolClosedError(f"worker {self.worker_id} was closed while the call was in flight")
         elif self._hung_for > 0:
             error = WorkerHungError(
@@ -476,8 +505,18 @@ class WorkerProcess:
             self._dead = error
             pending, self._pending = self._pending, {}
         self._dead_event.set()
+        taken: set[int] = set()
+        if self.salvage is not None and isinstance(error, WorkerCrashedError):
+            try:
+                taken = {id(x) for x in self.salvage(self, error, [pending[k] for k in sorted(pending)])}
+            except Exception:
+                log.exception("crash recovery of worker %d failed", self.worker_id)
+                if self.recovering is not None:
+                    self.recovering.set()
+        elif self.recovering is not None:
+            self.recovering.set()
         for p in pending.values():
-            if not p.future.done():  # a call whose caller gave up (timeout) may have been failed already
+            if id(p) not in taken and not p.future.done():  # a timed-out call may have been failed already
                 p.future.set_exception(_copy_error(error))
         if isinstance(error, WorkerCrashedError) and self.on_death is not None:
             try:

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import msgspec
 import numpy as np
 
 from . import protocol as p
@@ -74,6 +75,7 @@ class Instance:
     def __init__(self, proc: WorkerProcess) -> None:
         self._proc = proc
         self._prepared: dict[str, Model | Context | LoraAdapter] = {}
+        self._models: weakref.WeakSet[Model] = weakref.WeakSet()  # what crash recovery loads again
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
@@ -126,6 +128,12 @@ class Instance:
         this instance (empty otherwise)."""
         return dict(self._prepared)
 
+    def _live(self) -> WorkerProcess:
+        # A worker that crash recovery is replacing: wait for the replacement (Pool(recover=True)).
+        if not self._proc.alive:
+            self._proc.await_recovery()
+        return self._proc
+
     def close(self, timeout: float = 5.0) -> None:
         """Ends this worker (shutdown, then kill after ``timeout``); its handles go stale. For a forked
         instance this is how it ends before its pool does; a pool's own instance can be started again
@@ -135,7 +143,7 @@ class Instance:
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds; CallTimeoutError when there is no answer within ``timeout``."""
         t0 = time.perf_counter()
-        wait(self._proc.call(p.Ping()), timeout, what="ping")
+        wait(self._live().call(p.Ping()), timeout, what="ping")
         return time.perf_counter() - t0
 
     def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
@@ -160,18 +168,19 @@ class Instance:
                                  "may not read it (Pool(allowed_dirs=...))")
         req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
-        fut = self._proc.call(req, events(progress=progress))
+        proc = self._live()
+        fut = proc.call(req, events(progress=progress))
         return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath, req))
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
         text = schema if isinstance(schema, str) else json.dumps(schema)
-        return self._proc.call(p.JsonSchemaToGrammar(schema=text)).result()
+        return self._live().call(p.JsonSchemaToGrammar(schema=text)).result()
 
     def devices(self) -> list[Device]:
         """The devices the worker's ggml backends registered, in their order: the CPU in every variant,
         and in a GPU variant each GPU it sees (the variant only loads when it sees one)."""
-        return self._proc.call(p.Devices()).result()
+        return self._live().call(p.Devices()).result()
 
     def stats(self) -> dict[str, Any]:
         """RSS, CPU, threads and state of the worker process (psutil)."""
@@ -214,6 +223,11 @@ class Model:
         self.path = path
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # freed with the model
         self._loras: weakref.WeakSet[LoraAdapter] = weakref.WeakSet()  # freed with the model too
+        instance._models.add(self)
+
+    def _rebind(self, proc: WorkerProcess, handle: int) -> None:
+        """Crash recovery loaded the model again in a replacement worker."""
+        self._proc, self._handle = proc, handle
 
     def __repr__(self) -> str:
         return f"<Model {self.info.desc!r} worker={self.instance.worker_id} handle={self._handle}>"
@@ -221,6 +235,10 @@ class Model:
     def _call(self, req: Request[R]) -> R:
         if self._closed:
             raise StaleHandleError(f"Model handle {self._handle} was closed")
+        if not self._proc.alive:
+            self._proc.await_recovery()  # rebinds this model when it succeeds
+            if getattr(req, "model", self._handle) != self._handle:
+                req = msgspec.structs.replace(req, model=self._handle)
         return self._proc.call(req).result()
 
     @property
@@ -498,6 +516,10 @@ class Context:
         self.kv = KV(self._link, self.branches)
         self._lora: list[tuple[LoraAdapter, float]] = []
 
+    def _rebind(self, proc: WorkerProcess, desc: p.ContextCreated) -> None:
+        """Crash recovery created the context again in a replacement worker."""
+        self._proc, self._desc, self._logits_offset = proc, desc, desc.logits_offset
+        self._link.rebind(proc, desc.context, desc.interrupt_slot)
     @property
     def handle(self) -> int:
         """The context's id in its worker (for logs and repr; handles are numbered per worker)."""
@@ -762,10 +784,35 @@ class Context:
     def load_state(self, data: bytes | bytearray | memoryview) -> int:
         """Replaces what the context holds with a saved state; returns its n_past. StateError for bytes
         that are not a state (garbage, truncated, corrupted) or one of another model,
-        ContextOverflowError for a state longer than n_ctx: then the context is left as it was."""
+        ContextOverflowError for a state longer than n_ctx: then the context is left as it was. With
+        Pool(recover=True) the state is also the context's checkpoint."""
+        marks: list[int] = []
+        journal = self._link.journal
         with self._proc.transfer() as f:
             f.write(data)
-            return self._link.call(p.LoadState(context=self.handle, path=f.path)).result()
+            n = self._link.call(p.LoadState(context=self.handle, path=f.path),
+                                after=None if journal is None else lambda _: marks.append(journal.mark())).result()
+        if journal is not None:
+            journal.restart(bytes(data), marks[0])
+        return n
+
+    def checkpoint(self) -> int:
+        """With Pool(recover=True): saves the context's state in this process, so that crash recovery
+        restores it from here instead of replaying every call since the last one (docs/RELIABILITY.md);
+        returns its size in bytes. A checkpoint also makes a context recoverable again after a call that
+        cannot be replayed (an interrupted generation, a random seed). ContextError without recover."""
+        journal = self._link.journal
+        if journal is None:
+            from .errors import ContextError
+
+            raise ContextError("checkpoint() is for crash recovery: create the pool with Pool(recover=True)")
+        marks: list[int] = []
+        with self._proc.transfer() as f:
+            self._link.call(p.SaveState(context=self.handle, path=f.path, in_place=True),
+                            after=lambda _: marks.append(journal.mark())).result()
+            data = f.read()
+        journal.restart(data, marks[0])
+        return len(data)
 
     def save_state_file(self, path: str | os.PathLike[str]) -> int:
         """save_state() straight into a file, written by the worker (replaced whole: a reader sees the old
@@ -879,6 +926,18 @@ class WorkerEvent:
     index: int | None = None
 
 
+def _salvage_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, WorkerCrashedError, list[Any]], list[Any]]:
+    def salvage(proc: WorkerProcess, error: WorkerCrashedError, pending: list[Any]) -> list[Any]:
+        pool = pool_ref()
+        if pool is None:
+            if proc.recovering is not None:
+                proc.recovering.set()
+            return []
+        return pool._salvage(proc, error, pending)
+
+    return salvage
+
+
 def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, WorkerCrashedError], None]:
     # A weak reference: a worker's reader thread must not keep its pool alive.
     def on_death(proc: WorkerProcess, error: WorkerCrashedError) -> None:
@@ -928,7 +987,7 @@ class Pool:
                  native_log_level: str = "warning", threads_per_worker: int | None = None,
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
-                 sandbox: bool = True, hang_timeout: float | None = 30.0) -> None:
+                 sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False) -> None:
         if size < 1:
             raise ValueError(f"a Pool needs at least one worker, got size={size}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
@@ -963,10 +1022,12 @@ class Pool:
         self._temp = TempRoot()
         self._options = dataclasses.replace(self._options, temp_root=self._temp.path)
         self.hang_timeout = hang_timeout
+        #: Whether crash recovery is on (Pool(recover=True)).
+        self.recover = bool(recover)
         self._watch = None if hang_timeout is None else HangWatch(self._all_procs, float(hang_timeout))
         self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0, self._watch, self._temp)
         try:
-            procs = [self._spawn() for _ in range(size)]  # start them all, then wait: start-ups overlap
+            procs = [self._spawn(recoverable=True) for _ in range(size)]  # start all, then wait: start-ups overlap
             for proc in procs:
                 proc.wait_ready()
         except BaseException:
@@ -974,7 +1035,8 @@ class Pool:
             raise
         self._instances = [Instance(p) for p in procs]
 
-    def _spawn(self, *, zygote: bool = False, fork_from: WorkerProcess | None = None) -> WorkerProcess:
+    def _spawn(self, *, zygote: bool = False, fork_from: WorkerProcess | None = None,
+               recoverable: bool = False) -> WorkerProcess:
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the pool is closed")
@@ -982,6 +1044,8 @@ class Pool:
             self._next_worker_id += 1
         proc = WorkerProcess(worker_id, self._options, zygote=zygote, fork_from=fork_from)
         proc.on_death = _death_relay(weakref.ref(self))
+        if recoverable and self.recover:
+            proc.salvage = _salvage_relay(weakref.ref(self))
         with self._lock:
             self._all_procs.append(proc)
         return proc
@@ -1001,6 +1065,39 @@ class Pool:
                     self._subscribers.remove(callback)
 
         return unsubscribe
+
+    # -- crash recovery (recovery.py) -----------------------------------------------------------------
+    def _salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[Any]) -> list[Any]:
+        """On the dead worker's reader thread: picks the calls to send again and starts the recovery."""
+        from .recovery import MAX_ATTEMPTS, recover, replayable
+
+        instance = next((i for i in self._instances if i._proc is proc), None)
+        if instance is None or self._closed:
+            assert proc.recovering is not None
+            proc.recovering.set()
+            return []
+        journals = {ctx.handle: ctx._link.journal for m in list(instance._models) for ctx in list(m._contexts)}
+
+        def journal_ok(handle: int) -> bool:
+            journal = journals.get(handle)
+            return journal is not None and journal.lost is None
+
+        taken = [x for x in pending if x.ledger is not None and x.ledger.attempts < MAX_ATTEMPTS
+                 and x.request_obj is not None and replayable(x.request_obj, journal_ok)]
+        threading.Thread(target=recover, args=(self, instance, proc, error, taken), daemon=True,
+                         name=f"lloyal-recover{proc.worker_id}").start()
+        return taken
+
+    def _adopt(self, instance: Instance, dead: WorkerProcess, proc: WorkerProcess) -> None:
+        """Recovery's replacement takes the dead worker's place, under the same Instance."""
+        dead.close(timeout=1.0)
+        with self._lock:
+            instance._proc = proc
+            if dead in self._all_procs:
+                self._all_procs.remove(dead)
+
+    def _index_of(self, instance: Instance) -> int | None:
+        return next((i for i, x in enumerate(self._instances) if x is instance), None)
 
     def _emit(self, event: WorkerEvent) -> None:
         with self._lock:
@@ -1065,7 +1162,7 @@ class Pool:
         index = instance if isinstance(instance, int) else self._instances.index(instance)
         old = self._instances[index]._proc
         old.close(timeout=2.0)
-        proc = self._spawn()
+        proc = self._spawn(recoverable=True)
         proc.wait_ready()
         fresh = Instance(proc)
         with self._lock:

@@ -1,0 +1,377 @@
+"""Crash recovery (Pool(recover=True)): a worker that dies is replaced in place, its models and contexts
+are rebuilt in the replacement, and the calls that were in flight are sent again where that gives the
+caller the same answer an uninterrupted run would have.
+
+    worker dies ─▶ _on_death: salvage() takes the calls that can be replayed, the rest fail as before
+                ─▶ recover(): a fresh worker; every live Model loaded again, every Context created again
+                   with its parameters, restored from its checkpoint and its journal; the handles rebound
+                   (same objects, new handle numbers); the salvaged calls sent again, in their order
+
+A context's **journal** is what makes it restorable without a checkpoint after every call: the requests
+that built its history since its last checkpoint (Context.checkpoint(), or a load_state of bytes), kept
+in the client. A request whose prompt is the whole input (generate without append, score) starts the
+journal afresh; eval and generate with append add to it. Replaying it is exact because every generation
+it holds is deterministic: greedy, or sampled with a fixed seed (every seed but 0xFFFFFFFF). What cannot
+be replayed exactly makes the context *lost* until the next call that replaces its whole history: a
+generation or eval that was interrupted (the point it stopped at is not reproducible), a sampled
+generation with a random seed, LoRA adapters, branches and raw KV-sequence edits, a state loaded from a
+file. A lost context's handle goes stale with the crash (DeadWorkerError naming why).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from . import protocol as p
+from .errors import (
+    BadRequestError,
+    ContextOverflowError,
+    GrammarError,
+    InvalidTokenError,
+    WorkerCrashedError,
+)
+from .params import MAX_SEED
+
+if TYPE_CHECKING:
+    from ._process import WorkerProcess
+    from .client import Instance, Pool
+
+log = logging.getLogger("lloyal_pool")
+
+MAX_ATTEMPTS = 3
+"""How many workers one call may see die under it before its crash is reported instead of replayed."""
+
+# Requests that leave a context's history as it was.
+_READ_ONLY: frozenset[type[p.Request[Any]]] = frozenset(
+    {p.Logits, p.Tokens, p.NPast, p.MemoryBreakdown, p.SaveState, p.ScoreChoices, p.Embed, p.KvPressureRequest,
+     p.StateSeqSize})
+# Model-level requests (or none at all) that can be sent again as they are.
+_STATELESS: frozenset[type[p.Request[Any]]] = frozenset(
+    {p.Ping, p.Tokenize, p.Detokenize, p.TokenToPiece, p.ApplyChatTemplate, p.ChatFormat, p.ParseChatOutput,
+     p.JsonSchemaToGrammar, p.Devices, p.LoadModel, p.NewContext, p.LoadLora, p.FreeContext, p.FreeModel})
+# Errors that a request raises before it changes anything (bad input).
+_UNCHANGED_ERRORS = (InvalidTokenError, GrammarError, BadRequestError, ContextOverflowError, ValueError, TypeError)
+
+
+def _deterministic(params: dict[str, Any]) -> bool:
+    return int(params.get("seed", 0)) != MAX_SEED or float(params.get("temperature", 0.0)) <= 0.0
+
+
+class Journal:
+    """What a context's history was built from since its last checkpoint (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.checkpoint: bytes | None = None
+        self.entries: list[p.Request[Any]] = []
+        self.lost: str | None = None  # why the history cannot be rebuilt, or None
+        self._n_recorded = 0  # requests recorded so far: marks for checkpoints taken between them
+
+    def mark(self) -> int:
+        """The journal's position now (call it from a done-callback of the request it follows)."""
+        with self._lock:
+            return self._n_recorded
+
+    def restart(self, state: bytes, mark: int) -> None:
+        """The history at ``mark`` is ``state`` (a checkpoint, or a state loaded from bytes): what came
+        before is no longer needed, what was recorded since stays."""
+        with self._lock:
+            since = self._n_recorded - mark
+            self.checkpoint = state
+            self.entries = self.entries[len(self.entries) - since:] if since else []
+            self.lost = None if not since else self.lost
+
+    def _start(self, entries: list[p.Request[Any]], lost: str | None = None) -> None:
+        self.checkpoint, self.entries, self.lost = None, entries, lost
+
+    def record(self, req: p.Request[Any], fut: Future[Any], handle: int) -> None:
+        """A done-callback of every request on the context (the reader thread runs them in reply order);
+        ``handle``: the context's handle now (a call replayed by a recovery was made under the old one)."""
+        if isinstance(req, p.ContextRequest) and req.context != handle:
+            req = msgspec.structs.replace(req, context=handle)
+        with self._lock:
+            self._n_recorded += 1
+            self._record(req, fut)
+
+    def _record(self, req: p.Request[Any], fut: Future[Any]) -> None:
+        kind = type(req)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if kind in _READ_ONLY or (exc is not None and isinstance(exc, _UNCHANGED_ERRORS)):
+            return
+        if isinstance(exc, WorkerCrashedError):
+            return  # the recovery decides
+        if exc is not None:
+            self.lost = f"{req.op.value} failed ({type(exc).__name__}) and may have left the history half-changed"
+            return
+        result = fut.result()
+        if isinstance(req, (p.Generate, p.GenerateWithDraft)):
+            replay: p.Request[Any] = p.Generate(context=req.context, prompt=req.prompt, params=req.params,
+                                                append=req.append)  # greedy/seeded output is generate()'s
+            why = None
+            if getattr(result, "stop_reason", None) == "interrupted":
+                why = "a generation was interrupted"
+            elif not _deterministic(req.params):
+                why = "a generation sampled with a random seed (seed=0xFFFFFFFF)"
+            if not req.append:
+                self._start([replay], why)
+            elif why is not None:
+                self.lost = why
+            elif self.lost is None:
+                self.entries.append(replay)
+        elif isinstance(req, p.Eval):
+            if result.interrupted:
+                self.lost = "an eval was interrupted"
+            elif self.lost is None:
+                self.entries.append(req)
+        elif isinstance(req, p.ScoreText):
+            self._start([req])
+        elif isinstance(req, p.Reset):
+            self._start([])
+        elif isinstance(req, p.Rerank):
+            self._start([])  # a generation context's rerank leaves it empty
+        elif isinstance(req, p.SetLora):
+            if req.adapters:
+                self.lost = "LoRA adapters are applied (they are not replayed)"
+            else:
+                self._start([])  # set_lora([]) that changed anything emptied the context
+        elif isinstance(req, p.LoadState):
+            self.lost = "a state was loaded from a file (checkpoint() after it to make the context recoverable)"
+        else:
+            self.lost = f"{req.op.value} (branches and KV-sequence edits are not replayed)"
+
+
+class Ledger:
+    """The events a call delivered to its caller, so that a replay of it delivers only what comes after:
+    stream pieces by their characters, prompt progress by its count."""
+
+    def __init__(self, on_event: Callable[[dict[str, Any]], None] | None) -> None:
+        self.on_event = on_event
+        self.chars = 0
+        self.progress = -1
+        self.attempts = 1
+
+    def deliver(self, event: dict[str, Any]) -> None:
+        if self.on_event is None:
+            return
+        piece = event.get("piece")
+        if isinstance(piece, str):
+            self.chars += len(piece)
+        pair = event.get("prompt_progress")
+        if pair is not None:
+            self.progress = max(self.progress, int(pair[0]))
+        self.on_event(event)
+
+    def replayer(self) -> Callable[[dict[str, Any]], None]:
+        """The event handler for the call sent again: skips what the caller has already seen."""
+        skip, seen_progress = self.chars, self.progress
+        replayed = [0]
+
+        def on_event(event: dict[str, Any]) -> None:
+            piece = event.get("piece")
+            if isinstance(piece, str):
+                start = replayed[0]
+                replayed[0] += len(piece)
+                if replayed[0] <= skip:
+                    return
+                event = {**event, "piece": piece[max(0, skip - start):]}
+            pair = event.get("prompt_progress")
+            if pair is not None and int(pair[0]) <= seen_progress:
+                return
+            self.deliver(event)
+
+        return on_event
+
+
+class HandleMap:
+    """Old handle numbers to new ones, for the requests sent again."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, int] = {}
+        self.contexts: dict[int, int] = {}
+        self.loras: dict[int, int] = {}
+        self.lost_contexts: dict[int, str] = {}
+
+    def remap(self, req: p.Request[Any]) -> p.Request[Any] | None:
+        """req with its handles renumbered, or None where it cannot be replayed."""
+        changes: dict[str, Any] = {}
+        if isinstance(req, p.ContextRequest):
+            if req.context not in self.contexts:
+                return None
+            changes["context"] = self.contexts[req.context]
+        model = getattr(req, "model", None)
+        if isinstance(model, int) and not isinstance(req, p.ContextRequest):
+            if model not in self.models:
+                return None
+            changes["model"] = self.models[model]
+        if isinstance(req, p.GenerateWithDraft) and isinstance(req.draft, int):
+            if req.draft not in self.contexts:
+                return None
+            changes["draft"] = self.contexts[req.draft]
+        return msgspec.structs.replace(req, **changes) if changes else req
+
+
+def replayable(req: p.Request[Any], journal_ok: Callable[[int], bool]) -> bool:
+    """Whether a call in flight when its worker died can be sent again to the replacement and give the
+    caller what the first worker would have: ``journal_ok(context)`` says whether a context's history is
+    rebuilt exactly."""
+    kind = type(req)
+    if kind in _STATELESS:
+        return True
+    if not isinstance(req, p.ContextRequest):
+        return False
+    if isinstance(req, (p.Generate, p.GenerateWithDraft)):
+        return _deterministic(req.params) and (not req.append or journal_ok(req.context))
+    if isinstance(req, p.ScoreText):
+        return True  # its text replaces the history
+    if isinstance(req, (p.Embed, p.Rerank)):
+        return True  # an embedding context holds nothing between calls
+    if isinstance(req, p.Eval) or kind in _READ_ONLY:
+        return kind is not p.SaveState and journal_ok(req.context)
+    return False
+
+
+def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCrashedError,
+            salvaged: list[Any]) -> None:
+    """Runs on its own thread: replaces ``dead`` in place (module docstring); salvaged are its _Pending
+    records that were replayable, in request order. Whatever cannot be recovered fails with ``error``."""
+    from ._process import _copy_error as copy_error
+
+    def fail_all(why: BaseException) -> None:
+        for pending in salvaged:
+            if not pending.future.done():
+                pending.future.set_exception(copy_error(why))
+
+    try:
+        proc = pool._spawn(recoverable=True)
+        proc.wait_ready()
+    except BaseException as exc:
+        log.error("[recover] worker %d could not be replaced: %s", dead.worker_id, exc)
+        fail_all(error)
+        assert dead.recovering is not None
+        dead.recovering.set()
+        return
+    handles = _rebuild(instance, proc, error)
+    pool._adopt(instance, dead, proc)
+    for pending in salvaged:
+        req = handles.remap(pending.request_obj)
+        if req is None:
+            pending.future.set_exception(copy_error(error))
+            continue
+        pending.ledger.attempts += 1
+        resent = pending.on_resent
+
+        def on_id(new_id: int, old_id: int = pending.request_id, hook: Any = resent) -> None:
+            if hook is not None:
+                hook(old_id, new_id)
+
+        try:
+            again = proc.call(req, pending.ledger.replayer(), on_id=on_id, ledger=pending.ledger,
+                              on_resent=resent)
+        except BaseException as exc:
+            pending.future.set_exception(exc)
+            continue
+        _chain(again, pending.future)
+    assert dead.recovering is not None
+    dead.recovering.set()
+    log.warning("[recover] worker %d (pid %d) replaced by worker %d (pid %d): %d call(s) replayed, %d context(s) "
+                "lost", dead.worker_id, dead.pid, proc.worker_id, proc.pid, len(salvaged), len(handles.lost_contexts))
+    from .client import WorkerEvent
+
+    pool._emit(WorkerEvent("recovered", proc.worker_id, proc.pid, error=error, instance=instance,
+                           index=pool._index_of(instance)))
+
+
+def _chain(src: Future[Any], dst: Future[Any]) -> None:
+    def done(f: Future[Any]) -> None:
+        if dst.done():
+            return
+        exc = f.exception()
+        if exc is not None:
+            dst.set_exception(exc)
+        else:
+            dst.set_result(f.result())
+
+    src.add_done_callback(done)
+
+
+def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError) -> HandleMap:
+    """Loads every live model of the instance into proc and creates every live context again, restored;
+    rebinds the handle objects. Returns the old->new handle numbers."""
+    handles = HandleMap()
+    for model in list(instance._models):
+        if model._closed:
+            continue
+        old_model = model._handle
+        try:
+            loaded = proc.call(model._load).result()
+        except Exception as exc:
+            log.error("[recover] model %s could not be loaded again: %s", model.path, exc)
+            for ctx in list(model._contexts):
+                ctx._link.lose(f"its model could not be loaded again ({exc})", error)
+            continue
+        model._rebind(proc, loaded.model)
+        handles.models[old_model] = loaded.model
+        for adapter in list(model._loras):
+            if adapter.closed:
+                continue
+            try:
+                again = proc.call(p.LoadLora(model=loaded.model, path=adapter.path)).result()
+                handles.loras[adapter._handle] = again.lora
+                adapter._handle = again.lora
+            except Exception as exc:
+                adapter._closed = True
+                log.error("[recover] LoRA adapter %s could not be loaded again: %s", adapter.path, exc)
+        for ctx in list(model._contexts):
+            if ctx.closed:
+                continue
+            old_ctx = ctx.handle
+            journal = ctx._link.journal
+            why = journal.lost if journal is not None else "it keeps no journal"
+            if why is None:
+                try:
+                    created = proc.call(p.NewContext(model=loaded.model, params=ctx._params.to_wire())).result()
+                except Exception as exc:
+                    why = f"it could not be created again ({exc})"
+                else:
+                    ctx._rebind(proc, created)
+                    handles.contexts[old_ctx] = created.context
+                    why = _restore(ctx, journal, handles)  # type: ignore[arg-type]
+                    if why is not None:
+                        handles.contexts.pop(old_ctx, None)
+                        proc.call(p.FreeContext(context=created.context))  # not waited for: nothing uses it
+            if why is not None:
+                ctx._link.lose(why, error)
+                handles.lost_contexts[old_ctx] = why
+    return handles
+
+
+def _restore(ctx: Any, journal: Journal, handles: HandleMap) -> str | None:
+    """Loads the checkpoint and replays the journal into ctx's new context; why it failed, or None."""
+    link = ctx._link
+    replayed: list[p.Request[Any]] = []
+    try:
+        if journal.checkpoint is not None:
+            with link.proc.transfer() as f:
+                f.write(journal.checkpoint)
+                link.proc.call(p.LoadState(context=link.handle, path=f.path)).result()
+        for entry in list(journal.entries):
+            req = handles.remap(entry)
+            if req is None:
+                return f"{entry.op.value} could not be replayed"
+            link.proc.call(req).result()
+            replayed.append(req)
+    except Exception as exc:
+        return f"replaying its history failed ({type(exc).__name__}: {exc})"
+    journal.entries = replayed  # renumbered: a later recovery maps from these handles
+    return None
+
+
+__all__ = ["Journal", "Ledger", "recover", "replayable"]

@@ -1,0 +1,138 @@
+"""Pool(recover=True): a worker that dies is replaced in place, its models and contexts rebuilt from their
+checkpoints and journals, and the calls in flight sent again where the caller gets the same answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lloyal_pool import ContextError, DeadWorkerError, Pool, WorkerCrashedError, WorkerEvent
+from lloyal_pool.params import MAX_SEED
+
+
+def _kill(pool: Pool) -> None:
+    os.kill(pool[0].pid, signal.SIGKILL)
+
+
+def _kill_and_wait(pool: Pool) -> None:
+    """SIGKILL, then wait until the recovery is done (a call sent before the death is noticed would be
+    in flight on the dying worker)."""
+    done = threading.Event()
+    unsubscribe = pool.subscribe(lambda e: done.set() if e.kind == "recovered" else None)
+    _kill(pool)
+    assert done.wait(60)
+    unsubscribe()
+
+
+def test_a_greedy_stream_killed_midway_completes_with_the_same_text(gemma_path: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        events: list[WorkerEvent] = []
+        pool.subscribe(events.append)
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
+        prompt = "Tell me a story about a dragon who learns to paint."
+        reference = ctx.generate(prompt, n_predict=256, ignore_eos=True).text
+        first_pid = pool[0].pid
+        pieces: list[str] = []
+        with ctx.stream(prompt, n_predict=256, ignore_eos=True) as stream:
+            for piece in stream:
+                pieces.append(piece)
+                if len(pieces) == 64:
+                    _kill(pool)
+            result = stream.result
+        assert "".join(pieces) == reference and result.text == reference
+        assert result.n_decoded == 256
+        assert pool[0].pid != first_pid and pool[0].alive
+        assert [e.kind for e in events] == ["died", "recovered"] and events[1].instance is pool[0]
+
+
+def test_the_journal_rebuilds_appended_history(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+
+        def build() -> None:
+            ctx.generate("Once upon a time", n_predict=8)
+            ctx.eval(" and then")
+            ctx.generate("", append=True, n_predict=8, temperature=0.9, seed=7)
+
+        build()
+        expected = ctx.tokens()
+        want_next = ctx.generate(" more", append=True, n_predict=8).tokens
+        build()
+        _kill(pool)
+        # A call made while the recovery runs waits for it, on the rebuilt context.
+        assert ctx.tokens() == expected
+        assert ctx.generate(" more", append=True, n_predict=8).tokens == want_next
+
+
+def test_a_checkpoint_and_a_loaded_state_restore_without_replay(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+        ctx.generate("The garden", n_predict=12, temperature=0.8, seed=MAX_SEED)  # random: not replayable
+        assert ctx._link.journal is not None and ctx._link.journal.lost is not None
+        assert ctx.checkpoint() > 0  # recoverable again, from the saved state
+        ctx.eval(" grew")
+        expected = ctx.tokens()
+        _kill(pool)
+        assert ctx.tokens() == expected
+        saved = ctx.save_state()
+        ctx.generate("Something else entirely", n_predict=4)
+        ctx.load_state(saved)  # a state loaded from bytes is a checkpoint too
+        _kill(pool)
+        assert ctx.tokens() == expected
+
+
+def test_what_cannot_be_replayed_fails_as_a_crash_and_says_why(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=4096)
+        # A sampled generation with a random seed in flight cannot give the same answer again.
+        fut = ctx.generate_async("Hi", n_predict=0, ignore_eos=True, temperature=1.0, seed=MAX_SEED)
+        time.sleep(0.2)
+        _kill(pool)
+        with pytest.raises(WorkerCrashedError):
+            fut.result(timeout=30)
+        # An interrupted generation leaves a history no replay reproduces: the context is lost.
+        stream = ctx.stream("Hi", n_predict=0, ignore_eos=True)
+        next(iter(stream))
+        stream.close()
+        assert stream.result.stop_reason == "interrupted"
+        _kill_and_wait(pool)
+        with pytest.raises(DeadWorkerError, match="interrupted") as info:
+            ctx.tokens()
+        assert isinstance(info.value, WorkerCrashedError)
+        # The model survived the recovery: a new context works.
+        other = ctx.model.new_context(n_ctx=256)
+        assert other.generate("Hi", n_predict=2).n_decoded == 2
+
+
+def test_branches_are_not_replayed(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512, n_seq_max=4)
+        root = ctx.branch("Hello")
+        root.fork()
+        _kill_and_wait(pool)
+        with pytest.raises(DeadWorkerError, match="not replayed"):
+            ctx.tokens()
+
+
+def test_calls_on_the_instance_wait_for_the_recovery(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(tiny_model)
+        recovered = threading.Event()
+        pool.subscribe(lambda e: recovered.set() if e.kind == "recovered" else None)
+        _kill(pool)
+        assert model.tokenize("Hello world")  # waits, then runs in the replacement
+        assert pool[0].ping(timeout=30) < 5
+        assert recovered.wait(30)
+
+
+def test_checkpoint_needs_recover(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
+        ctx.eval("Hi")
+        with pytest.raises(ContextError, match="recover=True"):
+            ctx.checkpoint()
