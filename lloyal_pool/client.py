@@ -31,7 +31,7 @@ from ._link import ContextLink, PromptProgress, events, spread_progress
 from ._process import WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import TOOL_CHOICES, ChatMessage
-from .errors import LoraError, ModelLoadError, PoolClosedError, StaleHandleError
+from .errors import LloyalError, LoraError, ModelLoadError, PoolClosedError, StaleHandleError
 from .params import (
     RERANK_PROMPT,
     BufferMemory,
@@ -132,7 +132,8 @@ class Instance:
         """Loads a GGUF model into this worker and returns its handle; blocks until it is loaded.
         ``n_gpu_layers`` layers go to the GPU (GPU variants only), ``use_mmap`` maps the file instead of
         reading it, ``vocab_only`` loads the vocabulary alone (tokenize, templates; no contexts).
-        ``progress(fraction)`` is called on a client thread as the load proceeds. ModelLoadError for a
+        ``progress(fraction)`` is called on a client thread as the load proceeds; an exception it raises
+        is raised here once the load ends (the model is freed again). ModelLoadError for a
         missing, unreadable or invalid file, or one outside the pool's ``allowed_dirs``; the worker keeps
         serving."""
         return self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
@@ -148,8 +149,27 @@ class Instance:
                                  "may not read it (Pool(allowed_dirs=...))")
         req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
-        fut = self._proc.call(req, events(progress=progress))
-        return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath, req))
+        failed: list[BaseException] = []
+
+        def guarded(fraction: float) -> None:
+            if progress is not None and not failed:
+                try:
+                    progress(fraction)
+                except BaseException as exc:
+                    failed.append(exc)
+
+        def loaded(r: p.ModelLoaded) -> Model:
+            model = Model(self, self._proc, r.model, r.info, abspath, req)
+            if failed:
+                # The worker loaded it all the same: free it, from a thread of its own (this runs on the
+                # reader thread, which must not wait for a reply), and fail the call with the error.
+                threading.Thread(target=_close_quietly, args=(model,), daemon=True,
+                                 name="lloyal-free-model").start()
+                raise failed[0]
+            return model
+
+        fut = self._proc.call(req, events(progress=None if progress is None else guarded))
+        return mapped(fut, loaded)
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
@@ -178,6 +198,13 @@ def _tool_choice(choice: str) -> str:
     if choice not in TOOL_CHOICES:
         raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {choice!r}")
     return choice
+
+
+def _close_quietly(model: Model) -> None:
+    try:
+        model.close()
+    except LloyalError:
+        pass  # the worker or the pool went away meanwhile: nothing is left to free
 
 
 def _beneath(path: str, dirs: Sequence[str]) -> bool:
@@ -480,7 +507,8 @@ class Context:
         ``generate("", append=True)`` continues where the last call ended.
 
         ``on_piece`` is called, on a client thread, with each piece of final text; ``progress(done,
-        total)`` with the prompt tokens decoded so far. Keyword overrides are GenerateParams fields
+        total)`` with the prompt tokens decoded so far. An exception either callback raises stops the
+        generation and is raised here (the context keeps what was decoded). Keyword overrides are GenerateParams fields
         (``n_predict``, ``temperature``, ``stop``, ...). Raises ContextOverflowError when the prompt does
         not fit, GrammarError, InvalidTokenError, ValueError for an empty prompt without append."""
         return self.generate_async(prompt, params, append=append, on_piece=on_piece, progress=progress,

@@ -757,7 +757,9 @@ def pack(kind: Kind, req_id: int, payload: Any) -> bytes:
 def unpack(body: bytes) -> tuple[Kind, int, Any]:
     try:
         kind, req_id, payload = _decoder.decode(body)
-        return Kind(kind), int(req_id), payload
+        if type(kind) is not int or type(req_id) is not int:  # not a bool, a float or a numeric string
+            raise TypeError(f"kind and id must be integers, got {kind!r} and {req_id!r}")
+        return Kind(kind), req_id, payload
     except Exception as exc:  # any malformed frame is the same protocol violation
         raise ProtocolError(f"malformed frame ({len(body)} bytes): {exc}") from None
 
