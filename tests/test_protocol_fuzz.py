@@ -95,9 +95,9 @@ def died_of_a_violation(pool: Pool) -> bool:
 
 
 def test_a_worker_speaking_another_protocol_version_fails_start_up(fake_python: Path) -> None:
-    with pytest.raises(WorkerStartupError, match=f"speaks protocol {PROTOCOL_VERSION + 1}"):
-        with fake_pool(fake_python, [], protocol=PROTOCOL_VERSION + 1):
-            pass
+    with pytest.raises(WorkerStartupError, match=f"speaks protocol {PROTOCOL_VERSION + 1}"), \
+            fake_pool(fake_python, [], protocol=PROTOCOL_VERSION + 1):
+        pytest.fail("the pool started")
 
 
 @pytest.mark.parametrize(("frames", "named"), [
@@ -207,7 +207,7 @@ class RawWorker:
         self.region = Region.create(16 << 20, backend="memfd")
         req_r, self.req_w = os.pipe()
         self.rep_r, rep_w = os.pipe()
-        self.stderr = tempfile.TemporaryFile()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker", "--fds", f"{req_r},{rep_w}",
                "--shm", self.region.spec.to_arg(), "--parent-pid", str(os.getpid()), "--no-sandbox"]
         self.proc = subprocess.Popen(cmd, pass_fds=[req_r, rep_w, self.region.spec.fd], stdin=subprocess.DEVNULL,
