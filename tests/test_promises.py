@@ -96,10 +96,10 @@ _BUSY_PARENT = textwrap.dedent("""
     pool = Pool(1)
     ctx = pool[0].load_model(sys.argv[1]).new_context(n_ctx=4096)
     started = threading.Event()
-    def forever():
-        while True:  # always decoding: the worker never reads its request pipe
-            ctx.generate("Count:", n_predict=0, ignore_eos=True, on_piece=lambda _: started.set())
-    threading.Thread(target=forever, daemon=True).start()
+    # Minutes of decoding that write nothing to the pipes (no pieces streamed) once the prompt is in:
+    # the worker neither reads its request pipe nor meets a broken reply pipe meanwhile.
+    fut = ctx.generate_async("Count:", n_predict=0, ignore_eos=True,
+                             progress=lambda done, total: started.set() if done == total else None)
     started.wait()
     print(pool[0].pid, flush=True)
     sys.stdin.read()  # until the test kills us
