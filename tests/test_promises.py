@@ -374,3 +374,24 @@ def test_penalties_push_down_tokens_already_chosen(tiny: Model) -> None:
         assert greedy_pick(frequency_penalty=0.2) == 10  # 2.0 - 2 * 0.2 > 1.5: it counts occurrences
     finally:
         ctx.close()
+
+
+def test_a_branch_progress_callback_that_raises_leaves_no_branch_behind(tiny: Model) -> None:
+    ctx = tiny.new_context(n_ctx=256, n_batch=16, n_ubatch=16, n_seq_max=2)
+    try:
+        prompt = list(range(100, 164))  # four micro-batches: four progress events
+        for when in ("first", "last") * 3:  # more creations than the context has sequences
+            def fail(done: int, total: int, when: str = when) -> None:
+                if when == "first" or done == total:
+                    raise Boom(when)
+
+            with pytest.raises(Boom, match=when):
+                within(lambda fail=fail: ctx.branch(prompt, progress=fail))  # type: ignore[misc]
+            # A branch made before the interrupt landed is pruned on a thread of its own: wait for it.
+            deadline = time.monotonic() + PATIENCE
+            while ctx.branches.available() != 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert ctx.branches.available() == 2 and len(ctx.branches) == 0
+        assert ctx.branch(prompt).position == len(prompt)
+    finally:
+        ctx.close()
