@@ -149,8 +149,20 @@ class ContextLink:
             if target:
                 self.proc.interrupt(self._slot, target)
 
+        def stop_on_error(event: dict[str, Any]) -> None:
+            assert on_event is not None
+            try:
+                on_event(event)
+            except BaseException:
+                # A callback that raised (the caller gets its error when the call ends) wants no more of
+                # this request: stop it instead of decoding on for nobody.
+                if sent:
+                    self.interrupt_request(sent[0])
+                raise
+
         try:
-            fut = self.proc.call(req, on_event, on_id=track, on_resent=self._resent)
+            fut = self.proc.call(req, None if on_event is None else stop_on_error, on_id=track,
+                                 on_resent=self._resent)
         except BaseException:
             # Failed after the id was tracked (e.g. KeyboardInterrupt in a blocked write): a phantom id at
             # the head of the list would take every later interrupt() of this context.

@@ -22,6 +22,7 @@ import os
 import queue
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -97,6 +98,7 @@ class _Pending:
     future: Future[Any]
     on_event: Callable[[dict[str, Any]], None] | None
     request: type[Request[Any]]
+    callback_error: BaseException | None = None  # what on_event raised: the call's outcome once it ends
     # For a replay by crash recovery (recovery.py): the request itself, what its caller has been given
     # of its events, and how its context link learns the id it is sent again under.
     request_obj: Request[Any] | None = None
@@ -397,8 +399,8 @@ class WorkerProcess:
                 if self._dead is not None:
                     raise self._stale_error()
                 req_id = next(_request_ids)
-                self._pending[req_id] = _Pending(fut, on_event, type(req), req if ledger else None, req_id, ledger,
-                                                 on_resent)
+                self._pending[req_id] = _Pending(fut, on_event, type(req), request_obj=req if ledger else None,
+                                                 request_id=req_id, ledger=ledger, on_resent=on_resent)
             try:
                 frame = pack(Kind.REQUEST, req_id, request_payload(req))
             except BaseException:
@@ -440,40 +442,63 @@ class WorkerProcess:
         while True:
             try:
                 kind, req_id, payload = read_frame(self._rep_r)
+                violation = self._deliver(kind, req_id, payload)
             except PeerClosed:
                 break
             except (ProtocolError, OSError) as exc:
-                why = f"protocol violation: {exc}"
+                violation = str(exc)
+            except Exception as exc:  # a frame the client cannot take must not end this thread quietly
+                violation = f"{type(exc).__name__}: {exc}"
+            if violation:
+                why = f"protocol violation: {violation}"
                 self._kill_tree()
                 break
-            if kind == Kind.EVENT:
-                pending = self._pending.get(req_id)
-                if pending is not None and pending.on_event is not None:
-                    self._in_callback = True
-                    try:
-                        pending.on_event(payload)
-                    except Exception:  # a user callback must not take the reader down
-                        log.exception("event callback for request %d raised", req_id)
-                    finally:
-                        self._in_callback = False
-                continue
-            if kind not in (Kind.RESPONSE, Kind.ERROR):
-                why = f"protocol violation: unexpected {kind.name} frame"
-                self._kill_tree()
-                break
-            with self._lock:
-                pending = self._pending.pop(req_id, None)
-            if pending is None:
-                continue
-            if kind == Kind.RESPONSE:
-                try:
-                    pending.future.set_result(parse_reply(pending.request, payload))
-                except ProtocolError as exc:
-                    pending.future.set_exception(exc)
-            else:
-                pending.future.set_exception(
-                    rebuild(payload.get("type", "Exception"), payload.get("message", ""), payload.get("traceback")))
         self._on_death(why)
+
+    def _deliver(self, kind: Kind, req_id: int, payload: Any) -> str | None:
+        """Hands one frame to the call in flight it belongs to; what is wrong with it when it belongs to
+        none or is not what that call expects (the worker is then killed, and the call fails with the rest).
+        Only this thread removes calls from _pending (besides call() undoing a frame it never sent), so a
+        call looked up here is still there when it is resolved."""
+        if kind not in (Kind.EVENT, Kind.RESPONSE, Kind.ERROR):
+            return f"unexpected {kind.name} frame"
+        with self._lock:
+            pending = self._pending.get(req_id)
+        if pending is None:
+            return f"a {kind.name} frame for request {req_id}, which is not in flight"
+        if kind == Kind.EVENT:
+            if not isinstance(payload, dict):
+                return f"an EVENT payload for request {req_id} that is not a map"
+            if pending.on_event is not None and pending.callback_error is None:
+                self._in_callback = True  # the hang watch waits: the worker may block on a full pipe
+                try:
+                    pending.on_event(payload)
+                except BaseException as exc:  # the caller's to see, when the call ends; this thread goes on
+                    log.debug("event callback for request %d raised %r", req_id, exc)
+                    pending.callback_error = exc
+                finally:
+                    self._in_callback = False
+            return None
+        result: Any = None
+        if kind == Kind.RESPONSE:
+            try:
+                result = parse_reply(pending.request, payload)
+            except ProtocolError as exc:
+                return str(exc)
+            error = pending.callback_error
+        else:
+            if not (isinstance(payload, dict) and isinstance(payload.get("type"), str)
+                    and isinstance(payload.get("message"), str)
+                    and isinstance(payload.get("traceback"), (str, type(None)))):
+                return f"a malformed ERROR payload for request {req_id}"
+            error = pending.callback_error or rebuild(payload["type"], payload["message"], payload.get("traceback"))
+        with self._lock:
+            self._pending.pop(req_id, None)
+        if error is not None:
+            pending.future.set_exception(error)
+        else:
+            pending.future.set_result(result)
+        return None
 
     def _on_death(self, why: str) -> None:
         try:
@@ -598,6 +623,12 @@ class WorkerProcess:
                 p.kill()
             except psutil.Error:
                 pass
+        try:
+            # A worker leads a session and process group of its own (start_new_session), which its
+            # children stay in after it exited and they were handed to init, out of reach of the above.
+            os.killpg(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
 
     def _kill_by_close(self) -> None:
         if self.proc.returncode is None:

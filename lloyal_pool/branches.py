@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -26,7 +27,7 @@ from . import metrics
 from . import protocol as p
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress
-from .errors import BranchError, StaleHandleError
+from .errors import BranchError, LloyalError, StaleHandleError
 from .params import BranchInfo, Grammar, KVPressure, SamplerParams
 
 GrammarLike = str | Grammar | None
@@ -60,6 +61,13 @@ def _grammar_wire(grammar: GrammarLike) -> dict[str, object] | None:
 
 def _produced(rows: Sequence[tuple[int, bytes, bool]]) -> list[Produced]:
     return [Produced(t, piece.decode("utf-8", "replace"), stop, piece) for t, piece, stop in rows]
+
+
+def _prune_quietly(branch: Branch) -> None:
+    try:
+        branch.prune_subtree()
+    except LloyalError:
+        pass  # the context or its worker went away meanwhile: nothing is left to free
 
 
 class Branch:
@@ -334,7 +342,40 @@ class BranchStore:
         req = p.BranchCreate(context=self._link.handle, params=SamplerParams.of(params, overrides).to_wire(),
                              grammar=_grammar_wire(grammar), prompt=self._wire_prompt(prompt),
                              progress=progress is not None)
-        return mapped(self._link.call(req, events(prompt_progress=spread_progress(progress))), self._register)
+        if progress is None:
+            return mapped(self._link.call(req), self._register)
+        # A progress callback that raises stops the prefill and fails the call with its error. The branch
+        # may be made all the same (the prefill ended before the interrupt landed): then it is pruned.
+        failed: list[BaseException] = []
+        sent: list[int] = []
+
+        def guarded(done: int, total: int) -> None:
+            if not failed:
+                try:
+                    progress(done, total)
+                except BaseException as exc:
+                    failed.append(exc)
+                    if sent:
+                        self._link.interrupt_request(sent[0])
+
+        out: Future[Branch] = Future()
+
+        def created(fut: Future[p.BranchCreated]) -> None:
+            exc = fut.exception()
+            if failed:
+                if exc is None:
+                    # Not on this thread (the reader's), which must not wait for a reply.
+                    threading.Thread(target=_prune_quietly, args=(self._register(fut.result()),),
+                                     daemon=True, name="lloyal-prune-branch").start()
+                out.set_exception(failed[0])
+            elif exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(self._register(fut.result()))
+
+        self._link.call(req, events(prompt_progress=spread_progress(guarded)),
+                        on_id=sent.append).add_done_callback(created)
+        return out
 
     def adopt(self, seq: int, params: SamplerParams | None = None, *, grammar: GrammarLike = None,
               **overrides: object) -> Branch:

@@ -37,6 +37,7 @@ from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import TOOL_CHOICES, ChatMessage
 from .errors import (
     CallTimeoutError,
+    LloyalError,
     LoraError,
     ModelLoadError,
     PoolClosedError,
@@ -152,7 +153,8 @@ class Instance:
         """Loads a GGUF model into this worker and returns its handle; blocks until it is loaded.
         ``n_gpu_layers`` layers go to the GPU (GPU variants only), ``use_mmap`` maps the file instead of
         reading it, ``vocab_only`` loads the vocabulary alone (tokenize, templates; no contexts).
-        ``progress(fraction)`` is called on a client thread as the load proceeds. ModelLoadError for a
+        ``progress(fraction)`` is called on a client thread as the load proceeds; an exception it raises
+        is raised here once the load ends (the model is freed again). ModelLoadError for a
         missing, unreadable or invalid file, or one outside the pool's ``allowed_dirs``; the worker keeps
         serving. ``timeout``: seconds to wait at most (CallTimeoutError; the load goes on in the worker)."""
         return wait(self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
@@ -168,9 +170,27 @@ class Instance:
                                  "may not read it (Pool(allowed_dirs=...))")
         req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
-        proc = self._live()
-        fut = proc.call(req, events(progress=progress))
-        return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath, req))
+        failed: list[BaseException] = []
+
+        def guarded(fraction: float) -> None:
+            if progress is not None and not failed:
+                try:
+                    progress(fraction)
+                except BaseException as exc:
+                    failed.append(exc)
+
+        def loaded(r: p.ModelLoaded) -> Model:
+            model = Model(self, self._proc, r.model, r.info, abspath, req)
+            if failed:
+                # The worker loaded it all the same: free it, from a thread of its own (this runs on the
+                # reader thread, which must not wait for a reply), and fail the call with the error.
+                threading.Thread(target=_close_quietly, args=(model,), daemon=True,
+                                 name="lloyal-free-model").start()
+                raise failed[0]
+            return model
+
+        fut = self._live().call(req, events(progress=None if progress is None else guarded))
+        return mapped(fut, loaded)
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
@@ -199,6 +219,13 @@ def _tool_choice(choice: str) -> str:
     if choice not in TOOL_CHOICES:
         raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {choice!r}")
     return choice
+
+
+def _close_quietly(model: Model) -> None:
+    try:
+        model.close()
+    except LloyalError:
+        pass  # the worker or the pool went away meanwhile: nothing is left to free
 
 
 def _beneath(path: str, dirs: Sequence[str]) -> bool:
@@ -540,7 +567,8 @@ class Context:
         ``generate("", append=True)`` continues where the last call ended.
 
         ``on_piece`` is called, on a client thread, with each piece of final text; ``progress(done,
-        total)`` with the prompt tokens decoded so far. Keyword overrides are GenerateParams fields
+        total)`` with the prompt tokens decoded so far. An exception either callback raises stops the
+        generation and is raised here (the context keeps what was decoded). Keyword overrides are GenerateParams fields
         (``n_predict``, ``temperature``, ``stop``, ...). Raises ContextOverflowError when the prompt does
         not fit, GrammarError, InvalidTokenError, ValueError for an empty prompt without append.
 

@@ -11,7 +11,9 @@
 A frame is a little-endian u32 length followed by that many bytes of msgpack. Only msgpack's own types
 cross (nothing is ever unpickled); bulk data (logits) never rides in a frame but in the worker's shared
 memory region (shm.py), and a reply names where. A frame longer than MAX_FRAME, or one that does not
-decode to [kind, id, payload], is a protocol violation: the client treats the worker as crashed.
+decode to [kind, id, payload] with integer kind and id, is a protocol violation: the client kills the
+worker and treats it as crashed (so does a reply for a request not in flight: _process.py), and a worker
+exits (worker/loop.py).
 
 Every operation is declared once, below, as a request struct: its fields, its ``op``, whether it
 ``decodes`` (then the client tracks it so that Context.interrupt() can stop it), and its reply type, the
@@ -757,7 +759,9 @@ def pack(kind: Kind, req_id: int, payload: Any) -> bytes:
 def unpack(body: bytes) -> tuple[Kind, int, Any]:
     try:
         kind, req_id, payload = _decoder.decode(body)
-        return Kind(kind), int(req_id), payload
+        if type(kind) is not int or type(req_id) is not int:  # not a bool, a float or a numeric string
+            raise TypeError(f"kind and id must be integers, got {kind!r} and {req_id!r}")
+        return Kind(kind), req_id, payload
     except Exception as exc:  # any malformed frame is the same protocol violation
         raise ProtocolError(f"malformed frame ({len(body)} bytes): {exc}") from None
 

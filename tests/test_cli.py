@@ -119,3 +119,37 @@ def test_chat_ctrl_c_stops_the_reply_not_the_program(tiny_model: Path) -> None:
     stats = [line for line in log.splitlines() if line.endswith(("stop: interrupted]", "stop: length]",
                                                                   "stop: eos]"))]
     assert len(stats) == 2 and stats[0].endswith("stop: interrupted]")  # the second turn was served
+
+
+def test_sampling_flags_change_the_output(tiny: Model, tiny_model: Path) -> None:
+    """Each flag reaches the sampler: the command prints what the library generates with the same
+    parameters, and those outputs differ where the parameters should make them differ."""
+    prompt = "orders capabilities Once upon a time"  # its greedy continuation starts with a token it holds
+    ctx = tiny.new_context(n_ctx=4096, n_threads=1)
+    try:
+        def library(**params: object) -> str:
+            return ctx.generate(prompt, n_predict=12, ignore_eos=False, **params).text  # type: ignore[arg-type]
+
+        greedy = library()
+        hot = {"temperature": 1.5, "seed": 3}
+        cases = [
+            ([], {}),
+            (["--temperature", "1.5", "--seed", "3"], hot),
+            (["--temperature", "1.5", "--seed", "4"], {"temperature": 1.5, "seed": 4}),
+            (["--temperature", "1.5", "--seed", "3", "--top-k", "1"], {**hot, "top_k": 1}),
+            (["--temperature", "1.5", "--seed", "3", "--top-p", "0.0001"], {**hot, "top_p": 0.0001}),
+            (["--temperature", "1.5", "--seed", "3", "--min-p", "0.9999"], {**hot, "min_p": 0.9999}),
+            (["--repeat-penalty", "3", "--repeat-last-n", "64"], {"repeat_penalty": 3.0, "repeat_last_n": 64}),
+        ]
+        expected = [library(**params) for _, params in cases]
+    finally:
+        ctx.close()
+    # The parameters matter here: sampling hot differs from greedy and by seed, a truncation to the top
+    # token brings back the greedy text, and the repeat penalty (over the prompt too) changes it.
+    assert expected[0] == greedy and len({greedy, expected[1], expected[2]}) == 3
+    assert expected[3] == expected[4] == expected[5] == greedy
+    assert expected[6] != greedy
+    for (flags, _), want in zip(cases, expected, strict=True):
+        out = _run("generate", "-m", str(tiny_model), "-n", "12", "-t", "1", "-q", *flags, prompt)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == want + "\n", flags

@@ -6,7 +6,8 @@
 One request runs at a time, on the main thread, like one engine instance in go-llama: calls on a context
 stay in order, and the native code never sees two threads. Interrupts do not need this loop: they are a
 word in shared memory that the native loop reads. A request that fails replies with an ERROR frame and
-the loop goes on; only a broken pipe (the parent is gone) or SHUTDOWN ends it.
+the loop goes on; only a broken pipe (the parent is gone), SHUTDOWN, or a protocol violation (a frame
+that does not decode, or one of a kind only a worker sends: exit code 70, the cause on stderr) ends it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def _fault(engine: Engine, req: p.Fault, call: Call) -> Any:
         os._exit(req.code)
     elif kind == "hang":
         time.sleep(req.seconds)
+    elif kind == "fork":  # a child process of the worker's own, for close() to end
+        pid = os.fork()
+        if pid == 0:
+            try:
+                time.sleep(req.seconds)
+            finally:
+                os._exit(0)
+        return {"pid": pid}
     elif kind == "stdout":
         os.write(1, b"garbage on stdout must not reach the protocol\n" * 100)
         print("print() too", flush=True)
@@ -77,6 +86,15 @@ def _probe(kind: str, arg: str) -> dict[str, Any]:
         return {"ok": False, "errno": exc.errno, "error": str(exc)}
 
 
+#: The exit code of a worker that ends on a protocol violation from its parent (it says which on stderr).
+PROTOCOL_VIOLATION_EXIT = 70
+
+
+def _violation(why: str) -> int:
+    print(f"[worker] [crash] protocol violation: {why}", file=sys.stderr, flush=True)
+    return PROTOCOL_VIOLATION_EXIT
+
+
 class WorkerLoop:
     def __init__(self, engine: Engine, rfd: int, wfd: int, zygote: Zygote | None = None) -> None:
         self.engine = engine
@@ -94,13 +112,12 @@ class WorkerLoop:
             except PeerClosed:
                 return 0  # the parent closed our request pipe: it is done with us, or dead
             except ProtocolError as exc:
-                print(f"[worker] [crash] unreadable request: {exc}", file=sys.stderr, flush=True)
-                return 70
+                return _violation(f"unreadable request: {exc}")
             if kind == Kind.SHUTDOWN:
                 return 0
             if kind != Kind.REQUEST:
-                print(f"[worker] ignoring frame kind {kind.name}", file=sys.stderr, flush=True)
-                continue
+                # Only a broken or foreign parent sends anything else: what follows cannot be trusted.
+                return _violation(f"unexpected {kind.name} frame")
             self.handle(req_id, payload)
 
     def handle(self, req_id: int, payload: Any) -> None:

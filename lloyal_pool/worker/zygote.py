@@ -100,6 +100,9 @@ class Zygote:
     def _become_child(self, loop: WorkerLoop, fds: dict[str, int], req: p.Fork) -> None:
         # Nothing of the zygote's own plumbing may stay open here: its request pipe (the zygote would
         # never see EOF), its control socket, its lifeline (the child watches its own).
+        # A session of its own, as a spawned worker has: closing the zygote (its process group) leaves it
+        # alone, and closing this worker ends the processes it started, however they were orphaned.
+        os.setsid()
         for fd in (loop.rfd, loop.wfd, self.lifeline_fd):
             os.close(fd)
         self.control.close()
