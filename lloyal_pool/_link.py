@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from ._process import WorkerProcess
+from ._recovery import Journal
 from .errors import CallTimeoutError, DeadWorkerError, StaleHandleError, WorkerCrashedError, WorkerError
 from .protocol import ContextRequest, Request
-from .recovery import Journal
 
 R = TypeVar("R")
 EventHandler = Callable[[dict[str, Any]], None]
@@ -101,7 +101,7 @@ class ContextLink:
         # A decoding call's future -> its request id, for wait()'s interrupt when its timeout passes.
         self._ids: weakref.WeakKeyDictionary[Future[Any], int] = weakref.WeakKeyDictionary()
         self.closed = False
-        # Crash recovery (recovery.py): the context's journal, why it could not be restored, and the ids
+        # Crash recovery (_recovery.py): the context's journal, why it could not be restored, and the ids
         # its calls in flight were sent again under (first id -> latest).
         self.journal: Journal | None = Journal() if proc.salvage is not None else None
         self.lost: str | None = None

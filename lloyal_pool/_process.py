@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import psutil
 
 from . import variants
+from ._recovery import Ledger
 from .errors import (
     DeadWorkerError,
     LloyalError,
@@ -62,7 +63,6 @@ from .protocol import (
     request_payload,
     write_frame,
 )
-from .recovery import Ledger
 from .shm import DEFAULT_SIZE, Region, TransferFile, WorkerTransfer
 
 log = logging.getLogger("lloyal_pool")
@@ -99,7 +99,7 @@ class _Pending:
     on_event: Callable[[dict[str, Any]], None] | None
     request: type[Request[Any]]
     callback_error: BaseException | None = None  # what on_event raised: the call's outcome once it ends
-    # For a replay by crash recovery (recovery.py): the request itself, what its caller has been given
+    # For a replay by crash recovery (_recovery.py): the request itself, what its caller has been given
     # of its events, and how its context link learns the id it is sent again under.
     request_obj: Request[Any] | None = None
     request_id: int = 0

@@ -1094,10 +1094,10 @@ class Pool:
 
         return unsubscribe
 
-    # -- crash recovery (recovery.py) -----------------------------------------------------------------
+    # -- crash recovery (_recovery.py) ----------------------------------------------------------------
     def _salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[Any]) -> list[Any]:
         """On the dead worker's reader thread: picks the calls to send again and starts the recovery."""
-        from .recovery import MAX_ATTEMPTS, recover, replayable
+        from ._recovery import MAX_ATTEMPTS, recover, replayable
 
         instance = next((i for i in self._instances if i._proc is proc), None)
         if instance is None or self._closed:

@@ -176,13 +176,14 @@ def test_close_ends_the_workers_children_and_removes_its_directory() -> None:
     try:
         pid = pool[0].pid
         cwd = os.readlink(f"/proc/{pid}/cwd")
-        assert os.path.isdir(cwd) and "lloyal-worker" in cwd
+        assert os.path.isdir(cwd) and os.path.dirname(cwd) == pool.temp_dir
         child = pool[0].fault("fork", seconds=3600).result(timeout=PATIENCE)["pid"]
         assert child in {c.pid for c in psutil.Process(pid).children()}
     finally:
         within(pool.close)
     assert _gone(pid, 0.0) and _gone(child, 0.0), "close() left a process behind"
     assert not os.path.exists(cwd), "close() left the worker's directory behind"
+    assert not os.path.exists(os.path.dirname(cwd)), "close() left the pool's directory behind"
 
 
 def test_calls_in_flight_at_close_get_pool_closed_error(tiny_model: Path) -> None:
