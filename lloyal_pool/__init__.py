@@ -36,6 +36,7 @@ from .errors import (
     DecodeError,
     GrammarError,
     InterruptedByClient,
+    InvalidArgumentError,
     InvalidTokenError,
     LloyalError,
     LoraError,
@@ -67,6 +68,7 @@ from .params import (
     StopReason,
 )
 from .session import ChatReply, ChatStream, Session
+from .shm import shm_bytes_for
 from .snapshot import Snapshot
 
 __version__ = "0.1.0"
@@ -97,6 +99,7 @@ __all__ = [
     "GrammarError",
     "Instance",
     "InterruptedByClient",
+    "InvalidArgumentError",
     "InvalidTokenError",
     "KVPressure",
     "LloyalError",
@@ -130,6 +133,7 @@ __all__ = [
     "WorkerStartupError",
     "default_model_path",
     "metrics",
+    "shm_bytes_for",
 ]
 
 

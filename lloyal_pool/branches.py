@@ -26,8 +26,8 @@ from . import metrics
 from . import protocol as p
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress
-from .errors import BranchError, StaleHandleError
-from .params import BranchInfo, Grammar, KVPressure, SamplerParams
+from .errors import BadRequestError, BranchError, InvalidArgumentError, StaleHandleError
+from .params import BranchInfo, Grammar, KVPressure, SamplerParams, logit_bias_pairs, token_id, token_ids, wire_prompt
 
 GrammarLike = str | Grammar | None
 
@@ -229,7 +229,7 @@ class Branch:
 
     def set_logit_bias(self, bias: Mapping[int, float] | None) -> None:
         """Added to the logits before sampling (-inf bans a token); None or {} clears it."""
-        pairs = None if not bias else [(int(t), float(b)) for t, b in bias.items()]
+        pairs = None if bias is None else logit_bias_pairs(bias, self.store.n_vocab) or None
         self._call(p.BranchSetLogitBias(context=self._ctx, branch=self._live(), bias=pairs))
 
     def clear_logit_bias(self) -> None:
@@ -246,19 +246,34 @@ class Branch:
         return self.store._link.proc.region.floats(self._logits_offset, self.store.n_vocab)
 
     def logits_at(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The logits of the given token ids (a float32 copy), read locally like ``logits``."""
-        return np.array(self.logits[np.asarray(tokens, dtype=np.int64)], dtype=np.float32)
+        """The logits of the given token ids (a float32 copy), read locally like ``logits``.
+        InvalidTokenError for an id outside [0, n_vocab) (a negative one would count from the end)."""
+        return np.array(self.logits[token_ids(tokens, self.store.n_vocab)], dtype=np.float32)
 
     def set_logits(self, logits: np.ndarray | Sequence[float]) -> None:
-        """Replaces the logits the next token is sampled from with ``logits`` (n_vocab floats; ValueError
-        for another shape): steer sampling with logits computed here."""
-        arr = np.ascontiguousarray(logits, dtype=np.float32)
+        """Replaces the logits the next token is sampled from with ``logits`` (n_vocab floats): steer
+        sampling with logits computed here. -inf bans a token (as a grammar or a logit bias of -inf
+        does); NaN and +inf, which would turn the distribution into NaNs, raise InvalidArgumentError, as
+        does another shape, and the branch keeps its logits."""
+        try:
+            with np.errstate(over="ignore"):  # a float64 past float32's range becomes inf: refused below
+                arr = np.ascontiguousarray(logits, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise BadRequestError(f"logits must be n_vocab floats: {exc}") from None
         if arr.shape != (self.store.n_vocab,):
-            raise ValueError(f"logits must have shape ({self.store.n_vocab},), got {arr.shape}")
+            raise InvalidArgumentError(f"logits must have shape ({self.store.n_vocab},), got {arr.shape}")
+        _check_logits(arr)
         self._call(p.BranchSetLogits(context=self._ctx, branch=self._live(), logits=arr.tobytes()))
 
     def merge_logits(self, experts: Sequence[Branch], alpha: float) -> None:
-        """self.logits += alpha * sum(expert.logits), in the worker (contrastive / DExperts decoding)."""
+        """self.logits += alpha * sum(expert.logits), in the worker (contrastive / DExperts decoding).
+        A token that this branch or an expert bans (-inf) stays banned, whatever alpha; a sum that
+        overflows float32 is clamped to its largest value. InvalidArgumentError for an alpha that is not
+        finite."""
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating, np.integer)):
+            raise BadRequestError(f"alpha must be a number, got {type(alpha).__name__}")
+        if not np.isfinite(alpha):
+            raise InvalidArgumentError(f"alpha must be finite, got {alpha}")
         self._call(p.BranchMergeLogits(context=self._ctx, branch=self._live(),
                                        experts=[self.store._own(e) for e in experts], alpha=float(alpha)))
 
@@ -271,6 +286,15 @@ class Branch:
         """metrics.surprisal of token under this branch's logits (or the ``logits`` given, e.g. a copy
         taken before a commit), computed here with no round trip."""
         return metrics.surprisal(self.logits if logits is None else logits, token, base)
+
+
+def _check_logits(arr: np.ndarray) -> None:
+    """NaN or +inf anywhere in a logits row would make the sampler's distribution NaN."""
+    if not np.isfinite(arr).all():
+        bad = arr[np.isnan(arr) | (arr == np.inf)]
+        if bad.size:
+            raise InvalidArgumentError(f"logits must be finite, or -inf to ban a token; got {bad.size} value(s) "
+                                       f"that are NaN or +inf")
 
 
 class BranchStore:
@@ -316,6 +340,8 @@ class BranchStore:
         return self._branches.get(handle)
 
     def _own(self, branch: Branch) -> int:
+        if not isinstance(branch, Branch):
+            raise BadRequestError(f"expected a Branch, got {type(branch).__name__}")
         if branch.store is not self:
             raise BranchError(f"{branch!r} belongs to another context")
         return branch._live()
@@ -344,12 +370,11 @@ class BranchStore:
                             params=SamplerParams.of(params, overrides).to_wire(), grammar=_grammar_wire(grammar))
         return self._register(self._link.call(req).result())
 
-    @staticmethod
-    def _wire_prompt(prompt: Sequence[int] | str | None) -> str | list[int]:
+    def _wire_prompt(self, prompt: Sequence[int] | str | None) -> str | list[int]:
         # Text is tokenized by the worker, in the same request: no extra round trip.
         if prompt is None:
             return []
-        return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        return wire_prompt(prompt, self.n_vocab)
 
     # -- batched operations ---------------------------------------------------------------------------
     def produce(self, branches: Sequence[Branch]) -> list[Produced]:
@@ -365,7 +390,7 @@ class BranchStore:
 
     def commit_async(self, pairs: Iterable[tuple[Branch, int]]) -> Future[float]:
         """commit() without waiting: a Future of the ms spent decoding."""
-        req = p.Commit(context=self._link.handle, pairs=[(self._own(b), int(t)) for b, t in pairs])
+        req = p.Commit(context=self._link.handle, pairs=[(self._own(b), token_id(t, self.n_vocab)) for b, t in pairs])
         return mapped(self._link.call(req), self._decoded)
 
     def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
@@ -479,7 +504,7 @@ class KV:
         holds) stored beside it for load_file to return. Returns the bytes written. ContextError for an
         empty sequence or a file that cannot be written. Unlike save(), not limited by the frame size."""
         return self._call(p.StateSeqSaveFile(context=self._ctx, seq=int(seq), path=os.path.abspath(os.fspath(path)),
-                                             tokens=[int(t) for t in tokens]))
+                                             tokens=token_ids(tokens)))
 
     def load_file(self, seq: int, path: str | os.PathLike[str]) -> list[int]:
         """Loads seq from a file written by save_file and returns the tokens saved with it."""

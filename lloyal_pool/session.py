@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from . import protocol as p
 from .chat import TOOL_CHOICES, ChatMessage, ToolCall
 from .client import Stream
-from .errors import LloyalError
+from .errors import InvalidArgumentError, LloyalError
 from .params import GenerateParams, Grammar, Result, StopReason
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Session:
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
                  params: GenerateParams | None = None, **defaults: Any) -> None:
         if tool_choice not in TOOL_CHOICES:
-            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {tool_choice!r}")
+            raise InvalidArgumentError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {tool_choice!r}")
         self.context = context
         self.template = template
         self.tools: list[dict[str, Any]] | None = [dict(t) for t in tools] if tools else None
@@ -174,7 +174,7 @@ class Session:
             changes["stop"] = tuple(dict.fromkeys([*gen.stop, *fmt.additional_stops]))
         if fmt.grammar:
             if gen.grammar:
-                raise ValueError("a grammar= cannot apply together with the tool-call grammar of tools=")
+                raise InvalidArgumentError("a grammar= cannot apply together with the tool-call grammar of tools=")
             # Lazy (tool_choice "auto"): free text until the format's tool-call marker. Otherwise the grammar
             # starts with the generation prompt, which the prompt already holds: the grammar accepts it first.
             changes["grammar"] = Grammar(gbnf=fmt.grammar, lazy=fmt.grammar_lazy, trigger_words=fmt.trigger_words,
