@@ -241,7 +241,9 @@ class Branch:
     def logits(self) -> np.ndarray:
         """The logits the next token is sampled from (n_vocab float32): a read-only view of shared memory,
         no copy and no round trip. It follows the branch (each commit rewrites it) and is valid while the
-        branch lives; copy it to keep it."""
+        branch lives; copy it to keep it. StaleHandleError once the branch, its context or its model is
+        released or its worker gone; a view taken before cannot be revoked and may then show another
+        branch's logits, so it must not be read after the release."""
         self._live()
         return self.store._link.proc.region.floats(self._logits_offset, self.store.n_vocab)
 

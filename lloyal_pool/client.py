@@ -297,9 +297,11 @@ class Model:
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
-        ContextParams fields (``model.new_context(n_ctx=2048)``). ContextError for invalid parameters, a
-        context llama.cpp cannot create, or a worker that already holds 512 contexts. Free it with
-        Context.close(); the model's close() frees it too."""
+        ContextParams fields (``model.new_context(n_ctx=2048)``; BadRequestError for a name that is not
+        one). ContextError for invalid parameters, a context llama.cpp cannot create, a worker that
+        already holds 512 contexts, or a shared-memory region with no room for the context's logits row
+        (n_vocab * 4 bytes: the message names the shm_bytes that holds one more; see shm_bytes_for). Free
+        it with Context.close(); the model's close() frees it too."""
         if overrides:
             from dataclasses import fields, replace
 
@@ -849,14 +851,17 @@ class Pool:
 
     ``variant``: the native build ("cpu", "cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else
     "cpu"), falling back to CPU unless ``strict_variant``. ``shm_bytes``: each worker's shared-memory
-    region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"). ``memory_limit``: a
+    region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"), a row of n_vocab * 4
+    bytes per context and per branch (lloyal_pool.shm_bytes_for), allocated up front: at least 12 KiB,
+    and for all workers together no more than the machine has available (InvalidArgumentError). ``memory_limit``: a
     cap in bytes on a worker's data (RLIMIT_DATA), so that it fails an allocation instead of growing (a
     context that does not fit raises ContextError naming memory_limit). ``start_timeout``: seconds a
     worker has for its handshake. ``env``: a worker's whole environment, empty by default (the interpreter
     needs none of ours); a value of None passes our value of that variable through, if we have one
     (e.g. ``env={"CUDA_VISIBLE_DEVICES": None}``). ``native_log_level``:
     the llama.cpp messages forwarded to the ``lloyal_pool.worker.<id>`` loggers ("debug" ... "none").
-    ``threads_per_worker``: a context's default n_threads (default: the CPUs shared among the workers).
+    ``threads_per_worker``: a context's default n_threads, 1 to 512 (default: the CPUs shared among the
+    workers).
 
     Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
     only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),

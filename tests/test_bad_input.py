@@ -167,7 +167,7 @@ def test_numpy_integer_ids_are_token_ids(clean: Env) -> None:
 
 
 def test_a_float_token_id_is_refused_not_truncated(clean: Env) -> None:
-    with pytest.raises(InvalidTokenError, match="818.9"):
+    with pytest.raises(InvalidTokenError, match=r"818\.9"):
         clean.ctx.generate([2, 818.9], n_predict=4)  # type: ignore[list-item]
     assert clean.ctx.tokens() == []
 
