@@ -27,7 +27,17 @@ from . import protocol as p
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from .errors import BadRequestError, BranchError, InvalidArgumentError, StaleHandleError
-from .params import BranchInfo, Grammar, KVPressure, SamplerParams, logit_bias_pairs, token_id, token_ids, wire_prompt
+from .params import (
+    BranchInfo,
+    Grammar,
+    KVPressure,
+    SamplerParams,
+    logit_bias_pairs,
+    token_id,
+    token_ids,
+    whole,
+    wire_prompt,
+)
 
 GrammarLike = str | Grammar | None
 
@@ -220,7 +230,7 @@ class Branch:
 
     def reseed_sampler(self, seed: int) -> None:
         """Reseeds the final draw (greedy chains have none and are left alone)."""
-        self._call(p.BranchReseed(context=self._ctx, branch=self._live(), seed=int(seed)))
+        self._call(p.BranchReseed(context=self._ctx, branch=self._live(), seed=whole(seed, "seed")))
 
     def set_grammar(self, grammar: GrammarLike) -> None:
         """GBNF text, a Grammar (JSON schema, lazy triggers), or None to remove. Invalid grammars raise
@@ -368,7 +378,7 @@ class BranchStore:
               **overrides: object) -> Branch:
         """A root branch over an existing sequence (a detached branch's, or one loaded with kv.load): it
         continues at pos_max + 1. It has no logits until its next prefill or commit."""
-        req = p.BranchAdopt(context=self._link.handle, seq=int(seq),
+        req = p.BranchAdopt(context=self._link.handle, seq=whole(seq, "seq"),
                             params=SamplerParams.of(params, overrides).to_wire(), grammar=_grammar_wire(grammar))
         return self._register(self._link.call(req).result())
 
@@ -451,29 +461,30 @@ class KV:
 
     def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """dst gets src's cells in [p0, p1) (p1 -1: to the end); shared, not copied."""
-        self._call(p.KvCopy(context=self._ctx, src=int(src), dst=int(dst), p0=int(p0), p1=int(p1)))
+        self._call(p.KvCopy(context=self._ctx, src=whole(src, "src"), dst=whole(dst, "dst"), p0=whole(p0, "p0"),
+                            p1=whole(p1, "p1")))
 
     def keep(self, seq: int) -> None:
         """Removes every sequence but seq from the cache (llama_memory_seq_keep). BranchError while
         branches live (BranchStore.retain_only keeps one branch)."""
-        self._call(p.KvKeep(context=self._ctx, seq=int(seq)))
+        self._call(p.KvKeep(context=self._ctx, seq=whole(seq, "seq")))
 
     def remove(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
         """Removes seq's cells in [p0, p1) (p1 -1: to the end). False when the cache cannot remove that
         part of a sequence (llama_memory_seq_rm), else True."""
-        return self._call(p.KvRemove(context=self._ctx, seq=int(seq), p0=int(p0), p1=int(p1)))
+        return self._call(p.KvRemove(context=self._ctx, seq=whole(seq, "seq"), p0=whole(p0, "p0"), p1=whole(p1, "p1")))
 
     def pos_min(self, seq: int) -> int:
         """First position in seq, -1 when it is empty."""
-        return self._call(p.KvPosMin(context=self._ctx, seq=int(seq)))
+        return self._call(p.KvPosMin(context=self._ctx, seq=whole(seq, "seq")))
 
     def pos_max(self, seq: int) -> int:
         """Last position in seq, -1 when it is empty."""
-        return self._call(p.KvPosMax(context=self._ctx, seq=int(seq)))
+        return self._call(p.KvPosMax(context=self._ctx, seq=whole(seq, "seq")))
 
     def free(self, seq: int) -> None:
         """Removes a detached sequence's cells and returns its id to the lease pool."""
-        self._call(p.KvFree(context=self._ctx, seq=int(seq)))
+        self._call(p.KvFree(context=self._ctx, seq=whole(seq, "seq")))
 
     def clear(self) -> None:
         """Empties the whole cache (every branch is released), like Context.reset()."""
@@ -486,18 +497,18 @@ class KV:
 
     def state_size(self, seq: int) -> int:
         """Bytes that save(seq) would return (llama_state_seq_get_size)."""
-        return self._call(p.StateSeqSize(context=self._ctx, seq=int(seq)))
+        return self._call(p.StateSeqSize(context=self._ctx, seq=whole(seq, "seq")))
 
     def save(self, seq: int) -> bytes:
         """seq's KV state (llama_state_seq_get_data): that sequence only, never the whole context.
         ContextError for an empty sequence, or a state larger than one protocol frame (use save_file)."""
-        return self._call(p.StateSeqGet(context=self._ctx, seq=int(seq)))
+        return self._call(p.StateSeqGet(context=self._ctx, seq=whole(seq, "seq")))
 
     def load(self, seq: int, data: bytes) -> int:
         """Loads a state from save() into seq, which must be a detached sequence or the empty sequence of a
         new branch (that branch then continues after it; BranchError otherwise). Returns the bytes read.
         ContextError for a state of another model or one that does not fit."""
-        loaded = self._call(p.StateSeqSet(context=self._ctx, seq=int(seq), data=bytes(data)))
+        loaded = self._call(p.StateSeqSet(context=self._ctx, seq=whole(seq, "seq"), data=bytes(data)))
         self._branches._update(loaded.states)
         return loaded.n_bytes
 
@@ -505,12 +516,13 @@ class KV:
         """Writes seq's KV state to a file on the worker's machine, with ``tokens`` (e.g. the ones it
         holds) stored beside it for load_file to return. Returns the bytes written. ContextError for an
         empty sequence or a file that cannot be written. Unlike save(), not limited by the frame size."""
-        return self._call(p.StateSeqSaveFile(context=self._ctx, seq=int(seq), path=os.path.abspath(os.fspath(path)),
-                                             tokens=token_ids(tokens)))
+        return self._call(p.StateSeqSaveFile(context=self._ctx, seq=whole(seq, "seq"),
+                                             path=os.path.abspath(os.fspath(path)), tokens=token_ids(tokens)))
 
     def load_file(self, seq: int, path: str | os.PathLike[str]) -> list[int]:
         """Loads seq from a file written by save_file and returns the tokens saved with it."""
-        loaded = self._call(p.StateSeqLoadFile(context=self._ctx, seq=int(seq), path=os.path.abspath(os.fspath(path))))
+        loaded = self._call(p.StateSeqLoadFile(context=self._ctx, seq=whole(seq, "seq"),
+                                               path=os.path.abspath(os.fspath(path))))
         self._branches._update(loaded.states)
         return loaded.tokens
 

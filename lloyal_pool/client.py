@@ -46,6 +46,7 @@ from .params import (
     Score,
     token_id,
     token_ids,
+    whole,
     wire_prompt,
 )
 from .protocol import Request
@@ -155,7 +156,7 @@ class Instance:
         if allowed is not None and self._proc.options.sandbox and not _beneath(abspath, allowed):
             raise ModelLoadError(f"{abspath} is outside the pool's allowed_dirs {list(allowed)}: the worker "
                                  "may not read it (Pool(allowed_dirs=...))")
-        req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
+        req = p.LoadModel(path=abspath, n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
         fut = self._proc.call(req, events(progress=progress))
         return mapped(fut, lambda r: Model(self, self._proc, r.model, r.info, abspath, req))
@@ -586,7 +587,8 @@ class Context:
             raise InvalidArgumentError(f'draft must be "ngram" or a Context, got {draft!r}')
         req = p.GenerateWithDraft(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab),
                                   params=GenerateParams.of(params, overrides).to_wire(), draft=wire_draft,
-                                  n_draft=int(n_draft), ngram_min=int(ngram_min), ngram_max=int(ngram_max),
+                                  n_draft=whole(n_draft, "n_draft"),
+                                  ngram_min=whole(ngram_min, "ngram_min"), ngram_max=whole(ngram_max, "ngram_max"),
                                   stream=on_piece is not None, append=bool(append), progress=progress is not None)
         return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
 
@@ -645,6 +647,8 @@ class Context:
         of 2-D arrays. normalize scales every vector to L2 norm 1. The arrays are copies: nothing refers
         to the worker's shared memory afterwards. ResultTooLargeError when the vectors of one call do not
         fit the worker's shared memory (nothing is computed): embed fewer texts at a time."""
+        if isinstance(texts, (bytes, bytearray, memoryview)) or not isinstance(texts, (Sequence, np.ndarray)):
+            raise BadRequestError(f"embed takes a text, token ids or a list of them, got {type(texts).__name__}")
         single = isinstance(texts, str) or (len(texts) > 0 and all(_is_int(t) for t in texts))
         items = [cast("str | Sequence[int]", texts)] if single else list(cast("Sequence[str | Sequence[int]]", texts))
         if not items:

@@ -83,6 +83,14 @@ def token_ids(values: object, n_vocab: int | None = None, what: str = "token ids
     return out
 
 
+def whole(value: object, name: str) -> int:
+    """``value`` as an int argument (a sequence id, a position, a count, a seed): a Python or numpy
+    integer, not a bool, never a float truncated. BadRequestError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BadRequestError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 def wire_prompt(prompt: object, n_vocab: int | None = None) -> str | list[int]:
     """A prompt as a request carries it: text as it is, token ids checked (token_ids). BadRequestError for
     bytes (decode them to text first: bytes are not token ids) and anything else that is neither."""

@@ -63,6 +63,7 @@ class Env:
     model: Model
     ctx: Context  # a generation context (sequence mode), empty between cases
     bctx: Context  # a branch context, n_seq_max 4, no branch between cases
+    ectx: Context  # an embedding context
     files: Path
     fifo: Path
     state: bytes  # a valid saved state of ctx's model
@@ -85,9 +86,10 @@ def env(pool: Pool, tiny: Model, tmp_path_factory: pytest.TempPathFactory) -> It
     state = ctx.save_state()
     ctx.reset()
     bctx = tiny.new_context(n_ctx=64, n_seq_max=4)
-    yield Env(pool, tiny, ctx, bctx, files, fifo, state)
-    ctx.close()
-    bctx.close()
+    ectx = tiny.new_context(n_ctx=64, embeddings=True, pooling="mean")
+    yield Env(pool, tiny, ctx, bctx, ectx, files, fifo, state)
+    for c in (ctx, bctx, ectx):
+        c.close()
 
 
 @pytest.fixture
@@ -651,7 +653,6 @@ WRONG: list[tuple[str, Case, type[LloyalError]]] = [
     ("score_one_token", lambda e: e.ctx.score([1]), InvalidArgumentError),
     ("score_choices_str", lambda e: e.ctx.score_choices("abc"), BadRequestError),
     ("empty_prompt", lambda e: e.ctx.generate("", n_predict=1), InvalidArgumentError),
-    ("embed_nothing", lambda e: e.ctx.embed([]), InvalidArgumentError),
     ("prompt_too_long", lambda e: e.ctx.generate(" word" * 200, n_predict=1), ContextOverflowError),
     ("eval_too_long", lambda e: e.ctx.eval([1] * 65), ContextOverflowError),
     ("draft_unknown", lambda e: e.ctx.generate_with_draft("Hi", draft="magic", n_predict=1), InvalidArgumentError),
@@ -665,6 +666,21 @@ WRONG: list[tuple[str, Case, type[LloyalError]]] = [
     ("kv_pos_max_seq_out_of_range", lambda e: e.bctx.kv.pos_max(1000), InvalidArgumentError),
     ("clear_and_reseed_float", lambda e: e.bctx.clear_and_reseed([1.5], [2]), InvalidTokenError),  # type: ignore[list-item]
     ("sampler_params_unknown", lambda e: SamplerParams.of(None, {"temprature": 1.0}), BadRequestError),
+    ("kv_seq_float", lambda e: e.bctx.kv.pos_max(1.7), BadRequestError),  # type: ignore[arg-type]
+    ("kv_seq_str", lambda e: e.bctx.kv.free("0"), BadRequestError),  # type: ignore[arg-type]
+    ("kv_copy_bool", lambda e: e.bctx.kv.copy(True, 1), BadRequestError),
+    ("kv_remove_float_position", lambda e: e.bctx.kv.remove(0, 1.5), BadRequestError),  # type: ignore[arg-type]
+    ("reseed_float", lambda e: _root(e).reseed_sampler(1.5), BadRequestError),  # type: ignore[arg-type]
+    ("n_gpu_layers_str", lambda e: e.model.instance.load_model(e.model.path, n_gpu_layers="all"),
+     BadRequestError),  # type: ignore[arg-type]
+    ("n_draft_float", lambda e: e.ctx.generate_with_draft("Hi", n_draft=2.5, n_predict=1), BadRequestError),
+    ("embed_bytes", lambda e: e.ectx.embed(b"Hi"), BadRequestError),  # type: ignore[arg-type]
+    ("embed_none", lambda e: e.ectx.embed(None), BadRequestError),  # type: ignore[arg-type]
+    ("embed_float_ids", lambda e: e.ectx.embed([[1, 2.5]]), InvalidTokenError),  # type: ignore[list-item]
+    ("embed_id_out_of_range", lambda e: e.ectx.embed([1, N_VOCAB]), InvalidTokenError),
+    ("embed_empty_list", lambda e: e.ectx.embed([]), InvalidArgumentError),
+    ("generate_in_embedding_context", lambda e: e.ectx.generate("Hi", n_predict=1), ContextError),
+    ("rerank_in_mean_pooling_context", lambda e: e.ectx.rerank("q", ["d"]), ContextError),
 ]
 
 
