@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from ._process import WorkerProcess
-from .errors import StaleHandleError
+from .errors import BadRequestError, StaleHandleError
 from .protocol import Request
 
 R = TypeVar("R")
@@ -29,6 +29,9 @@ PromptProgress = Callable[[int, int], None]
 def events(**handlers: Callable[[Any], None] | None) -> Callable[[dict[str, Any]], None] | None:
     """An EVENT handler that passes ``event[key]`` to ``handlers[key]`` for each key it carries."""
     active = {k: fn for k, fn in handlers.items() if fn is not None}
+    for key, fn in active.items():
+        if not callable(fn):  # it would only fail on the reader thread, where nobody sees it
+            raise BadRequestError(f"the {key} callback must be callable, got {type(fn).__name__}")
     if not active:
         return None
 
@@ -44,6 +47,8 @@ def spread_progress(progress: PromptProgress | None) -> Callable[[Any], None] | 
     """A prompt_progress event's (done, total) pair as the two arguments of progress."""
     if progress is None:
         return None
+    if not callable(progress):
+        raise BadRequestError(f"progress must be callable, got {type(progress).__name__}")
     return lambda pair: progress(int(pair[0]), int(pair[1]))
 
 

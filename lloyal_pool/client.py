@@ -268,6 +268,12 @@ class Model:
         definitions) are rendered where the template places them. TemplateError when the model has no
         template and none is given, or the template does not parse or render; ValueError for an unknown
         format name."""
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise BadRequestError(f"messages is a list of {{'role': ..., 'content': ...}} mappings, got "
+                                  f"{type(messages).__name__}")
+        if not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            raise BadRequestError("each message is a mapping with a str 'role' and a str 'content'")
         pairs = [(m["role"], m["content"]) for m in messages]
         return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
                                               add_generation_prompt=add_generation_prompt,
@@ -303,6 +309,8 @@ class Model:
         already holds 512 contexts, or a shared-memory region with no room for the context's logits row
         (n_vocab * 4 bytes: the message names the shm_bytes that holds one more; see shm_bytes_for). Free
         it with Context.close(); the model's close() frees it too."""
+        if params is not None and not isinstance(params, ContextParams):
+            raise BadRequestError(f"params is a ContextParams, got {type(params).__name__}")
         if overrides:
             from dataclasses import fields, replace
 
@@ -745,6 +753,8 @@ class Context:
         """Replaces what the context holds with a saved state; returns its n_past. StateError for bytes
         that are not a state (garbage, truncated, corrupted) or one of another model,
         ContextOverflowError for a state longer than n_ctx: then the context is left as it was."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise BadRequestError(f"a state is bytes (from save_state), got {type(data).__name__}")
         with self._proc.transfer() as f:
             f.write(data)
             return self._link.call(p.LoadState(context=self.handle, path=f.path)).result()

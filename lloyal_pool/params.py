@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from .errors import BadRequestError, GrammarError, InvalidArgumentError, InvalidTokenError
+from .errors import BadRequestError, ContextError, GrammarError, InvalidArgumentError, InvalidTokenError
 
 #: The largest seed SamplerParams takes: llama.cpp reads 0xFFFFFFFF as "pick a random seed".
 MAX_SEED = 0xFFFFFFFE
@@ -178,6 +178,8 @@ class SamplerParams:
     @classmethod
     def of(cls: type[P], params: P | None, overrides: Mapping[str, Any]) -> P:
         """params with keyword overrides applied (TypeError for a name that is not a field)."""
+        if params is not None and not isinstance(params, cls):
+            raise BadRequestError(f"params is a {cls.__name__}, got {type(params).__name__}")
         if not overrides:
             return params or cls()
         unknown = set(overrides) - {f.name for f in fields(cls)}
@@ -293,6 +295,11 @@ class ContextParams:
     type_v: str | None = None
     swa_full: bool = True  # full-size sliding-window cache, so any part of a sequence can be removed
     flash_attn: str | None = None  # "auto" | "on" | "off"
+
+    def __post_init__(self) -> None:
+        # None is how the other fields leave a choice to llama.cpp; n_ctx has a value of its own for that (0).
+        if isinstance(self.n_ctx, bool) or not isinstance(self.n_ctx, (int, np.integer)):
+            raise ContextError(f"n_ctx must be an int (0: the model's training length), got {self.n_ctx!r}")
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as the plain dict a request carries to the worker; None values are left out, so

@@ -681,6 +681,26 @@ WRONG: list[tuple[str, Case, type[LloyalError]]] = [
     ("embed_empty_list", lambda e: e.ectx.embed([]), InvalidArgumentError),
     ("generate_in_embedding_context", lambda e: e.ectx.generate("Hi", n_predict=1), ContextError),
     ("rerank_in_mean_pooling_context", lambda e: e.ectx.rerank("q", ["d"]), ContextError),
+    ("chat_send_bytes", lambda e: e.ctx.chat(template="chatml").send(b"hi"), BadRequestError),  # type: ignore[arg-type]
+    ("chat_add_int_content", lambda e: e.ctx.chat(template="chatml").add("user", 5), BadRequestError),  # type: ignore[arg-type]
+    ("template_messages_str", lambda e: e.model.apply_chat_template("hi", template="chatml"), BadRequestError),  # type: ignore[arg-type]
+    ("template_message_str", lambda e: e.model.apply_chat_template(["hi"], template="chatml"), BadRequestError),  # type: ignore[list-item]
+    ("template_message_without_role", lambda e: e.model.apply_chat_template([{"content": "x"}], template="chatml"),
+     BadRequestError),
+    ("template_content_int", lambda e: e.model.apply_chat_template([{"role": "user", "content": 5}],
+                                                                   template="chatml"), BadRequestError),  # type: ignore[dict-item]
+    ("new_context_params_str", lambda e: e.model.new_context("abc"), BadRequestError),  # type: ignore[arg-type]
+    ("generate_params_int", lambda e: e.ctx.generate("Hi", 5), BadRequestError),  # type: ignore[arg-type]
+    ("branch_params_generate_dict", lambda e: e.bctx.branch([1], {"temperature": 1.0}), BadRequestError),  # type: ignore[arg-type]
+    ("on_piece_not_callable", lambda e: e.ctx.generate("Hi", n_predict=1, on_piece=5), BadRequestError),  # type: ignore[arg-type]
+    ("progress_not_callable", lambda e: e.ctx.eval("Hi", progress="yes"), BadRequestError),  # type: ignore[arg-type]
+    ("load_progress_not_callable", lambda e: e.model.instance.load_model(e.model.path, progress=1), BadRequestError),  # type: ignore[arg-type]
+    ("load_state_str", lambda e: e.ctx.load_state("abc"), BadRequestError),  # type: ignore[arg-type]
+    ("n_ctx_none", lambda e: e.model.new_context(n_ctx=None), ContextError),
+    ("tokenize_add_special_str", lambda e: e.model.tokenize("x", add_special="yes"), BadRequestError),  # type: ignore[arg-type]
+    ("stop_not_str", lambda e: e.ctx.generate("Hi", n_predict=1, stop=[5]), BadRequestError),
+    ("grammar_int", lambda e: e.ctx.generate("Hi", n_predict=1, grammar=5), BadRequestError),
+    ("n_predict_past_int64", lambda e: e.ctx.generate("Hi", n_predict=2**70), LloyalError),
 ]
 
 
