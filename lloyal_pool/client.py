@@ -151,7 +151,7 @@ class Instance:
         abspath = os.path.abspath(os.fspath(path))
         why = irregular_path(abspath)
         if why is not None:  # the worker refuses it too; here it costs no round trip
-            raise ModelLoadError(f"cannot load a model from {why}")
+            raise ModelLoadError(f"cannot load a model: {why}")
         allowed = self._proc.options.allowed_dirs
         if allowed is not None and self._proc.options.sandbox and not _beneath(abspath, allowed):
             raise ModelLoadError(f"{abspath} is outside the pool's allowed_dirs {list(allowed)}: the worker "
@@ -331,7 +331,7 @@ class Model:
         abspath = os.path.abspath(os.fspath(path))
         why = irregular_path(abspath)
         if why is not None:
-            raise LoraError(f"cannot load a LoRA adapter from {why}")
+            raise LoraError(f"cannot load a LoRA adapter: {why}")
         loaded = self._call(p.LoadLora(model=self._handle, path=abspath))
         adapter = LoraAdapter(self, loaded.lora, abspath, loaded.alpha, loaded.meta)
         self._loras.add(adapter)

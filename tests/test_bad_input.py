@@ -537,6 +537,13 @@ def test_bad_lora_files(clean: Env, make: Callable[[Env], str | Path]) -> None:
         clean.model.load_lora(make(clean))
 
 
+def test_a_fifo_or_a_device_is_named_as_such(clean: Env) -> None:
+    with pytest.raises(ModelLoadError, match=r"FIFO \(named pipe\), not a regular file"):
+        clean.model.instance.load_model(_symlink(clean, "fifo3.link", clean.fifo))  # the link is followed
+    with pytest.raises(ModelLoadError, match="character device"):
+        clean.model.instance.load_model("/dev/zero")
+
+
 @pytest.mark.parametrize("path", ["fifo", "/dev/zero", "link"])
 def test_the_worker_itself_refuses_what_is_not_a_regular_file(clean: Env, path: str) -> None:
     # Past the client's own check: the request as another client would send it. Without the worker's
