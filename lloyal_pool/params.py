@@ -177,7 +177,8 @@ class SamplerParams:
 
     @classmethod
     def of(cls: type[P], params: P | None, overrides: Mapping[str, Any]) -> P:
-        """params with keyword overrides applied (TypeError for a name that is not a field)."""
+        """params with keyword overrides applied (BadRequestError, a TypeError, for a name that is not a
+        field or params of another class)."""
         if params is not None and not isinstance(params, cls):
             raise BadRequestError(f"params is a {cls.__name__}, got {type(params).__name__}")
         if not overrides:
