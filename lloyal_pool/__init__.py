@@ -38,6 +38,7 @@ from .errors import (
     DecodeError,
     GrammarError,
     InterruptedByClient,
+    InvalidArgumentError,
     InvalidTokenError,
     LloyalError,
     LoraError,
@@ -70,6 +71,7 @@ from .params import (
     StopReason,
 )
 from .session import ChatReply, ChatStream, Session
+from .shm import shm_bytes_for
 from .snapshot import Snapshot
 
 __version__ = "0.1.0"
@@ -102,6 +104,7 @@ __all__ = [
     "GrammarError",
     "Instance",
     "InterruptedByClient",
+    "InvalidArgumentError",
     "InvalidTokenError",
     "KVPressure",
     "LloyalError",
@@ -137,6 +140,7 @@ __all__ = [
     "WorkerStartupError",
     "default_model_path",
     "metrics",
+    "shm_bytes_for",
 ]
 
 

@@ -21,7 +21,15 @@ import msgspec
 
 from ._process import WorkerProcess
 from ._recovery import Journal
-from .errors import CallTimeoutError, DeadWorkerError, StaleHandleError, WorkerCrashedError, WorkerError
+from .errors import (
+    BadRequestError,
+    CallTimeoutError,
+    DeadWorkerError,
+    InvalidArgumentError,
+    StaleHandleError,
+    WorkerCrashedError,
+    WorkerError,
+)
 from .protocol import ContextRequest, Request
 
 R = TypeVar("R")
@@ -33,6 +41,9 @@ PromptProgress = Callable[[int, int], None]
 def events(**handlers: Callable[[Any], None] | None) -> Callable[[dict[str, Any]], None] | None:
     """An EVENT handler that passes ``event[key]`` to ``handlers[key]`` for each key it carries."""
     active = {k: fn for k, fn in handlers.items() if fn is not None}
+    for key, fn in active.items():
+        if not callable(fn):  # it would only fail on the reader thread, where nobody sees it
+            raise BadRequestError(f"the {key} callback must be callable, got {type(fn).__name__}")
     if not active:
         return None
 
@@ -48,6 +59,8 @@ def spread_progress(progress: PromptProgress | None) -> Callable[[Any], None] | 
     """A prompt_progress event's (done, total) pair as the two arguments of progress."""
     if progress is None:
         return None
+    if not callable(progress):
+        raise BadRequestError(f"progress must be callable, got {type(progress).__name__}")
     return lambda pair: progress(int(pair[0]), int(pair[1]))
 
 
@@ -64,7 +77,7 @@ def wait(fut: Future[R], timeout: float | None, stop: Callable[[], None] | None 
     if timeout is None:
         return fut.result()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise ValueError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
+        raise InvalidArgumentError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
     try:
         return fut.result(timeout)
     except TimeoutError:

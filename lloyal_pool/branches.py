@@ -27,8 +27,18 @@ from . import metrics
 from . import protocol as p
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress
-from .errors import BranchError, LloyalError, StaleHandleError
-from .params import BranchInfo, Grammar, KVPressure, SamplerParams
+from .errors import BadRequestError, BranchError, InvalidArgumentError, LloyalError, StaleHandleError
+from .params import (
+    BranchInfo,
+    Grammar,
+    KVPressure,
+    SamplerParams,
+    logit_bias_pairs,
+    token_id,
+    token_ids,
+    whole,
+    wire_prompt,
+)
 
 GrammarLike = str | Grammar | None
 
@@ -228,7 +238,7 @@ class Branch:
 
     def reseed_sampler(self, seed: int) -> None:
         """Reseeds the final draw (greedy chains have none and are left alone)."""
-        self._call(p.BranchReseed(context=self._ctx, branch=self._live(), seed=int(seed)))
+        self._call(p.BranchReseed(context=self._ctx, branch=self._live(), seed=whole(seed, "seed")))
 
     def set_grammar(self, grammar: GrammarLike) -> None:
         """GBNF text, a Grammar (JSON schema, lazy triggers), or None to remove. Invalid grammars raise
@@ -237,7 +247,7 @@ class Branch:
 
     def set_logit_bias(self, bias: Mapping[int, float] | None) -> None:
         """Added to the logits before sampling (-inf bans a token); None or {} clears it."""
-        pairs = None if not bias else [(int(t), float(b)) for t, b in bias.items()]
+        pairs = None if bias is None else logit_bias_pairs(bias, self.store.n_vocab) or None
         self._call(p.BranchSetLogitBias(context=self._ctx, branch=self._live(), bias=pairs))
 
     def clear_logit_bias(self) -> None:
@@ -249,24 +259,41 @@ class Branch:
     def logits(self) -> np.ndarray:
         """The logits the next token is sampled from (n_vocab float32): a read-only view of shared memory,
         no copy and no round trip. It follows the branch (each commit rewrites it) and is valid while the
-        branch lives; copy it to keep it."""
+        branch lives; copy it to keep it. StaleHandleError once the branch, its context or its model is
+        released or its worker gone; a view taken before cannot be revoked and may then show another
+        branch's logits, so it must not be read after the release."""
         self._live()
         return self.store._link.proc.region.floats(self._logits_offset, self.store.n_vocab)
 
     def logits_at(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The logits of the given token ids (a float32 copy), read locally like ``logits``."""
-        return np.array(self.logits[np.asarray(tokens, dtype=np.int64)], dtype=np.float32)
+        """The logits of the given token ids (a float32 copy), read locally like ``logits``.
+        InvalidTokenError for an id outside [0, n_vocab) (a negative one would count from the end)."""
+        return np.array(self.logits[token_ids(tokens, self.store.n_vocab)], dtype=np.float32)
 
     def set_logits(self, logits: np.ndarray | Sequence[float]) -> None:
-        """Replaces the logits the next token is sampled from with ``logits`` (n_vocab floats; ValueError
-        for another shape): steer sampling with logits computed here."""
-        arr = np.ascontiguousarray(logits, dtype=np.float32)
+        """Replaces the logits the next token is sampled from with ``logits`` (n_vocab floats): steer
+        sampling with logits computed here. -inf bans a token (as a grammar or a logit bias of -inf
+        does); NaN and +inf, which would turn the distribution into NaNs, raise InvalidArgumentError, as
+        does another shape, and the branch keeps its logits."""
+        try:
+            with np.errstate(over="ignore"):  # a float64 past float32's range becomes inf: refused below
+                arr = np.ascontiguousarray(logits, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise BadRequestError(f"logits must be n_vocab floats: {exc}") from None
         if arr.shape != (self.store.n_vocab,):
-            raise ValueError(f"logits must have shape ({self.store.n_vocab},), got {arr.shape}")
+            raise InvalidArgumentError(f"logits must have shape ({self.store.n_vocab},), got {arr.shape}")
+        _check_logits(arr)
         self._call(p.BranchSetLogits(context=self._ctx, branch=self._live(), logits=arr.tobytes()))
 
     def merge_logits(self, experts: Sequence[Branch], alpha: float) -> None:
-        """self.logits += alpha * sum(expert.logits), in the worker (contrastive / DExperts decoding)."""
+        """self.logits += alpha * sum(expert.logits), in the worker (contrastive / DExperts decoding).
+        A token that this branch or an expert bans (-inf) stays banned, whatever alpha; a sum that
+        overflows float32 is clamped to its largest value. InvalidArgumentError for an alpha that is not
+        finite."""
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating, np.integer)):
+            raise BadRequestError(f"alpha must be a number, got {type(alpha).__name__}")
+        if not np.isfinite(alpha):
+            raise InvalidArgumentError(f"alpha must be finite, got {alpha}")
         self._call(p.BranchMergeLogits(context=self._ctx, branch=self._live(),
                                        experts=[self.store._own(e) for e in experts], alpha=float(alpha)))
 
@@ -279,6 +306,15 @@ class Branch:
         """metrics.surprisal of token under this branch's logits (or the ``logits`` given, e.g. a copy
         taken before a commit), computed here with no round trip."""
         return metrics.surprisal(self.logits if logits is None else logits, token, base)
+
+
+def _check_logits(arr: np.ndarray) -> None:
+    """NaN or +inf anywhere in a logits row would make the sampler's distribution NaN."""
+    if not np.isfinite(arr).all():
+        bad = arr[np.isnan(arr) | (arr == np.inf)]
+        if bad.size:
+            raise InvalidArgumentError(f"logits must be finite, or -inf to ban a token; got {bad.size} value(s) "
+                                       f"that are NaN or +inf")
 
 
 class BranchStore:
@@ -324,6 +360,8 @@ class BranchStore:
         return self._branches.get(handle)
 
     def _own(self, branch: Branch) -> int:
+        if not isinstance(branch, Branch):
+            raise BadRequestError(f"expected a Branch, got {type(branch).__name__}")
         if branch.store is not self:
             raise BranchError(f"{branch!r} belongs to another context")
         return branch._live()
@@ -381,16 +419,15 @@ class BranchStore:
               **overrides: object) -> Branch:
         """A root branch over an existing sequence (a detached branch's, or one loaded with kv.load): it
         continues at pos_max + 1. It has no logits until its next prefill or commit."""
-        req = p.BranchAdopt(context=self._link.handle, seq=int(seq),
+        req = p.BranchAdopt(context=self._link.handle, seq=whole(seq, "seq"),
                             params=SamplerParams.of(params, overrides).to_wire(), grammar=_grammar_wire(grammar))
         return self._register(self._link.call(req).result())
 
-    @staticmethod
-    def _wire_prompt(prompt: Sequence[int] | str | None) -> str | list[int]:
+    def _wire_prompt(self, prompt: Sequence[int] | str | None) -> str | list[int]:
         # Text is tokenized by the worker, in the same request: no extra round trip.
         if prompt is None:
             return []
-        return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        return wire_prompt(prompt, self.n_vocab)
 
     # -- batched operations ---------------------------------------------------------------------------
     def produce(self, branches: Sequence[Branch]) -> list[Produced]:
@@ -406,7 +443,7 @@ class BranchStore:
 
     def commit_async(self, pairs: Iterable[tuple[Branch, int]]) -> Future[float]:
         """commit() without waiting: a Future of the ms spent decoding."""
-        req = p.Commit(context=self._link.handle, pairs=[(self._own(b), int(t)) for b, t in pairs])
+        req = p.Commit(context=self._link.handle, pairs=[(self._own(b), token_id(t, self.n_vocab)) for b, t in pairs])
         return mapped(self._link.call(req), self._decoded)
 
     def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
@@ -465,29 +502,30 @@ class KV:
 
     def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """dst gets src's cells in [p0, p1) (p1 -1: to the end); shared, not copied."""
-        self._call(p.KvCopy(context=self._ctx, src=int(src), dst=int(dst), p0=int(p0), p1=int(p1)))
+        self._call(p.KvCopy(context=self._ctx, src=whole(src, "src"), dst=whole(dst, "dst"), p0=whole(p0, "p0"),
+                            p1=whole(p1, "p1")))
 
     def keep(self, seq: int) -> None:
         """Removes every sequence but seq from the cache (llama_memory_seq_keep). BranchError while
         branches live (BranchStore.retain_only keeps one branch)."""
-        self._call(p.KvKeep(context=self._ctx, seq=int(seq)))
+        self._call(p.KvKeep(context=self._ctx, seq=whole(seq, "seq")))
 
     def remove(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
         """Removes seq's cells in [p0, p1) (p1 -1: to the end). False when the cache cannot remove that
         part of a sequence (llama_memory_seq_rm), else True."""
-        return self._call(p.KvRemove(context=self._ctx, seq=int(seq), p0=int(p0), p1=int(p1)))
+        return self._call(p.KvRemove(context=self._ctx, seq=whole(seq, "seq"), p0=whole(p0, "p0"), p1=whole(p1, "p1")))
 
     def pos_min(self, seq: int) -> int:
         """First position in seq, -1 when it is empty."""
-        return self._call(p.KvPosMin(context=self._ctx, seq=int(seq)))
+        return self._call(p.KvPosMin(context=self._ctx, seq=whole(seq, "seq")))
 
     def pos_max(self, seq: int) -> int:
         """Last position in seq, -1 when it is empty."""
-        return self._call(p.KvPosMax(context=self._ctx, seq=int(seq)))
+        return self._call(p.KvPosMax(context=self._ctx, seq=whole(seq, "seq")))
 
     def free(self, seq: int) -> None:
         """Removes a detached sequence's cells and returns its id to the lease pool."""
-        self._call(p.KvFree(context=self._ctx, seq=int(seq)))
+        self._call(p.KvFree(context=self._ctx, seq=whole(seq, "seq")))
 
     def clear(self) -> None:
         """Empties the whole cache (every branch is released), like Context.reset()."""
@@ -500,18 +538,18 @@ class KV:
 
     def state_size(self, seq: int) -> int:
         """Bytes that save(seq) would return (llama_state_seq_get_size)."""
-        return self._call(p.StateSeqSize(context=self._ctx, seq=int(seq)))
+        return self._call(p.StateSeqSize(context=self._ctx, seq=whole(seq, "seq")))
 
     def save(self, seq: int) -> bytes:
         """seq's KV state (llama_state_seq_get_data): that sequence only, never the whole context.
         ContextError for an empty sequence, or a state larger than one protocol frame (use save_file)."""
-        return self._call(p.StateSeqGet(context=self._ctx, seq=int(seq)))
+        return self._call(p.StateSeqGet(context=self._ctx, seq=whole(seq, "seq")))
 
     def load(self, seq: int, data: bytes) -> int:
         """Loads a state from save() into seq, which must be a detached sequence or the empty sequence of a
         new branch (that branch then continues after it; BranchError otherwise). Returns the bytes read.
         ContextError for a state of another model or one that does not fit."""
-        loaded = self._call(p.StateSeqSet(context=self._ctx, seq=int(seq), data=bytes(data)))
+        loaded = self._call(p.StateSeqSet(context=self._ctx, seq=whole(seq, "seq"), data=bytes(data)))
         self._branches._update(loaded.states)
         return loaded.n_bytes
 
@@ -519,12 +557,13 @@ class KV:
         """Writes seq's KV state to a file on the worker's machine, with ``tokens`` (e.g. the ones it
         holds) stored beside it for load_file to return. Returns the bytes written. ContextError for an
         empty sequence or a file that cannot be written. Unlike save(), not limited by the frame size."""
-        return self._call(p.StateSeqSaveFile(context=self._ctx, seq=int(seq), path=os.path.abspath(os.fspath(path)),
-                                             tokens=[int(t) for t in tokens]))
+        return self._call(p.StateSeqSaveFile(context=self._ctx, seq=whole(seq, "seq"),
+                                             path=os.path.abspath(os.fspath(path)), tokens=token_ids(tokens)))
 
     def load_file(self, seq: int, path: str | os.PathLike[str]) -> list[int]:
         """Loads seq from a file written by save_file and returns the tokens saved with it."""
-        loaded = self._call(p.StateSeqLoadFile(context=self._ctx, seq=int(seq), path=os.path.abspath(os.fspath(path))))
+        loaded = self._call(p.StateSeqLoadFile(context=self._ctx, seq=whole(seq, "seq"),
+                                               path=os.path.abspath(os.fspath(path))))
         self._branches._update(loaded.states)
         return loaded.tokens
 

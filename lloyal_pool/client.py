@@ -30,13 +30,16 @@ import msgspec
 import numpy as np
 
 from . import protocol as p
+from ._files import irregular_path
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, events, spread_progress, wait
 from ._process import HangWatch, TempRoot, WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import TOOL_CHOICES, ChatMessage
 from .errors import (
+    BadRequestError,
     CallTimeoutError,
+    InvalidArgumentError,
     LloyalError,
     LoraError,
     ModelLoadError,
@@ -55,15 +58,21 @@ from .params import (
     Result,
     SamplerParams,
     Score,
+    token_id,
+    token_ids,
+    whole,
+    wire_prompt,
 )
 from .protocol import Request
-from .shm import DEFAULT_SIZE
+from .shm import DEFAULT_SIZE, check_size
 
 if TYPE_CHECKING:
     from .session import Session
     from .snapshot import Snapshot
 
 log = logging.getLogger("lloyal_pool")
+#: The most threads a context takes (ggml's GGML_MAX_N_THREADS).
+MAX_THREADS = 512
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
 R = TypeVar("R")
@@ -164,11 +173,14 @@ class Instance:
                          vocab_only: bool = False, progress: ProgressCallback | None = None) -> Future[Model]:
         """load_model() without waiting: a Future of the Model."""
         abspath = os.path.abspath(os.fspath(path))
+        why = irregular_path(abspath)
+        if why is not None:  # the worker refuses it too; here it costs no round trip
+            raise ModelLoadError(f"cannot load a model: {why}")
         allowed = self._proc.options.allowed_dirs
         if allowed is not None and self._proc.options.sandbox and not _beneath(abspath, allowed):
             raise ModelLoadError(f"{abspath} is outside the pool's allowed_dirs {list(allowed)}: the worker "
                                  "may not read it (Pool(allowed_dirs=...))")
-        req = p.LoadModel(path=abspath, n_gpu_layers=int(n_gpu_layers), use_mmap=bool(use_mmap),
+        req = p.LoadModel(path=abspath, n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
         failed: list[BaseException] = []
 
@@ -217,7 +229,7 @@ class Instance:
 
 def _tool_choice(choice: str) -> str:
     if choice not in TOOL_CHOICES:
-        raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {choice!r}")
+        raise InvalidArgumentError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {choice!r}")
     return choice
 
 
@@ -249,6 +261,9 @@ class Model:
         self.info = info
         self.path = path
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # freed with the model
+        # ... and their links, which outlive a collected Context as long as one of its Branches lives:
+        # such a branch must go stale with the model too (its logits block is freed).
+        self._links: weakref.WeakSet[ContextLink] = weakref.WeakSet()
         self._loras: weakref.WeakSet[LoraAdapter] = weakref.WeakSet()  # freed with the model too
         instance._models.add(self)
 
@@ -295,12 +310,12 @@ class Model:
         adds them);
         ``unparse_special`` renders control tokens as their text instead of leaving them out. Bytes
         that are not valid UTF-8 become U+FFFD. InvalidTokenError for an id outside [0, n_vocab)."""
-        return self._call(p.Detokenize(model=self._handle, tokens=[int(t) for t in tokens],
+        return self._call(p.Detokenize(model=self._handle, tokens=token_ids(tokens, self.n_vocab),
                                        remove_special=remove_special, unparse_special=unparse_special))
 
     def token_to_piece(self, token: int, *, special: bool = True) -> bytes:
         """Raw bytes: one token may be part of a multi-byte UTF-8 character."""
-        return self._call(p.TokenToPiece(model=self._handle, token=int(token), special=special))
+        return self._call(p.TokenToPiece(model=self._handle, token=token_id(token, self.n_vocab), special=special))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template: str | None = None,
                             add_generation_prompt: bool = True,
@@ -312,6 +327,12 @@ class Model:
         definitions) are rendered where the template places them. TemplateError when the model has no
         template and none is given, or the template does not parse or render; ValueError for an unknown
         format name."""
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise BadRequestError(f"messages is a list of {{'role': ..., 'content': ...}} mappings, got "
+                                  f"{type(messages).__name__}")
+        if not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            raise BadRequestError("each message is a mapping with a str 'role' and a str 'content'")
         pairs = [(m["role"], m["content"]) for m in messages]
         return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
                                               add_generation_prompt=add_generation_prompt,
@@ -342,12 +363,19 @@ class Model:
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
-        ContextParams fields (``model.new_context(n_ctx=2048)``). ContextError for invalid parameters, a
-        context llama.cpp cannot create, or a worker that already holds 512 contexts. Free it with
-        Context.close(); the model's close() frees it too."""
+        ContextParams fields (``model.new_context(n_ctx=2048)``; BadRequestError for a name that is not
+        one). ContextError for invalid parameters, a context llama.cpp cannot create, a worker that
+        already holds 512 contexts, or a shared-memory region with no room for the context's logits row
+        (n_vocab * 4 bytes: the message names the shm_bytes that holds one more; see shm_bytes_for). Free
+        it with Context.close(); the model's close() frees it too."""
+        if params is not None and not isinstance(params, ContextParams):
+            raise BadRequestError(f"params is a ContextParams, got {type(params).__name__}")
         if overrides:
-            from dataclasses import replace
+            from dataclasses import fields, replace
 
+            unknown = set(overrides) - {f.name for f in fields(ContextParams)}
+            if unknown:
+                raise BadRequestError(f"unknown ContextParams field(s): {', '.join(sorted(unknown))}")
             params = replace(params or ContextParams(), **overrides)
         params = params or ContextParams()
         ctx = Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
@@ -360,6 +388,9 @@ class Model:
         (Context.set_lora); it is freed by close() or with the model. LoraError for a missing file, a file
         that is not a LoRA adapter GGUF, or an adapter for another architecture or other tensor shapes."""
         abspath = os.path.abspath(os.fspath(path))
+        why = irregular_path(abspath)
+        if why is not None:
+            raise LoraError(f"cannot load a LoRA adapter: {why}")
         loaded = self._call(p.LoadLora(model=self._handle, path=abspath))
         adapter = LoraAdapter(self, loaded.lora, abspath, loaded.alpha, loaded.meta)
         self._loras.add(adapter)
@@ -373,6 +404,8 @@ class Model:
         self._closed = True
         for ctx in list(self._contexts):
             ctx._forget()  # the worker frees them with the model: their handles go stale here too
+        for link in list(self._links):
+            link.closed = True
         for adapter in list(self._loras):
             adapter._closed = True
         if self._proc.alive:
@@ -434,7 +467,7 @@ class Stream:
         self.future: Future[Result]
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout >= 0):
-            raise ValueError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
+            raise InvalidArgumentError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
         self._timed_out: CallTimeoutError | None = None
@@ -539,6 +572,7 @@ class Context:
         self._embed_lock = threading.Lock()
         self._logits_offset = desc.logits_offset
         self._link = ContextLink(self._proc, desc.context, desc.interrupt_slot)
+        model._links.add(self._link)
         self.branches = BranchStore(self._link, model.n_vocab)
         self.kv = KV(self._link, self.branches)
         self._lora: list[tuple[LoraAdapter, float]] = []
@@ -649,23 +683,25 @@ class Context:
         wire_draft: str | int
         if isinstance(draft, Context):
             if draft._proc is not self._proc:
-                raise ValueError("the draft context must live in the same worker (Instance) as the target")
+                raise InvalidArgumentError("the draft context must live in the same worker (Instance) as the target")
             if draft.closed:
                 raise StaleHandleError(f"draft context handle {draft.handle} was closed")
             wire_draft = draft.handle
         elif draft == "ngram":
             wire_draft = draft
         else:
-            raise ValueError(f'draft must be "ngram" or a Context, got {draft!r}')
-        req = p.GenerateWithDraft(context=self.handle, prompt=_wire_prompt(prompt),
+            raise InvalidArgumentError(f'draft must be "ngram" or a Context, got {draft!r}')
+        req = p.GenerateWithDraft(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab),
                                   params=GenerateParams.of(params, overrides).to_wire(), draft=wire_draft,
-                                  n_draft=int(n_draft), ngram_min=int(ngram_min), ngram_max=int(ngram_max),
+                                  n_draft=whole(n_draft, "n_draft"),
+                                  ngram_min=whole(ngram_min, "ngram_min"), ngram_max=whole(ngram_max, "ngram_max"),
                                   stream=on_piece is not None, append=bool(append), progress=progress is not None)
         return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
 
     def _generate_request(self, prompt: str | Sequence[int], params: GenerateParams, stream: bool, append: bool,
                           progress: bool) -> p.Generate:
-        return p.Generate(context=self.handle, prompt=_wire_prompt(prompt), params=params.to_wire(), stream=stream,
+        return p.Generate(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab), params=params.to_wire(),
+                          stream=stream,
                           append=bool(append), progress=progress)
 
     def eval(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
@@ -680,11 +716,12 @@ class Context:
     def eval_async(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
                    parse_special: bool = True, progress: PromptProgress | None = None) -> Future[EvalResult]:
         """eval() without waiting: a Future of the EvalResult."""
-        if isinstance(prompt, str):
-            req = p.Eval(context=self.handle, text=prompt, add_special=add_special, parse_special=parse_special,
+        wire = wire_prompt(prompt, self.model.n_vocab)
+        if isinstance(wire, str):
+            req = p.Eval(context=self.handle, text=wire, add_special=add_special, parse_special=parse_special,
                          progress=progress is not None)
         else:
-            req = p.Eval(context=self.handle, tokens=[int(t) for t in prompt], progress=progress is not None)
+            req = p.Eval(context=self.handle, tokens=wire, progress=progress is not None)
         return self._link.call(req, events(prompt_progress=spread_progress(progress)))
 
     def interrupt(self) -> None:
@@ -717,11 +754,13 @@ class Context:
         of 2-D arrays. normalize scales every vector to L2 norm 1. The arrays are copies: nothing refers
         to the worker's shared memory afterwards. ResultTooLargeError when the vectors of one call do not
         fit the worker's shared memory (nothing is computed): embed fewer texts at a time."""
+        if isinstance(texts, (bytes, bytearray, memoryview)) or not isinstance(texts, (Sequence, np.ndarray)):
+            raise BadRequestError(f"embed takes a text, token ids or a list of them, got {type(texts).__name__}")
         single = isinstance(texts, str) or (len(texts) > 0 and all(_is_int(t) for t in texts))
         items = [cast("str | Sequence[int]", texts)] if single else list(cast("Sequence[str | Sequence[int]]", texts))
         if not items:
-            raise ValueError("embed needs at least one text")
-        wire = [t if isinstance(t, str) else [int(x) for x in t] for t in items]
+            raise InvalidArgumentError("embed needs at least one text")
+        wire = [wire_prompt(t, self.model.n_vocab) for t in items]
         with self._embed_lock:
             at = self._link.call(p.Embed(context=self.handle, inputs=wire, normalize=bool(normalize))).result()
             flat = self._proc.region.floats(at.offset, sum(at.rows) * at.width).copy()
@@ -744,7 +783,7 @@ class Context:
         ``prompt`` with its {document} filled in (the prompt ends with {query}), which is <= 0: how well
         the document predicts the query."""
         if isinstance(documents, str):
-            raise TypeError("documents must be a list of str, not a str")
+            raise BadRequestError("documents must be a list of str, not a str")
         req = p.Rerank(context=self.handle, query=query, documents=list(documents), prompt=prompt)
         with self._embed_lock:
             return self._link.call(req).result()
@@ -781,7 +820,7 @@ class Context:
         for item in adapters:
             adapter, scale = item
             if not isinstance(adapter, LoraAdapter):
-                raise TypeError(f"set_lora takes (LoraAdapter, scale) pairs, got {type(adapter).__name__}")
+                raise BadRequestError(f"set_lora takes (LoraAdapter, scale) pairs, got {type(adapter).__name__}")
             if adapter.closed:
                 raise StaleHandleError(f"{adapter!r} was closed")
             if adapter.model._proc is not self._proc:
@@ -814,6 +853,8 @@ class Context:
         that are not a state (garbage, truncated, corrupted) or one of another model,
         ContextOverflowError for a state longer than n_ctx: then the context is left as it was. With
         Pool(recover=True) the state is also the context's checkpoint."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise BadRequestError(f"a state is bytes (from save_state), got {type(data).__name__}")
         marks: list[int] = []
         journal = self._link.journal
         with self._proc.transfer() as f:
@@ -861,7 +902,7 @@ class Context:
 
     def score_async(self, text: str | Sequence[int]) -> Future[Score]:
         """score() without waiting: a Future of the Score."""
-        wire: str | list[int] = text if isinstance(text, str) else [int(t) for t in text]
+        wire = wire_prompt(text, self.model.n_vocab)
         return self._link.call(p.ScoreText(context=self.handle, text=wire))
 
     def score_choices(self, choices: Sequence[str | Sequence[int]], *,
@@ -876,8 +917,8 @@ class Context:
     def score_choices_async(self, choices: Sequence[str | Sequence[int]]) -> Future[list[Score]]:
         """score_choices() without waiting: a Future of the list of Scores."""
         if isinstance(choices, str):
-            raise TypeError("choices must be a list of texts or token lists, not one str")
-        wire: list[str | list[int]] = [c if isinstance(c, str) else [int(t) for t in c] for c in choices]
+            raise BadRequestError("choices must be a list of texts or token lists, not one str")
+        wire = [wire_prompt(c, self.model.n_vocab) for c in choices]
         return self._link.call(p.ScoreChoices(context=self.handle, choices=wire))
 
     # -- branches -------------------------------------------------------------------------------------
@@ -893,7 +934,8 @@ class Context:
         position 0, then tail, into the context's only branch, which keeps its handle, sampler, grammar
         and perplexity; its position becomes len(sinks) + len(tail). Returns the ms spent decoding."""
         return self.branches._decoded(self._link.call(p.ClearAndReseed(
-            context=self.handle, sinks=[int(t) for t in sinks], tail=[int(t) for t in tail])).result())
+            context=self.handle, sinks=token_ids(sinks, self.model.n_vocab, "sinks"),
+            tail=token_ids(tail, self.model.n_vocab, "tail"))).result())
 
     @property
     def closed(self) -> bool:
@@ -916,12 +958,18 @@ class Context:
             self._proc.call(p.FreeContext(context=self.handle)).result()
 
 
-def _wire_prompt(prompt: str | Sequence[int]) -> str | list[int]:
-    return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
-
-
 def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_options(size: int, shm_bytes: object, shm_backend: str, threads_per_worker: object) -> None:
+    """Pool options that would otherwise be taken silently (a negative thread count) or bring on the OOM
+    killer (a region larger than the machine holds)."""
+    if threads_per_worker is not None and (isinstance(threads_per_worker, bool) or not isinstance(
+            threads_per_worker, int) or not 1 <= threads_per_worker <= MAX_THREADS):
+        raise InvalidArgumentError(f"threads_per_worker must be an int in [1, {MAX_THREADS}] or None (the CPUs "
+                                   f"shared among the workers), got {threads_per_worker!r}")
+    check_size(shm_bytes, shm_backend, size)
 
 
 def _close_procs(procs: list[WorkerProcess], timeout: float, watch: HangWatch | None = None,
@@ -983,14 +1031,17 @@ class Pool:
 
     ``variant``: the native build ("cpu", "cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else
     "cpu"), falling back to CPU unless ``strict_variant``. ``shm_bytes``: each worker's shared-memory
-    region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"). ``memory_limit``: a
+    region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"), a row of n_vocab * 4
+    bytes per context and per branch (lloyal_pool.shm_bytes_for), allocated up front: at least 12 KiB,
+    and for all workers together no more than the machine has available (InvalidArgumentError). ``memory_limit``: a
     cap in bytes on a worker's data (RLIMIT_DATA), so that it fails an allocation instead of growing (a
     context that does not fit raises ContextError naming memory_limit). ``start_timeout``: seconds a
     worker has for its handshake. ``env``: a worker's whole environment, empty by default (the interpreter
     needs none of ours); a value of None passes our value of that variable through, if we have one
     (e.g. ``env={"CUDA_VISIBLE_DEVICES": None}``). ``native_log_level``:
     the llama.cpp messages forwarded to the ``lloyal_pool.worker.<id>`` loggers ("debug" ... "none").
-    ``threads_per_worker``: a context's default n_threads (default: the CPUs shared among the workers).
+    ``threads_per_worker``: a context's default n_threads, 1 to 512 (default: the CPUs shared among the
+    workers).
     ``hang_timeout``: seconds a worker with calls waiting may show no sign of life (its heartbeat, which
     it advances at every interrupt check of its decode and sampling loops and at every request) before
     the pool kills it and fails its calls with WorkerHungError; None turns the watch off. A single native
@@ -1017,17 +1068,18 @@ class Pool:
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
                  sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False) -> None:
         if size < 1:
-            raise ValueError(f"a Pool needs at least one worker, got size={size}")
+            raise InvalidArgumentError(f"a Pool needs at least one worker, got size={size}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
                 hang_timeout, (int, float)) or not hang_timeout > 0):
-            raise ValueError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")
+            raise InvalidArgumentError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")
         for name, value in (env or {}).items():
             if not isinstance(name, str) or not name or "=" in name or "\0" in name:
                 raise ValueError(f"env: {name!r} is not an environment variable name")
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise TypeError(f"env[{name!r}] must be a str, or None to pass ours through; got {value!r}")
         if memory_limit is not None and memory_limit <= 0:
-            raise ValueError(f"memory_limit is a positive number of bytes, got {memory_limit}")
+            raise InvalidArgumentError(f"memory_limit is a positive number of bytes, got {memory_limit}")
+        _check_options(size, shm_bytes, shm_backend, threads_per_worker)
         if threads_per_worker is None:
             # Workers that together ask for more threads than there are CPUs make llama.cpp's spinning
             # thread barriers stall each other (10x slower on a loaded 2-core machine): share the CPUs.

@@ -4,7 +4,8 @@
     ├── RemoteError               an unexpected exception inside a worker (remote traceback attached)
     ├── ModelLoadError            missing/unreadable/invalid GGUF
     ├── ContextError              invalid context parameters, context creation failed
-    ├── InvalidTokenError         a token id outside [0, n_vocab)
+    ├── InvalidTokenError         a token id outside [0, n_vocab), or one that is not an integer
+    ├── InvalidArgumentError      a value out of its range (NaN logits, a negative shm_bytes, ...)
     ├── ContextOverflowError      the tokens do not fit in the context window
     ├── GrammarError              a GBNF grammar or JSON schema that does not parse
     ├── DecodeError               llama_decode failed (KV full, compute error)
@@ -66,8 +67,16 @@ class ContextError(LloyalError):
 
 
 class InvalidTokenError(LloyalError, ValueError):
-    """A token id outside [0, n_vocab), in a prompt, a commit or anything else that takes token ids. It
-    is checked before anything is decoded: the context is unchanged."""
+    """A token id outside [0, n_vocab), or one that is not an integer (a float such as 818.9, a bool, a
+    str), in a prompt, a commit, a logit bias or anything else that takes token ids. It is checked before
+    anything is decoded: the context is unchanged."""
+
+
+class InvalidArgumentError(LloyalError, ValueError):
+    """A value that cannot be taken, refused where it enters, before anything is sent or changed: a
+    logit that is NaN or +inf (``set_logits``; -inf, which bans a token, is allowed), a logit bias that is
+    NaN or +inf, a sampler parameter out of its range, a ``Pool`` option out of range (``shm_bytes``,
+    ``threads_per_worker``). The option's name is in the message."""
 
 
 class ContextOverflowError(LloyalError):
@@ -142,7 +151,9 @@ class ProtocolError(LloyalError):
 
 class BadRequestError(ProtocolError, TypeError):
     """A request the worker cannot take: an unknown operation, an unknown or missing field, or a field of
-    the wrong type (protocol.parse_request). It fails that request only; the worker goes on serving."""
+    the wrong type (protocol.parse_request). It fails that request only; the worker goes on serving. The
+    client raises it too, before sending, for an argument of the wrong type: a ``bytes`` prompt (decode
+    it to text first), a logit bias that is not a mapping, a prompt that is neither text nor token ids."""
 
 
 class PoolClosedError(LloyalError):
@@ -287,8 +298,9 @@ class _RemoteTraceback(Exception):
 
 __all__ = [
     "BadRequestError", "BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError",
-    "DeadWorkerError", "DecodeError", "GrammarError", "InterruptedByClient", "InvalidTokenError", "LloyalError",
-    "LoraError", "ModelLoadError", "PoolClosedError", "ProtocolError", "RemoteError", "ResultTooLargeError",
-    "SnapshotError", "StaleHandleError", "StateError", "TemplateError", "WorkerCrashedError", "WorkerError",
-    "WorkerHungError", "WorkerStartupError", "describe_exit", "error_class", "rebuild",
+    "DeadWorkerError", "DecodeError", "GrammarError", "InterruptedByClient", "InvalidArgumentError",
+    "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError", "ProtocolError",
+    "RemoteError", "ResultTooLargeError", "SnapshotError", "StaleHandleError", "StateError", "TemplateError",
+    "WorkerCrashedError", "WorkerError", "WorkerHungError", "WorkerStartupError", "describe_exit", "error_class",
+    "rebuild",
 ]

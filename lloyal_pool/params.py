@@ -12,11 +12,16 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Mapping, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
+
+from .errors import BadRequestError, ContextError, GrammarError, InvalidArgumentError, InvalidTokenError
 
 #: The largest seed SamplerParams takes: llama.cpp reads 0xFFFFFFFF as "pick a random seed".
 MAX_SEED = 0xFFFFFFFE
@@ -34,6 +39,88 @@ class StopReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
     INTERRUPTED = "interrupted"
+
+
+#: Token ids are 32-bit (llama_token): no vocabulary reaches this, whatever the model.
+TOKEN_ID_LIMIT = 2**31
+
+
+def token_id(value: object, n_vocab: int | None = None, what: str = "token id") -> int:
+    """``value`` as a token id: an int (Python or numpy, not a bool) in [0, n_vocab), or [0, 2**31)
+    when the vocabulary is not known here. InvalidTokenError otherwise: a float such as 818.9 is refused,
+    never truncated."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidTokenError(f"a {what} is an integer, got {value!r} ({type(value).__name__})")
+    t = int(value)
+    limit = TOKEN_ID_LIMIT if n_vocab is None else n_vocab
+    if not 0 <= t < limit:
+        raise InvalidTokenError(f"{what} {t} is outside [0, {limit})" + (" (the model's n_vocab)" if n_vocab else ""))
+    return t
+
+
+def token_ids(values: object, n_vocab: int | None = None, what: str = "token ids") -> list[int]:
+    """``values`` (a sequence or iterable of ints, or a 1-D integer numpy array) as a list of token ids,
+    each checked as token_id() does. BadRequestError for something that is not a sequence of ids (a str,
+    bytes, a mapping, a set, a number); InvalidTokenError for an element that is not an id."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise BadRequestError(f"{what} must be a 1-D array, got shape {values.shape}")
+        if values.dtype.kind not in "iu":
+            raise InvalidTokenError(f"{what} are integers, got an array of {values.dtype}")
+        out: list[int] = values.tolist()
+    elif (isinstance(values, (str, bytes, bytearray, memoryview, Mapping, AbstractSet))
+          or not isinstance(values, Iterable)):
+        raise BadRequestError(f"{what} must be a sequence of ints, got {type(values).__name__}")
+    else:
+        out = list(values)
+        if not all(type(t) is int for t in out):  # the common case costs one pass
+            out = [token_id(t, n_vocab, f"{what[:-1] if what.endswith('s') else what} (at index {i})")
+                   for i, t in enumerate(out)]
+    limit = TOKEN_ID_LIMIT if n_vocab is None else n_vocab
+    if out and (min(out) < 0 or max(out) >= limit):
+        i = next(i for i, t in enumerate(out) if not 0 <= t < limit)
+        token_id(out[i], n_vocab, f"{what[:-1] if what.endswith('s') else what} (at index {i})")
+    return out
+
+
+def whole(value: object, name: str) -> int:
+    """``value`` as an int argument (a sequence id, a position, a count, a seed): a Python or numpy
+    integer, not a bool, never a float truncated. BadRequestError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BadRequestError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def wire_prompt(prompt: object, n_vocab: int | None = None) -> str | list[int]:
+    """A prompt as a request carries it: text as it is, token ids checked (token_ids). BadRequestError for
+    bytes (decode them to text first: bytes are not token ids) and anything else that is neither."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise BadRequestError("a prompt is text (str) or token ids, not bytes: decode it to text first "
+                              "(data.decode('utf-8'))")
+    if prompt is None or not isinstance(prompt, (Iterable, np.ndarray)):
+        raise BadRequestError(f"a prompt is text (str) or a sequence of token ids, got {type(prompt).__name__}")
+    return token_ids(prompt, n_vocab, "prompt token ids")
+
+
+def logit_bias_pairs(bias: object, n_vocab: int | None = None) -> list[tuple[int, float]]:
+    """A logit bias ({token id: bias}) as (token, bias) pairs. BadRequestError for something that is not a
+    mapping or a bias that is not a number, InvalidTokenError for a key that is not a token id,
+    InvalidArgumentError for NaN or +inf (-inf bans the token; +inf would make the distribution NaN)."""
+    if not isinstance(bias, Mapping):
+        raise BadRequestError(f"logit_bias is a mapping of token id -> bias (e.g. {{13: -5.0}}), got "
+                              f"{type(bias).__name__}")
+    out: list[tuple[int, float]] = []
+    for key, value in bias.items():
+        tok = token_id(key, n_vocab, "logit_bias token id")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise BadRequestError(f"logit_bias[{tok}] must be a number, got {value!r} ({type(value).__name__})")
+        b = float(value)
+        if math.isnan(b) or b == math.inf:
+            raise InvalidArgumentError(f"logit_bias[{tok}] must be finite, or -inf to ban the token; got {b}")
+        out.append((tok, b))
+    return out
 
 
 P = TypeVar("P", bound="SamplerParams")
@@ -74,13 +161,13 @@ class SamplerParams:
         # The worker's native code checks every value (ranges included: sampling.hpp declares the fields
         # and their rules once); here only what is cheaper to refuse before a request is sent.
         if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+            raise InvalidArgumentError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
+                raise InvalidArgumentError(f"{name} must be finite, got {value}")
         if isinstance(self.dry_sequence_breakers, str):
-            raise TypeError("dry_sequence_breakers must be a sequence of strings, not a string")
+            raise BadRequestError("dry_sequence_breakers must be a sequence of strings, not a string")
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as the plain dict a request carries to the worker."""
@@ -90,12 +177,15 @@ class SamplerParams:
 
     @classmethod
     def of(cls: type[P], params: P | None, overrides: Mapping[str, Any]) -> P:
-        """params with keyword overrides applied (TypeError for a name that is not a field)."""
+        """params with keyword overrides applied (BadRequestError, a TypeError, for a name that is not a
+        field or params of another class)."""
+        if params is not None and not isinstance(params, cls):
+            raise BadRequestError(f"params is a {cls.__name__}, got {type(params).__name__}")
         if not overrides:
             return params or cls()
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
-            raise TypeError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
+            raise BadRequestError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
         base = {f.name: getattr(params, f.name) for f in fields(params)} if params is not None else {}
         return cls(**{**base, **overrides})
 
@@ -122,15 +212,16 @@ class GenerateParams(SamplerParams):
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.stop, str):
-            raise TypeError("stop must be a sequence of strings, not a string")
+            raise BadRequestError("stop must be a sequence of strings, not a string")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidArgumentError("stop strings must be non-empty")
+        logit_bias_pairs(self.logit_bias)  # refused here, not when the request is built
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as the plain dict a request carries to the worker (the grammar as GBNF text or
         Grammar.to_wire())."""
         out = super().to_wire()
-        out["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+        out["logit_bias"] = dict(logit_bias_pairs(self.logit_bias))
         out["stop"] = list(self.stop)
         out["grammar"] = self.grammar.to_wire() if isinstance(self.grammar, Grammar) else self.grammar
         return out
@@ -155,20 +246,21 @@ class Grammar:
 
     def __post_init__(self) -> None:
         if (self.gbnf is None) == (self.json_schema is None):
-            raise ValueError("a Grammar needs exactly one of gbnf and json_schema")
+            raise GrammarError("a Grammar needs exactly one of gbnf and json_schema")
         for name in ("trigger_words", "trigger_patterns"):
             if isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a sequence of strings, not a string")
+                raise BadRequestError(f"{name} must be a sequence of strings, not a string")
         if self.lazy and not (self.trigger_words or self.trigger_patterns or self.trigger_tokens):
-            raise ValueError("a lazy grammar needs at least one trigger (word, pattern or token)")
+            raise GrammarError("a lazy grammar needs at least one trigger (word, pattern or token)")
         if self.lazy and self.prefill:
-            raise ValueError("a prefill applies to a grammar that is not lazy")
+            raise GrammarError("a prefill applies to a grammar that is not lazy")
+        token_ids(self.trigger_tokens, what="trigger_tokens")
 
     def to_wire(self) -> dict[str, Any]:
         """The grammar as the plain dict a request carries to the worker (a JSON schema as JSON text)."""
         out: dict[str, Any] = {"root": self.root, "lazy": self.lazy, "trigger_words": list(self.trigger_words),
                                "trigger_patterns": list(self.trigger_patterns),
-                               "trigger_tokens": [int(t) for t in self.trigger_tokens]}
+                               "trigger_tokens": token_ids(self.trigger_tokens, what="trigger_tokens")}
         if self.prefill:
             out["prefill"] = self.prefill
         if self.gbnf is not None:
@@ -204,6 +296,11 @@ class ContextParams:
     type_v: str | None = None
     swa_full: bool = True  # full-size sliding-window cache, so any part of a sequence can be removed
     flash_attn: str | None = None  # "auto" | "on" | "off"
+
+    def __post_init__(self) -> None:
+        # None is how the other fields leave a choice to llama.cpp; n_ctx has a value of its own for that (0).
+        if isinstance(self.n_ctx, bool) or not isinstance(self.n_ctx, (int, np.integer)):
+            raise ContextError(f"n_ctx must be an int (0: the model's training length), got {self.n_ctx!r}")
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as the plain dict a request carries to the worker; None values are left out, so

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from . import protocol as p
 from .chat import TOOL_CHOICES, ChatMessage, ToolCall
 from .client import Stream
-from .errors import LloyalError
+from .errors import BadRequestError, InvalidArgumentError, LloyalError
 from .params import GenerateParams, Grammar, Result, StopReason
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Session:
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
                  params: GenerateParams | None = None, **defaults: Any) -> None:
         if tool_choice not in TOOL_CHOICES:
-            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {tool_choice!r}")
+            raise InvalidArgumentError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {tool_choice!r}")
         self.context = context
         self.template = template
         self.tools: list[dict[str, Any]] | None = [dict(t) for t in tools] if tools else None
@@ -131,6 +131,9 @@ class Session:
         """Appends a message without generating: a tool's result (``add("tool", result,
         tool_call_id=call.id)``), or a turn written by hand. ``send(None)`` then generates the reply."""
         self._settle()
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise BadRequestError(f"a message's role and content are str, got {type(role).__name__} and "
+                                  f"{type(content).__name__}")
         self._messages.append({"role": role, "content": content, **fields})
 
     def prompt(self, text: str | None = None) -> str:
@@ -159,6 +162,9 @@ class Session:
 
     # -- internals -----------------------------------------------------------------------------------------
     def _turn(self, text: str | None) -> list[dict[str, Any]]:
+        if text is not None and not isinstance(text, str):
+            raise BadRequestError(f"a turn's text is a str (or None to generate without one), got "
+                                  f"{type(text).__name__}")
         return [{"role": "user", "content": text}] if text is not None else []
 
     def _format(self, turn: list[dict[str, Any]]) -> p.ChatPrompt:
@@ -174,7 +180,7 @@ class Session:
             changes["stop"] = tuple(dict.fromkeys([*gen.stop, *fmt.additional_stops]))
         if fmt.grammar:
             if gen.grammar:
-                raise ValueError("a grammar= cannot apply together with the tool-call grammar of tools=")
+                raise InvalidArgumentError("a grammar= cannot apply together with the tool-call grammar of tools=")
             # Lazy (tool_choice "auto"): free text until the format's tool-call marker. Otherwise the grammar
             # starts with the generation prompt, which the prompt already holds: the grammar accepts it first.
             changes["grammar"] = Grammar(gbnf=fmt.grammar, lazy=fmt.grammar_lazy, trigger_words=fmt.trigger_words,

@@ -383,3 +383,78 @@ def _prefault(buf: mmap.mmap | memoryview | bytearray, size: int) -> None:
     # Touch one byte per page now, so the first logits copy does not pay ~3 us per page in faults.
     arr = np.frombuffer(buf, dtype=np.uint8, count=size)
     arr[::PAGE].sum()
+
+
+#: The smallest region: the header, the interrupt words and one page of bulk area.
+MIN_SIZE = BULK_OFFSET + PAGE
+
+
+def available_memory(backend: str = "auto") -> int | None:
+    """Bytes a new region can take without pushing the machine into its OOM killer (regions are allocated
+    up front): MemAvailable, bounded by the cgroup's memory limit and, for POSIX shared memory, by the
+    free space of /dev/shm. None where none of these can be read."""
+    known: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    known.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                text = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max", or v1's page-rounded LONG_MAX: no limit
+            known.append(max(0, int(text) - usage))
+        break
+    if backend == "posix" or (backend == "auto" and not hasattr(os, "memfd_create")):
+        try:
+            st = os.statvfs("/dev/shm")
+            known.append(st.f_bavail * st.f_frsize)
+        except OSError:
+            pass
+    return min(known) if known else None
+
+
+def check_size(size: object, backend: str = "auto", regions: int = 1) -> int:
+    """``Pool(shm_bytes=size)`` checked: an int of at least MIN_SIZE, and ``regions`` of it within what
+    the machine can hold (available_memory). InvalidArgumentError naming shm_bytes otherwise."""
+    from .errors import InvalidArgumentError
+
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise InvalidArgumentError(f"shm_bytes is a number of bytes (an int), got {size!r}")
+    if size < MIN_SIZE:
+        raise InvalidArgumentError(f"shm_bytes must be at least {MIN_SIZE} (the region's header, its interrupt "
+                                   f"words and one page for logits), got {size}")
+    available = available_memory(backend)
+    if available is not None and size * regions > available:
+        raise InvalidArgumentError(
+            f"shm_bytes={size} for {regions} worker(s) needs {size * regions} bytes of shared memory, allocated up "
+            f"front, and this machine has {available} available: lower shm_bytes (each context takes "
+            f"n_vocab * 4 bytes of it, rounded up to a page)")
+    return size
+
+
+def row_bytes(n_vocab: int) -> int:
+    """The bytes of the region one logits row of a model takes: a context's row, a branch's snapshot (and
+    the rows of an embeddings result are packed the same way, n_embd floats each)."""
+    return _round_up(n_vocab * 4, PAGE)
+
+
+def shm_bytes_for(n_vocab: int, rows: int) -> int:
+    """The ``Pool(shm_bytes=...)`` whose region holds ``rows`` logits rows of a model with ``n_vocab``
+    tokens: one per context and one per live branch (e.g. 8 contexts of Gemma 3, n_vocab 262,144, with
+    4 branches each: ``shm_bytes_for(262144, 8 + 8 * 4)``)."""
+    if n_vocab < 1 or rows < 0:
+        from .errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"n_vocab must be positive and rows not negative, got {n_vocab} and {rows}")
+    return max(BULK_OFFSET + rows * row_bytes(n_vocab), MIN_SIZE)

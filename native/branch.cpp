@@ -343,9 +343,15 @@ void branch_driver::merge_logits(uint32_t dst, const std::vector<uint32_t> & exp
     const float fa = static_cast<float>(alpha);
     float * z = d.snapshot;
     const float * a = acc.data();
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    constexpr float top = std::numeric_limits<float>::max();
+    // A token banned (-inf) in dst or in any expert stays banned: alpha * -inf would otherwise turn into
+    // +inf (alpha < 0) or NaN (alpha 0, or -inf + inf), and the sampler's distribution into NaNs. A finite
+    // sum that overflows is clamped for the same reason.
 #pragma omp simd
     for (size_t t = 0; t < n; ++t) {
-        z[t] += fa * a[t];
+        const float v = z[t] + fa * a[t];
+        z[t] = (z[t] == neg_inf || a[t] == neg_inf) ? neg_inf : std::min(std::max(v, -top), top);
     }
     write_snapshot(d, d.snapshot);
 }

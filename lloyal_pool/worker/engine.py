@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import resource
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,13 +20,34 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import numpy as np
 
 from .. import protocol as p
+from .._files import not_regular
 from ..chat import ChatMessage, ToolCall, template_source
-from ..errors import ContextError, LloyalError, LoraError, ModelLoadError, SnapshotError, StaleHandleError
+from ..errors import (
+    BadRequestError,
+    ContextError,
+    InvalidArgumentError,
+    LloyalError,
+    LoraError,
+    ModelLoadError,
+    SnapshotError,
+    StaleHandleError,
+    StateError,
+)
 from ..params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 from ..protocol import MAX_FRAME, Request
-from ..shm import BULK_OFFSET, HEARTBEAT_OFFSET, INTERRUPT_OFFSET, INTERRUPT_SLOTS, PAGE, Region
+from ..shm import (
+    BULK_OFFSET,
+    HEARTBEAT_OFFSET,
+    INTERRUPT_OFFSET,
+    INTERRUPT_SLOTS,
+    PAGE,
+    Region,
+    row_bytes,
+    shm_bytes_for,
+)
 
 if TYPE_CHECKING:  # the stub is the native module's contract: mypy checks the engine's calls against it
     from . import _native_cpu as native_api
@@ -138,10 +160,19 @@ class Engine:
             if entry is not None and entry.native.embeddings:
                 raise ContextError(f"{req.op.value} needs a generation context; this one was created with "
                                    "embeddings=True (it can embed, and rerank with pooling='rank')")
-        if type(req) in _UNCHECKED_OPS:
-            with _keepalive(self.region):
-                return HANDLERS[type(req)](self, req, Call(request_id, emit))
-        return HANDLERS[type(req)](self, req, Call(request_id, emit))
+        try:
+            if type(req) in _UNCHECKED_OPS:
+                with _keepalive(self.region):
+                    return HANDLERS[type(req)](self, req, Call(request_id, emit))
+            return HANDLERS[type(req)](self, req, Call(request_id, emit))
+        except (ValueError, TypeError) as exc:
+            # The native checks (and a few here) raise the plain built-ins for a value out of range or of
+            # the wrong type; the client gets a LloyalError that is still that built-in.
+            if type(exc) is ValueError:
+                raise InvalidArgumentError(str(exc)) from exc
+            if type(exc) is TypeError:
+                raise BadRequestError(str(exc)) from exc
+            raise
 
     def thaw(self) -> None:
         """In a zygote's forked child: every context computes with the threads it was created with."""
@@ -296,6 +327,10 @@ class Engine:
             native = self.native.Context(entry.native, params, self.arena)
         except (ContextError, MemoryError) as exc:
             raise _name_memory_limit(exc) from None
+        except LloyalError as exc:
+            if type(exc) is not LloyalError or "shared-memory region has no room" not in str(exc):
+                raise
+            raise self._region_full(entry) from None
         if self.single_threaded:
             native.set_threads(1, 1)
         slot = self._free_slots.pop()
@@ -309,6 +344,22 @@ class Engine:
             context=context_id, interrupt_slot=slot, logits_offset=native.logits_offset, n_vocab=entry.n_vocab,
             n_ctx=native.n_ctx, n_batch=native.n_batch, n_ubatch=native.n_ubatch, n_seq_max=native.n_seq_max,
             n_threads=native.n_threads, pooling=native.pooling)
+
+    def _region_full(self, entry: _ModelEntry) -> ContextError:
+        """No room in the region for a context's logits row: say how much larger shm_bytes must be."""
+        row = row_bytes(entry.n_vocab)
+        size = self.region.size
+        free = int(self.arena.free_bytes)
+        # Enough for one more even when the free bytes are scattered; and the size that holds twice as
+        # many rows as now, for an application that keeps adding contexts.
+        held = (size - BULK_OFFSET) // row
+        return ContextError(
+            f"no room for another context in this worker's shared-memory region: each context of this model "
+            f"keeps its logits row there ({row} bytes: n_vocab {entry.n_vocab} x 4, rounded up to a page), and "
+            f"{free} of its {size} bytes are free ({len(self._contexts)} context(s) here, and branch "
+            f"snapshots and embedding results take rows too). Create the Pool with a larger shm_bytes: "
+            f"{size + row} holds one more, {shm_bytes_for(entry.n_vocab, 2 * max(held, 1))} about twice as "
+            f"many (lloyal_pool.shm_bytes_for(n_vocab, rows))")
 
     @handles(p.FreeContext)
     def free_context(self, req: p.FreeContext, call: Call) -> None:
@@ -468,6 +519,7 @@ class Engine:
     @handles(p.SaveState)
     def save_state(self, req: p.SaveState, call: Call) -> int:
         native = self._context(req.context).native
+        _check_state_path(req.path, reading=False)
         if req.in_place:
             return int(native.save_state(req.path))
         # A file that is there is either the old state or the new one, never half of the new one.
@@ -485,7 +537,9 @@ class Engine:
 
     @handles(p.LoadState)
     def load_state(self, req: p.LoadState, call: Call) -> int:
-        return int(self._context(req.context).native.load_state(req.path))
+        entry = self._context(req.context)
+        _check_state_path(req.path, reading=True)
+        return int(entry.native.load_state(req.path))
 
     @handles(p.ScoreText)
     def score(self, req: p.ScoreText, call: Call) -> Score:
@@ -587,7 +641,12 @@ class Engine:
 
     @handles(p.BranchSetLogits)
     def branch_set_logits(self, req: p.BranchSetLogits, call: Call) -> None:
-        self._context(req.context).native.branch_set_logits(req.branch, req.logits)
+        entry = self._context(req.context)
+        # The client checks too; a request that skipped it must not put NaNs into the sampler.
+        row = np.frombuffer(req.logits, dtype=np.float32)
+        if np.isnan(row).any() or (row == np.inf).any():
+            raise InvalidArgumentError("logits must be finite, or -inf to ban a token; got NaN or +inf")
+        entry.native.branch_set_logits(req.branch, req.logits)
 
     @handles(p.BranchMergeLogits)
     def branch_merge_logits(self, req: p.BranchMergeLogits, call: Call) -> None:
@@ -683,11 +742,14 @@ class Engine:
 
     @handles(p.StateSeqSaveFile)
     def state_seq_save_file(self, req: p.StateSeqSaveFile, call: Call) -> int:
-        return int(self._context(req.context).native.state_seq_save_file(req.seq, req.path, req.tokens))
+        entry = self._context(req.context)
+        _check_state_path(req.path, reading=False)
+        return int(entry.native.state_seq_save_file(req.seq, req.path, req.tokens))
 
     @handles(p.StateSeqLoadFile)
     def state_seq_load_file(self, req: p.StateSeqLoadFile, call: Call) -> p.StateLoaded:
         entry = self._context(req.context)
+        _check_state_path(req.path, reading=True)
         tokens, n = entry.native.state_seq_load_file(req.seq, req.path)
         return self._loaded(entry, req.seq, [int(t) for t in tokens], int(n))
 
@@ -728,18 +790,48 @@ def _fill(template: str, query: str, document: str) -> str:
 
 
 def _check_gguf_file(path: str, error: type[Exception] = ModelLoadError, what: str = "model") -> None:
-    """The cheap checks llama.cpp would otherwise report only as a log line and a null model."""
-    if not os.path.exists(path):
-        raise error(f"{what} file not found: {path}")
-    if os.path.isdir(path):
-        raise error(f"{what} path is a directory: {path}")
+    """The cheap checks llama.cpp would otherwise report only as a log line and a null model, and what it
+    would never report: a FIFO or a device (links followed) would block or never end its read."""
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{what} file not found: {path}") from None
     except OSError as exc:
         raise error(f"cannot read {what} file {path}: {exc}") from exc
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{what} path is a directory: {path}")
+    kind = not_regular(st.st_mode)
+    if kind is not None:
+        raise error(f"{what} path is {kind}, not a regular file: {path}")
+    try:
+        # O_NONBLOCK: a FIFO swapped in since the stat does not wait for a writer, and fstat refuses it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise error(f"cannot read {what} file {path}: {exc}") from exc
+    try:
+        kind = not_regular(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise error(f"{what} path is {kind}, not a regular file: {path}")
+        magic = os.pread(fd, 4, 0)
+    except OSError as exc:
+        raise error(f"cannot read {what} file {path}: {exc}") from exc
+    finally:
+        os.close(fd)
     if magic != _GGUF_MAGIC:
         raise error(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
+
+
+def _check_state_path(path: str, reading: bool) -> None:
+    """A state file is read or written by native code that would block on a FIFO (or never end on a
+    device): only a regular file, or for a write a path that does not exist yet."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: the native side says which
+    kind = not_regular(mode)
+    if kind is not None:
+        raise StateError(f"cannot {'read a state from' if reading else 'write a state to'} {path}: it is {kind}, "
+                         "not a regular file")
 
 
 # context_core.cpp's message when llama.cpp returns no context (its buffers could not be allocated).
