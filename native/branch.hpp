@@ -215,6 +215,11 @@ class branch_driver {
     std::pair<std::vector<llama_token>, size_t> state_load_file(int64_t seq, const std::string & path);
 
   private:
+    // The cells of every branch and detached sequence (a union over shared prefixes).
+    uint64_t cells_used();
+    // ContextOverflowError when a branch would pass n_ctx (as asked, not llama.cpp's padded cache),
+    // DecodeError when the new cells do not fit beside those held: before anything is decoded.
+    void check_room(const std::vector<std::pair<const branch *, size_t>> & adds);
     void check_branch_capable() const;  // ContextError: a history, or a cache that cannot roll back
     llama_seq_id lease_or_throw();
     // A branch record without a seq yet: sampler, grammar and snapshot block, all validated.

@@ -22,6 +22,11 @@ void branch_driver::commit_tokens(const std::vector<branch *> & bs, const std::v
     }
     // Everything that can refuse the commit runs before the decode: the grammar accepts each token on
     // a copy, swapped in only once the decode went through.
+    std::vector<std::pair<const branch *, size_t>> adds;
+    for (const branch * b : bs) {
+        adds.emplace_back(b, 1);
+    }
+    check_room(adds);
     std::vector<sampler_ptr> grammars(n);
     for (size_t i = 0; i < n; ++i) {
         grammars[i] = bs[i]->sampler->grammar_after(toks[i]);
@@ -114,7 +119,36 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
             throw interrupted_error("interrupted before the decode: nothing was produced or committed");
         }
     }
-    const std::vector<llama_token> out = produce_tokens(bs);
+    // All or nothing, as commit is: what sampling changes (PRNGs, mirostat's mu, the last sample) is put
+    // back when the commit half fails (a full cache, an interrupt), so that the next produce() draws
+    // what this step would have drawn.
+    struct sample_state {
+        std::unique_ptr<chain_sampler> sampler;
+        llama_token last_token;
+        float last_surprisal;
+        bool sample_pending;
+    };
+    std::vector<sample_state> saved;
+    saved.reserve(bs.size());
+    for (const branch * b : bs) {
+        saved.push_back({b->sampler->clone(), b->last_token, b->last_surprisal, b->sample_pending});
+    }
+    auto restore = [&] {
+        for (size_t i = 0; i < bs.size(); ++i) {
+            bs[i]->sampler = std::move(saved[i].sampler);
+            bs[i]->last_token = saved[i].last_token;
+            bs[i]->last_surprisal = saved[i].last_surprisal;
+            bs[i]->sample_pending = saved[i].sample_pending;
+        }
+    };
+    std::vector<llama_token> out;
+    try {
+        context_core::request_scope req(core_, request_id);
+        out = produce_tokens(bs);
+    } catch (...) {
+        restore();
+        throw;
+    }
     std::vector<branch *> go;
     std::vector<llama_token> toks;
     for (size_t i = 0; i < bs.size(); ++i) {
@@ -124,7 +158,12 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
             toks.push_back(t);
         }
     }
-    commit_tokens(go, toks, request_id);
+    try {
+        commit_tokens(go, toks, request_id);
+    } catch (...) {
+        restore();
+        throw;
+    }
     return produced(out);
 }
 
@@ -149,6 +188,13 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     }
     if (items.empty()) {
         return;
+    }
+    {
+        std::vector<std::pair<const branch *, size_t>> adds;
+        for (const item & it : items) {
+            adds.emplace_back(it.b, it.toks.size());
+        }
+        check_room(adds);
     }
 
     // First-fit packing of whole items into n_batch chunks; an item longer than n_batch gets chunks of
@@ -286,6 +332,10 @@ void branch_driver::clear_and_reseed(std::vector<llama_token> toks, const std::v
                            " detached)");
     }
     branch & b = st.get(st.handles().front());
+    if (toks.size() > core_.n_ctx) {
+        throw context_overflow_error(std::to_string(toks.size()) + " tokens do not fit: n_ctx " +
+                                     std::to_string(core_.n_ctx) + "; nothing was changed");
+    }
     llama_memory_t mem = core_.memory();
     llama_context * ctx = core_.get();
     context_core::request_scope req(core_, request_id);
