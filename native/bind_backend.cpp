@@ -13,6 +13,7 @@ namespace lloyal {
 void register_backend(py::module_ & m) {
     backend_init_once();
     install_log_callback();
+    install_abort_report();
     if (std::string(LLOYAL_VARIANT_NAME) != "cpu") {
         // A GPU build without a GPU would run everything on the CPU while claiming to be the GPU variant:
         // refuse to load instead, so that the worker falls back to the CPU build (or fails when strict).
@@ -84,6 +85,13 @@ void register_backend(py::module_ & m) {
             return json_schema_to_gbnf(schema_json);
         },
         py::arg("schema_json"), "llama.cpp's own JSON-schema -> GBNF converter. Raises GrammarError on an invalid schema.");
+    m.def(
+        "_test_ggml_assert",
+        [](int value) {
+            gil_release nogil;
+            test_ggml_assert(value);
+        },
+        py::arg("value"), "Test only: a real GGML_ASSERT that fails (and aborts the process) for 0x6a6d.");
     m.def("sampler_fields", &sampler_field_names, "The sampler params' names, in the order they are declared.");
 }
 

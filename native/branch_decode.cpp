@@ -27,11 +27,12 @@ void branch_driver::commit_tokens(const std::vector<branch *> & bs, const std::v
         adds.emplace_back(b, 1);
     }
     check_room(adds);
-    std::vector<sampler_ptr> grammars(n);
-    for (size_t i = 0; i < n; ++i) {
-        grammars[i] = bs[i]->sampler->grammar_after(toks[i]);
-    }
     context_core::request_scope req(core_, request_id);
+    std::vector<sampler_ptr> grammars(n);
+    const stop_fn stop = [this] { return core_.interrupt_requested(); };
+    for (size_t i = 0; i < n; ++i) {
+        grammars[i] = bs[i]->sampler->grammar_after(toks[i], stop);
+    }
     if (core_.interrupt_requested()) {
         throw interrupted_error("interrupted before the decode: nothing was committed");
     }
@@ -119,34 +120,15 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
             throw interrupted_error("interrupted before the decode: nothing was produced or committed");
         }
     }
-    // All or nothing, as commit is: what sampling changes (PRNGs, mirostat's mu, the last sample) is put
-    // back when the commit half fails (a full cache, an interrupt), so that the next produce() draws
-    // what this step would have drawn.
-    struct sample_state {
-        std::unique_ptr<chain_sampler> sampler;
-        llama_token last_token;
-        float last_surprisal;
-        bool sample_pending;
-    };
-    std::vector<sample_state> saved;
-    saved.reserve(bs.size());
-    for (const branch * b : bs) {
-        saved.push_back({b->sampler->clone(), b->last_token, b->last_surprisal, b->sample_pending});
-    }
-    auto restore = [&] {
-        for (size_t i = 0; i < bs.size(); ++i) {
-            bs[i]->sampler = std::move(saved[i].sampler);
-            bs[i]->last_token = saved[i].last_token;
-            bs[i]->last_surprisal = saved[i].last_surprisal;
-            bs[i]->sample_pending = saved[i].sample_pending;
-        }
-    };
+    // All or nothing, as commit is: what sampling changed is put back when the commit half fails (a full
+    // cache, an interrupt), so that the next produce() draws what this step would have drawn.
+    sampling_checkpoint saved(bs);
     std::vector<llama_token> out;
     try {
         context_core::request_scope req(core_, request_id);
         out = produce_tokens(bs);
     } catch (...) {
-        restore();
+        saved.restore();
         throw;
     }
     std::vector<branch *> go;
@@ -161,7 +143,7 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
     try {
         commit_tokens(go, toks, request_id);
     } catch (...) {
-        restore();
+        saved.restore();
         throw;
     }
     return produced(out);

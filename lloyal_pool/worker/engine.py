@@ -580,7 +580,7 @@ class Engine:
 
     @handles(p.Produce)
     def produce(self, req: p.Produce, call: Call) -> list[tuple[int, bytes, bool]]:
-        return list(self._context(req.context).native.produce(req.branches))
+        return list(self._context(req.context).native.produce(req.branches, call.request_id))
 
     # The decoding calls report the time spent inside llama_decode, so a caller can tell its overhead,
     # and the state of every branch they changed, which the client's handles cache.
