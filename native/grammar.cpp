@@ -134,9 +134,45 @@ void grammar_apply_iface(llama_sampler * s, llama_token_data_array * cur) { gram
 
 llama_sampler * wrap(const llama_vocab * vocab, llama_grammar * g);
 
+// llama_grammar_clone_impl points the copied stacks at the copied rules by comparing every stack
+// element with every rule element: stacks x rule elements, 1.7 s for a grammar of 20,000 alternatives,
+// and a branch clones its grammar at every produce, step and commit. The same copy, each element found
+// by a binary search over where the rules start.
+llama_grammar * clone_grammar(const llama_grammar & g) {
+    auto * out = new llama_grammar{g.vocab,           g.rules,
+                                   g.stacks,          g.partial_utf8,
+                                   g.lazy,            g.awaiting_trigger,
+                                   g.trigger_buffer,  g.trigger_buffer_positions,
+                                   g.trigger_tokens,  g.trigger_patterns};
+    std::vector<std::pair<const llama_grammar_element *, size_t>> starts;  // (first element, rule index)
+    for (size_t r = 0; r < g.rules.size(); ++r) {
+        if (!g.rules[r].empty()) {
+            starts.emplace_back(g.rules[r].data(), r);
+        }
+    }
+    const std::less<const llama_grammar_element *> before;
+    std::sort(starts.begin(), starts.end(), [&](const auto & a, const auto & b) { return before(a.first, b.first); });
+    for (auto & stack : out->stacks) {
+        for (auto & el : stack) {
+            auto it = std::upper_bound(starts.begin(), starts.end(), el,
+                                       [&](const llama_grammar_element * p, const auto & st) { return before(p, st.first); });
+            if (it == starts.begin()) {
+                continue;  // not an element of a rule: left as it is, as llama.cpp leaves it
+            }
+            --it;
+            const size_t r = it->second;
+            const auto off = static_cast<size_t>(el - it->first);
+            if (off < g.rules[r].size()) {
+                el = &out->rules[r][off];
+            }
+        }
+    }
+    return out;
+}
+
 llama_sampler * grammar_clone(const llama_sampler * s) {
     const grammar_state * st = state_of(s);
-    return wrap(st->vocab, st->g != nullptr ? llama_grammar_clone_impl(*st->g) : nullptr);
+    return wrap(st->vocab, st->g != nullptr ? clone_grammar(*st->g) : nullptr);
 }
 
 void grammar_free(llama_sampler * s) {
@@ -391,6 +427,7 @@ grammar_slices_check(const Model & model, const std::string & gbnf, const std::v
         llama_token_data_array pa{a.data(), a.size(), -1, false};
         llama_token_data_array pb{b.data(), b.size(), -1, false};
         llama_sampler_apply(theirs.get(), &pa);
+        ours.reset(llama_sampler_clone(ours.get()));  // every step from a clone: our clone is checked too
         grammar_apply(ours.get(), pb, never);
         std::pair<std::vector<llama_token>, std::vector<llama_token>> allowed;
         for (int32_t t = 0; t < n_vocab; ++t) {

@@ -105,8 +105,8 @@ using stop_fn = std::function<bool()>;
 // asked between them; the results are those of llama.cpp's single calls (grammar.cpp).
 void grammar_apply(llama_sampler * grammar, llama_token_data_array & cur, const stop_fn & stop);
 void grammar_accept(llama_sampler * grammar, llama_token token, const stop_fn & stop);
-// Test only: the tokens llama.cpp's own grammar sampler allows (first) and ours, sliced (second), before
-// and after accepting each of tokens in turn.
+// Test only: the tokens llama.cpp's own grammar sampler allows (first) and ours, sliced and cloned at
+// every step (second), before and after accepting each of tokens in turn.
 std::vector<std::pair<std::vector<llama_token>, std::vector<llama_token>>>
 grammar_slices_check(const Model & model, const std::string & gbnf, const std::vector<llama_token> & tokens);
 // llama.cpp's own JSON-schema -> GBNF converter; GrammarError on an invalid schema (grammar.cpp).
