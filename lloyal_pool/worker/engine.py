@@ -278,7 +278,8 @@ class Engine:
         if self.default_threads and params.get("n_threads") is None:
             params = {**params, "n_threads": self.default_threads}
         cap = _memory_cap()
-        if cap is not None:
+        if cap is not None and getattr(self.native, "variant", "cpu") == "cpu":
+            # On the CPU every buffer of the context is heap the cap counts (a GPU build's are not).
             _refuse_over_cap(cap, _context_lower_bound(entry.native.info(), params), "needs at least")
         try:
             native = self.native.Context(entry.native, params, self.arena)
