@@ -108,7 +108,7 @@ std::string parse_error_reason(const std::string & captured) {
 // steps run in slices with an interrupt check between them. A grammar of many alternatives (a list of
 // 20,000 names) has as many parse stacks: llama.cpp's apply costs stacks x candidates (seconds over a
 // 262k vocabulary) and its accept stacks^2 (its duplicate check), both in one call. Sliced, each step
-// gives the same result as llama.cpp's single call (checked by tests/test_grammar_slices.py):
+// gives the same result as llama.cpp's single call (tests/test_grammar_interrupt.py compares the masks):
 // - apply: a candidate is allowed when some stack allows it, so the stacks are taken 128 at a time,
 //   and the candidates no slice allowed yet in chunks sized to a few ms each; what no slice allowed
 //   is masked at the end.
