@@ -67,6 +67,8 @@ from .shm import DEFAULT_SIZE, Region, TransferFile, WorkerTransfer
 
 log = logging.getLogger("lloyal_pool")
 STDERR_TAIL_BYTES = 64 << 10
+# The line native/abort_report.cpp writes when ggml aborts the worker (common.hpp, LLOYAL_ABORT_MARKER).
+ABORT_MARKER = "lloyal worker: GGML abort:"
 R = TypeVar("R")
 # What a worker's data segment (RLIMIT_DATA, Pool(memory_limit=)) holds once it has started: Python, numpy,
 # the native module. Measured: 105 MiB; it fails to start under about 110 MiB.
@@ -521,8 +523,10 @@ class WorkerProcess:
                 hung_for=self._hung_for, returncode=code, worker_id=self.worker_id, pid=self.pid,
                 stderr_tail=self.stderr_tail())
         else:
+            failed = self._abort_line()
             error = WorkerCrashedError(
-                f"worker {self.worker_id} (pid {self.pid}) {describe_exit(code)}; {why}",
+                f"worker {self.worker_id} (pid {self.pid}) {describe_exit(code)}; {why}"
+                + (f"; {failed}" if failed else ""),
                 returncode=code, worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
         if isinstance(error, WorkerCrashedError):
             log.error("[crash] %s", str(error).splitlines()[0])
@@ -584,6 +588,12 @@ class WorkerProcess:
                     self._stderr_bytes -= len(self._stderr_tail.popleft()) + 1
             self._stderr_log.log(_line_level(line), "%s", line)
         self.proc.stderr.close()
+
+    def _abort_line(self) -> str:
+        """What a GGML abort said failed (native/abort_report.cpp marks the line), or ""."""
+        with self._stderr_lock:
+            found = [line for line in self._stderr_tail if line.startswith(ABORT_MARKER)]
+        return found[-1][len(ABORT_MARKER):].strip() if found else ""
 
     def stderr_tail(self, max_lines: int = 40) -> str:
         with self._stderr_lock:

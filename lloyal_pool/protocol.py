@@ -513,6 +513,7 @@ class BranchMergeLogits(BranchRequest[None]):
 
 class Produce(ContextRequest[list[tuple[int, bytes, bool]]]):
     op = Op.PRODUCE
+    decodes = True  # no llama_decode, but a grammar step can take seconds: interruptible all the same
     branches: list[int]
 
 

@@ -44,6 +44,7 @@ void set_heartbeat_word(const py::object & buffer, int64_t index) {
 void register_backend(py::module_ & m) {
     backend_init_once();
     install_log_callback();
+    install_abort_report();
     if (std::string(LLOYAL_VARIANT_NAME) != "cpu") {
         // A GPU build without a GPU would run everything on the CPU while claiming to be the GPU variant:
         // refuse to load instead, so that the worker falls back to the CPU build (or fails when strict).
@@ -118,6 +119,13 @@ void register_backend(py::module_ & m) {
     m.def("set_heartbeat_word", &set_heartbeat_word, py::arg("buffer"), py::arg("index") = 0,
           "Points the heartbeat (advanced at every interrupt check) at u64 word `index` of a writable "
           "buffer; None detaches it.");
+    m.def(
+        "_test_ggml_assert",
+        [](int value) {
+            gil_release nogil;
+            test_ggml_assert(value);
+        },
+        py::arg("value"), "Test only: a real GGML_ASSERT that fails (and aborts the process) for 0x6a6d.");
     m.def("sampler_fields", &sampler_field_names, "The sampler params' names, in the order they are declared.");
 }
 

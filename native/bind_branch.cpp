@@ -172,11 +172,11 @@ void register_branch_methods(context_class & cls) {
             py::arg("dst"), py::arg("experts"), py::arg("alpha"))
         .def(
             "produce",
-            [](py_context & c, py::handle handles) {
+            [](py_context & c, py::handle handles, uint64_t request_id) {
                 const std::vector<uint32_t> hs = handles_arg(handles, "branch handles");
-                return produced_list(nogil([&] { return c.branches->produce(hs); }));
+                return produced_list(nogil([&] { return c.branches->produce(hs, request_id); }));
             },
-            py::arg("branches"))
+            py::arg("branches"), py::arg("request_id") = 0)
         .def(
             "commit",
             [](py_context & c, py::handle pairs, uint64_t request_id) {

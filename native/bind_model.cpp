@@ -87,6 +87,14 @@ py::dict info(const Model & m) {
 }  // namespace
 
 void register_model(py::module_ & m) {
+    m.def(
+        "_grammar_slices_check",
+        [](const Model & model, const std::string & gbnf, const std::vector<llama_token> & tokens) {
+            gil_release nogil;
+            return grammar_slices_check(model, gbnf, tokens);
+        },
+        py::arg("model"), py::arg("gbnf"), py::arg("tokens"),
+        "Test only: per step, the tokens llama.cpp's grammar sampler allows and those ours (sliced) allows.");
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
         .def(py::init(&load), py::arg("path"), py::kw_only(), py::arg("n_gpu_layers") = 0, py::arg("use_mmap") = true,
              py::arg("vocab_only") = false, py::arg("progress") = py::none(),

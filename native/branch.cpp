@@ -356,12 +356,31 @@ void branch_driver::merge_logits(uint32_t dst, const std::vector<uint32_t> & exp
     write_snapshot(d, d.snapshot);
 }
 
+sampling_checkpoint::sampling_checkpoint(const std::vector<branch *> & bs) : bs_(bs) {
+    saved_.reserve(bs.size());
+    for (const branch * b : bs) {
+        saved_.push_back({b->sampler->clone(), b->last_token, b->last_surprisal, b->sample_pending});
+    }
+}
+
+void sampling_checkpoint::restore() {
+    for (size_t i = 0; i < bs_.size() && i < saved_.size(); ++i) {
+        bs_[i]->sampler = std::move(saved_[i].sampler);
+        bs_[i]->last_token = saved_[i].last_token;
+        bs_[i]->last_surprisal = saved_[i].last_surprisal;
+        bs_[i]->sample_pending = saved_[i].sample_pending;
+    }
+    saved_.clear();
+}
+
 std::vector<llama_token> branch_driver::produce_tokens(const std::vector<branch *> & bs) {
     std::vector<llama_token> out;
     out.reserve(bs.size());
     auto & scratch = store_.scratch();
+    // A grammar step can take seconds (a grammar of thousands of alternatives): it asks between slices.
+    const stop_fn stop = [this] { return core_.interrupt_requested(); };
     for (branch * b : bs) {
-        const chain_sampler::sample_result r = b->sampler->sample(b->row(), scratch);
+        const chain_sampler::sample_result r = b->sampler->sample(b->row(), scratch, stop);
         b->last_token = r.token;
         b->last_surprisal = r.sampling_surprisal;
         b->sample_pending = r.token != LLAMA_TOKEN_NULL;
@@ -381,9 +400,17 @@ std::vector<produced_token> branch_driver::produced(const std::vector<llama_toke
     return out;
 }
 
-std::vector<produced_token> branch_driver::produce(const std::vector<uint32_t> & handles) {
+std::vector<produced_token> branch_driver::produce(const std::vector<uint32_t> & handles, uint64_t request_id) {
     context_core::busy_guard busy(core_);
-    return produced(produce_tokens(with_logits(handles, "batch")));
+    const std::vector<branch *> bs = with_logits(handles, "batch");
+    sampling_checkpoint saved(bs);  // an interrupt halfway through the branches changes none of them
+    try {
+        context_core::request_scope req(core_, request_id);
+        return produced(produce_tokens(bs));
+    } catch (...) {
+        saved.restore();
+        throw;
+    }
 }
 
 }  // namespace lloyal

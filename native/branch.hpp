@@ -78,6 +78,24 @@ struct branch {
     logits_row row() const { return {snapshot, snap_max, snap_lse}; }
 };
 
+// What sampling changes in branches (PRNGs, mirostat's mu, penalty windows, grammar; the last sample),
+// kept so that a call that fails after sampling (an interrupt, a full cache) can put it back.
+class sampling_checkpoint {
+  public:
+    explicit sampling_checkpoint(const std::vector<branch *> & bs);
+    void restore();
+
+  private:
+    struct saved {
+        std::unique_ptr<chain_sampler> sampler;
+        llama_token last_token;
+        float last_surprisal;
+        bool sample_pending;
+    };
+    std::vector<branch *> bs_;
+    std::vector<saved> saved_;
+};
+
 // The branches of one context: handle slots, sequence leases, the scratch candidate array.
 // Handles are u32 (generation << 16 | slot); slot 0 is never used, so a handle is never 0; a freed
 // slot's generation is bumped, so an old handle never resolves to a new branch (ABA-safe) until
@@ -190,7 +208,7 @@ class branch_driver {
     void reseed(uint32_t h, uint32_t seed);
     void set_logits(uint32_t h, const float * z);  // n_vocab floats
     void merge_logits(uint32_t dst, const std::vector<uint32_t> & experts, double alpha);
-    std::vector<produced_token> produce(const std::vector<uint32_t> & handles);
+    std::vector<produced_token> produce(const std::vector<uint32_t> & handles, uint64_t request_id = 0);
 
     // branch_decode.cpp
     void commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id);
@@ -215,6 +233,11 @@ class branch_driver {
     std::pair<std::vector<llama_token>, size_t> state_load_file(int64_t seq, const std::string & path);
 
   private:
+    // The cells of every branch and detached sequence (a union over shared prefixes).
+    uint64_t cells_used();
+    // ContextOverflowError when a branch would pass n_ctx (as asked, not llama.cpp's padded cache),
+    // DecodeError when the new cells do not fit beside those held: before anything is decoded.
+    void check_room(const std::vector<std::pair<const branch *, size_t>> & adds);
     void check_branch_capable() const;  // ContextError: a history, or a cache that cannot roll back
     llama_seq_id lease_or_throw();
     // A branch record without a seq yet: sampler, grammar and snapshot block, all validated.

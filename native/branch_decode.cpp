@@ -22,11 +22,17 @@ void branch_driver::commit_tokens(const std::vector<branch *> & bs, const std::v
     }
     // Everything that can refuse the commit runs before the decode: the grammar accepts each token on
     // a copy, swapped in only once the decode went through.
-    std::vector<sampler_ptr> grammars(n);
-    for (size_t i = 0; i < n; ++i) {
-        grammars[i] = bs[i]->sampler->grammar_after(toks[i]);
+    std::vector<std::pair<const branch *, size_t>> adds;
+    for (const branch * b : bs) {
+        adds.emplace_back(b, 1);
     }
+    check_room(adds);
     context_core::request_scope req(core_, request_id);
+    std::vector<sampler_ptr> grammars(n);
+    const stop_fn stop = [this] { return core_.interrupt_requested(); };
+    for (size_t i = 0; i < n; ++i) {
+        grammars[i] = bs[i]->sampler->grammar_after(toks[i], stop);
+    }
     if (core_.interrupt_requested()) {
         throw interrupted_error("interrupted before the decode: nothing was committed");
     }
@@ -114,7 +120,17 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
             throw interrupted_error("interrupted before the decode: nothing was produced or committed");
         }
     }
-    const std::vector<llama_token> out = produce_tokens(bs);
+    // All or nothing, as commit is: what sampling changed is put back when the commit half fails (a full
+    // cache, an interrupt), so that the next produce() draws what this step would have drawn.
+    sampling_checkpoint saved(bs);
+    std::vector<llama_token> out;
+    try {
+        context_core::request_scope req(core_, request_id);
+        out = produce_tokens(bs);
+    } catch (...) {
+        saved.restore();
+        throw;
+    }
     std::vector<branch *> go;
     std::vector<llama_token> toks;
     for (size_t i = 0; i < bs.size(); ++i) {
@@ -124,7 +140,12 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
             toks.push_back(t);
         }
     }
-    commit_tokens(go, toks, request_id);
+    try {
+        commit_tokens(go, toks, request_id);
+    } catch (...) {
+        saved.restore();
+        throw;
+    }
     return produced(out);
 }
 
@@ -149,6 +170,13 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     }
     if (items.empty()) {
         return;
+    }
+    {
+        std::vector<std::pair<const branch *, size_t>> adds;
+        for (const item & it : items) {
+            adds.emplace_back(it.b, it.toks.size());
+        }
+        check_room(adds);
     }
 
     // First-fit packing of whole items into n_batch chunks; an item longer than n_batch gets chunks of
@@ -286,6 +314,10 @@ void branch_driver::clear_and_reseed(std::vector<llama_token> toks, const std::v
                            " detached)");
     }
     branch & b = st.get(st.handles().front());
+    if (toks.size() > core_.n_ctx) {
+        throw context_overflow_error(std::to_string(toks.size()) + " tokens do not fit: n_ctx " +
+                                     std::to_string(core_.n_ctx) + "; nothing was changed");
+    }
     llama_memory_t mem = core_.memory();
     llama_context * ctx = core_.get();
     context_core::request_scope req(core_, request_id);

@@ -35,6 +35,14 @@ int default_threads();
 // llama_backend_init, once per process (backend.cpp).
 void backend_init_once();
 
+// A GGML abort prints its message on a line starting with this marker (twice: before and after a short
+// native stack) and dies of SIGABRT without Python's faulthandler dump (abort_report.cpp); the parent
+// names the last such line in WorkerCrashedError (lloyal_pool/_process.py, ABORT_MARKER).
+#define LLOYAL_ABORT_MARKER "lloyal worker: GGML abort:"
+void install_abort_report();
+// Fails a real GGML_ASSERT when value is 0x6a6d: the test-only fault "ggml_abort" (worker/loop.py).
+void test_ggml_assert(int value);
+
 // Milliseconds between two steady_clock points.
 double elapsed_ms(int64_t t0_us, int64_t t1_us);
 int64_t now_us();

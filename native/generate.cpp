@@ -130,14 +130,14 @@ std::unique_ptr<chain_sampler> make_generation_sampler(const gen_params & p, con
 }
 
 llama_token choose_token(chain_sampler & sampler, const float * z, int32_t n_vocab,
-                         std::vector<llama_token_data> & scratch) {
+                         std::vector<llama_token_data> & scratch, const stop_fn & stop) {
     if (z == nullptr) {
         throw lloyal_error("no logits to sample from");
     }
     // The sampler needs the row's maximum (its greedy path finds the argmax from it); the log-sum-exp
     // is only for surprisals, which a generation does not report.
     const logits_row row{z, max_of(z, static_cast<size_t>(n_vocab)), std::numeric_limits<float>::quiet_NaN()};
-    const llama_token tok = sampler.sample(row, scratch).token;
+    const llama_token tok = sampler.sample(row, scratch, stop).token;
     if (tok == LLAMA_TOKEN_NULL) {
         if (sampler.has_grammar()) {
             return tok;  // the grammar is complete and EOG is banned (ignore_eos)
@@ -145,7 +145,7 @@ llama_token choose_token(chain_sampler & sampler, const float * z, int32_t n_voc
         throw lloyal_error("no token can be sampled: logit_bias/ignore_eos ban every token");
     }
     if (sampler.has_grammar()) {
-        sampler.set_grammar(sampler.grammar_after(tok));
+        sampler.set_grammar(sampler.grammar_after(tok, stop));
     }
     sampler.accept(tok);
     return tok;
@@ -320,6 +320,7 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
         }
         const int64_t t1 = now_us();
         res.prompt_ms = elapsed_ms(t0, t1);
+        const stop_fn stop = [this] { return core_.interrupt_requested(); };
         // At the top of each round everything emitted is decoded, and the last logits are the history's.
         while (!out.stopped()) {
             if (core_.interrupt_requested()) {
@@ -330,7 +331,13 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
                 out.stop("length");  // n_predict reached, or no room to decode another token
                 break;
             }
-            const llama_token tok = choose_token(*sampler, last_logits(), model.n_vocab(), scratch);
+            llama_token tok = LLAMA_TOKEN_NULL;
+            try {
+                tok = choose_token(*sampler, last_logits(), model.n_vocab(), scratch, stop);
+            } catch (const interrupted_error &) {
+                out.stop("interrupted");  // inside a long grammar step: nothing of this token was kept
+                break;
+            }
             const generation_output::verdict v = out.push(tok);
             if (v == generation_output::verdict::stop) {
                 break;  // not decoded: the history stays what it was before this token

@@ -21,9 +21,9 @@ std::unique_ptr<chain_sampler> make_generation_sampler(const gen_params & p, con
 
 // The sampler's token for one logits row (n_vocab floats), accepted into the sampler (grammar state,
 // penalty windows). LLAMA_TOKEN_NULL when a complete grammar allows nothing more (EOG banned); an
-// error when logit_bias bans every token.
+// error when logit_bias bans every token. stop: asked inside long grammar steps (InterruptedError).
 llama_token choose_token(chain_sampler & sampler, const float * logits, int32_t n_vocab,
-                         std::vector<llama_token_data> & scratch);
+                         std::vector<llama_token_data> & scratch, const stop_fn & stop = nullptr);
 
 class generation_output {
   public:

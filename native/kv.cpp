@@ -85,39 +85,67 @@ llama_pos branch_driver::seq_pos_max(int64_t seq_obj) {
     return llama_memory_seq_pos_max(core_.memory(), seq_arg(seq_obj));
 }
 
-kv_pressure branch_driver::pressure() {
-    context_core::busy_guard busy(core_);
+uint64_t branch_driver::cells_used() {
     llama_memory_t mem = core_.memory();
     uint64_t used = 0;
+    // The union of the branches' lineages: every cell was decoded by one origin at one position.
+    std::map<uint64_t, std::vector<std::pair<llama_pos, llama_pos>>> by_origin;
+    branch_store & st = store_;
+    for (uint32_t h : st.handles()) {
+        for (const kv_segment & s : st.get(h).lineage) {
+            if (s.p1 > s.p0) {
+                by_origin[s.origin].emplace_back(s.p0, s.p1);
+            }
+        }
+    }
+    for (auto & [origin, iv] : by_origin) {
+        (void) origin;
+        std::sort(iv.begin(), iv.end());
+        llama_pos end = std::numeric_limits<llama_pos>::min();
+        for (const auto & [a, b] : iv) {
+            const llama_pos from = std::max(a, end);
+            if (b > from) {
+                used += static_cast<uint64_t>(b - from);
+            }
+            end = std::max(end, b);
+        }
+    }
+    for (llama_seq_id s : st.detached()) {
+        used += static_cast<uint64_t>(llama_memory_seq_pos_max(mem, s) + 1);
+    }
+    return used;
+}
+
+void branch_driver::check_room(const std::vector<std::pair<const branch *, size_t>> & adds) {
+    // llama.cpp pads the cache to 256 cells: the extra cells would let branches grow past the n_ctx the
+    // context was asked for. That n_ctx is the limit, for one branch's positions and for the cells all
+    // of them hold together.
+    const uint64_t n_ctx = core_.n_ctx;
+    uint64_t more = 0;
+    for (const auto & [b, n] : adds) {
+        if (static_cast<uint64_t>(b->position) + n > n_ctx) {
+            throw context_overflow_error("branch " + std::to_string(b->handle) + " at position " +
+                                         std::to_string(b->position) + " cannot take " + std::to_string(n) +
+                                         " more tokens: n_ctx " + std::to_string(n_ctx) + "; nothing was changed");
+        }
+        more += n;
+    }
+    const uint64_t used = cells_used();
+    if (used + more > n_ctx) {
+        throw decode_error("the context's cache is full: " + std::to_string(more) + " new cells do not fit beside the " +
+                           std::to_string(used) + " its branches hold (n_ctx " + std::to_string(n_ctx) +
+                           "); nothing was changed");
+    }
+}
+
+kv_pressure branch_driver::pressure() {
+    context_core::busy_guard busy(core_);
+    uint64_t used = 0;
     uint32_t leased = 0;
-    uint32_t room = core_.n_cells;
+    uint32_t room = core_.n_ctx;
     if (store_.active()) {
-        // The union of the branches' lineages: every cell was decoded by one origin at one position.
-        std::map<uint64_t, std::vector<std::pair<llama_pos, llama_pos>>> by_origin;
-        branch_store & st = store_;
-        for (uint32_t h : st.handles()) {
-            for (const kv_segment & s : st.get(h).lineage) {
-                if (s.p1 > s.p0) {
-                    by_origin[s.origin].emplace_back(s.p0, s.p1);
-                }
-            }
-        }
-        for (auto & [origin, iv] : by_origin) {
-            (void) origin;
-            std::sort(iv.begin(), iv.end());
-            llama_pos end = std::numeric_limits<llama_pos>::min();
-            for (const auto & [a, b] : iv) {
-                const llama_pos from = std::max(a, end);
-                if (b > from) {
-                    used += static_cast<uint64_t>(b - from);
-                }
-                end = std::max(end, b);
-            }
-        }
-        for (llama_seq_id s : st.detached()) {
-            used += static_cast<uint64_t>(llama_memory_seq_pos_max(mem, s) + 1);
-        }
-        leased = st.n_leased();
+        used = cells_used();
+        leased = store_.n_leased();
     } else {
         // Sequence mode holds what was asked for (eval/generate enforce n_ctx, not the padded size).
         room = core_.n_ctx_seq;

@@ -345,10 +345,11 @@ chain_sampler::sample_result chain_sampler::sample_free(const logits_row & row, 
     return finish(cur, p_.greedy());
 }
 
-chain_sampler::sample_result chain_sampler::sample_masked(const logits_row & row, std::vector<llama_token_data> & scratch) {
+chain_sampler::sample_result chain_sampler::sample_masked(const logits_row & row, std::vector<llama_token_data> & scratch,
+                                                          const stop_fn & stop) {
     fill(row.z, scratch);
     llama_token_data_array cur{scratch.data(), scratch.size(), -1, false};
-    apply(grammar_.get(), cur);
+    grammar_apply(grammar_.get(), cur, stop);
     if (penalties_) {
         apply(penalties_.get(), cur);
     }
@@ -358,34 +359,37 @@ chain_sampler::sample_result chain_sampler::sample_masked(const logits_row & row
     return finish(cur, p_.greedy());
 }
 
-chain_sampler::sample_result chain_sampler::sample(const logits_row & row, std::vector<llama_token_data> & scratch) {
+chain_sampler::sample_result chain_sampler::sample(const logits_row & row, std::vector<llama_token_data> & scratch,
+                                                   const stop_fn & stop) {
     sample_result r = sample_free(row, scratch);
     if (grammar_ == nullptr || r.token == LLAMA_TOKEN_NULL) {
         return r;
     }
     llama_token_data one{r.token, 0.0f, 0.0f};
     llama_token_data_array one_p{&one, 1, -1, false};
-    apply(grammar_.get(), one_p);
+    grammar_apply(grammar_.get(), one_p, stop);
     if (!banned(one.logit)) {
         return r;  // the grammar allows the free choice (a lazy grammar awaiting its trigger: always)
     }
-    return sample_masked(row, scratch);
+    return sample_masked(row, scratch, stop);
 }
 
-sampler_ptr chain_sampler::grammar_after(llama_token token) const {
+sampler_ptr chain_sampler::grammar_after(llama_token token, const stop_fn & stop) const {
     if (grammar_ == nullptr) {
         return nullptr;
     }
     sampler_ptr g(llama_sampler_clone(grammar_.get()));
     llama_token_data one{token, 0.0f, 0.0f};
     llama_token_data_array one_p{&one, 1, -1, false};
-    apply(g.get(), one_p);
+    grammar_apply(g.get(), one_p, stop);
     if (banned(one.logit)) {
         throw grammar_error("token " + std::to_string(token) + " (" + model_->token_to_piece(token, true) +
                             ") is not allowed by the grammar here");
     }
     try {
-        llama_sampler_accept(g.get(), token);
+        grammar_accept(g.get(), token, stop);
+    } catch (const interrupted_error &) {
+        throw;
     } catch (const std::exception & e) {
         throw grammar_error("token " + std::to_string(token) + " is not allowed by the grammar here: " + e.what());
     }

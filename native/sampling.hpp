@@ -6,6 +6,7 @@
 #include "common.hpp"
 #include "model.hpp"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -97,6 +98,17 @@ using sampler_ptr = std::unique_ptr<llama_sampler, sampler_deleter>;
 // A grammar sampler, or GrammarError with llama.cpp's reason (grammar.cpp); an invalid trigger
 // pattern is a GrammarError too.
 sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g);
+// Asked between the slices of a long grammar step: true stops it with InterruptedError, the grammar
+// unchanged. Null: never.
+using stop_fn = std::function<bool()>;
+// llama.cpp's grammar apply and accept on a sampler of make_grammar_sampler's, in slices with `stop`
+// asked between them; the results are those of llama.cpp's single calls (grammar.cpp).
+void grammar_apply(llama_sampler * grammar, llama_token_data_array & cur, const stop_fn & stop);
+void grammar_accept(llama_sampler * grammar, llama_token token, const stop_fn & stop);
+// Test only: the tokens llama.cpp's own grammar sampler allows (first) and ours, sliced and cloned at
+// every step (second), before and after accepting each of tokens in turn.
+std::vector<std::pair<std::vector<llama_token>, std::vector<llama_token>>>
+grammar_slices_check(const Model & model, const std::string & gbnf, const std::vector<llama_token> & tokens);
 // llama.cpp's own JSON-schema -> GBNF converter; GrammarError on an invalid schema (grammar.cpp).
 std::string json_schema_to_gbnf(const std::string & schema_json);
 
@@ -150,19 +162,21 @@ class chain_sampler {
     };
     // Grammar -> logit bias -> stages applied to row; advances the PRNGs (and mirostat's mu) like
     // llama.cpp's samplers do; accepts nothing. scratch: a candidate array the caller keeps.
-    sample_result sample(const logits_row & row, std::vector<llama_token_data> & scratch);
+    // stop: asked inside long grammar steps (InterruptedError; the PRNGs may have drawn).
+    sample_result sample(const logits_row & row, std::vector<llama_token_data> & scratch,
+                         const stop_fn & stop = nullptr);
 
     // The grammar after accepting token, as a new sampler, or GrammarError (this one unchanged). Null
     // when there is no grammar. Checks the token with the grammar's own mask first: accepting an
     // end-of-generation token the grammar cannot end at would GGML_ABORT inside llama.cpp.
-    sampler_ptr grammar_after(llama_token token) const;
+    sampler_ptr grammar_after(llama_token token, const stop_fn & stop = nullptr) const;
     void accept(llama_token token);  // penalty and DRY windows; the grammar is swapped in by the caller
 
   private:
     chain_sampler(const Model & model, uint32_t n_ctx) : model_(&model), n_ctx_(n_ctx) {}
     void build(const std::vector<llama_token> & seen);
     sample_result sample_free(const logits_row & row, std::vector<llama_token_data> & scratch);
-    sample_result sample_masked(const logits_row & row, std::vector<llama_token_data> & scratch);
+    sample_result sample_masked(const logits_row & row, std::vector<llama_token_data> & scratch, const stop_fn & stop);
     sample_result finish(llama_token_data_array & cur, bool greedy);
     void fill(const float * z, std::vector<llama_token_data> & scratch) const;
 

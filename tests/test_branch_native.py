@@ -20,6 +20,7 @@ from lloyal_pool import metrics
 from lloyal_pool.errors import (
     BranchError,
     ContextError,
+    ContextOverflowError,
     DecodeError,
     GrammarError,
     InterruptedByClient,
@@ -177,12 +178,12 @@ def test_batched_commit_of_eight_matches_single_commits_closely(gemma_model: Any
 # -- rollback ------------------------------------------------------------------------------------------
 
 def test_commit_rollback_when_the_cache_is_full(gemma_model: Any) -> None:
-    # n_ctx 64 is padded by llama.cpp to 256 cells; fill them so that an 8-branch commit cannot fit.
+    # Fill the 64 cells asked for so that an 8-branch commit cannot fit.
     x = Ctx(gemma_model, n_ctx=64, n_seq_max=16)
     assert x.c.kv_pressure()["n_ctx"] == 64  # sequence mode: what was asked for
     root = x.create({"temperature": 1.0, "seed": 7})
     cells = x.c.kv_pressure()["n_ctx"]
-    assert cells == 256  # branch mode: the cells there are
+    assert cells == 64  # branch mode too: what was asked for, not llama.cpp's 256 padded cells
     text = " ".join(["the river runs past the old mill and the hills"] * 40)
     prompt = gemma_model.tokenize(text, True, True)[: cells - 8 * 3 - 5]
     x.c.prefill([(root, prompt)])
@@ -217,6 +218,70 @@ def test_commit_rollback_when_the_cache_is_full(gemma_model: Any) -> None:
     position = x.info(root)["position"]
     x.c.commit([(root, tok)])
     assert x.info(root)["position"] == position + 1
+
+
+def test_step_rollback_when_the_cache_is_full(gemma_model: Any) -> None:
+    # step() = produce + commit: when the commit half fails, the sampling half is undone too (PRNG
+    # draws, last token), so the next produce() draws what the failed step drew.
+    x = Ctx(gemma_model, n_ctx=64, n_seq_max=32)
+    root = x.create({"temperature": 1.0, "seed": 7})
+    cells = x.c.kv_pressure()["n_ctx"]
+    text = " ".join(["the river runs past the old mill and the hills"] * 40)
+    prompt = gemma_model.tokenize(text, True, True)[: cells - 8 * 3 - 5]
+    x.c.prefill([(root, prompt)])
+    hs = [root] + [x.fork(root) for _ in range(7)]
+    for i, h in enumerate(hs[1:]):
+        x.c.branch_reseed(h, 100 + i)
+    failed = False
+    for _ in range(10):
+        twins = [x.fork(h) for h in hs]  # same PRNG state, snapshot and last token, before the step
+        before = [x.info(h) for h in hs]
+        snaps = [x.logits(h).copy() for h in hs]
+        pressure = x.c.kv_pressure()
+        try:
+            x.c.step(hs)
+        except DecodeError:
+            failed = True
+            for h, info, snap in zip(hs, before, snaps, strict=True):
+                assert x.info(h) == info  # last_token included
+                assert np.array_equal(x.logits(h), snap)
+            assert x.c.kv_pressure() == pressure
+            assert x.c.produce(hs) == x.c.produce(twins)  # the PRNGs drew nothing
+            break
+        for t in twins:
+            x.c.branch_prune(t)
+    assert failed, "the cache never filled up"
+
+
+def test_branches_honour_the_n_ctx_asked_for(gemma_model: Any) -> None:
+    # llama.cpp pads the cache to 256 cells; the context still holds the 32 tokens asked for.
+    x = Ctx(gemma_model, n_ctx=32, n_seq_max=4)
+    assert x.c.n_ctx == 32
+    toks = gemma_model.tokenize(" ".join(["one two three four"] * 10), True, True)
+    root = x.create({})
+    with pytest.raises(ContextOverflowError, match="n_ctx 32"):
+        x.c.prefill([(root, toks[:33])])
+    assert x.info(root)["position"] == 0
+    x.c.prefill([(root, toks[:31])])
+    assert x.c.kv_pressure()["n_ctx"] == 32 and x.c.kv_pressure()["remaining"] == 1
+    tok = x.c.produce([root])[0][0]
+    x.c.commit([(root, tok)])
+    assert x.info(root)["position"] == 32
+    with pytest.raises(ContextOverflowError, match="n_ctx 32"):
+        x.c.commit([(root, tok)])
+    with pytest.raises(ContextOverflowError, match="n_ctx 32"):
+        x.c.step([root])
+    assert x.info(root)["position"] == 32
+    # The cells are shared by every branch: two forks at 16 cannot each add 16 (48 cells of 32).
+    y = Ctx(gemma_model, n_ctx=32, n_seq_max=4)
+    a = y.create({}, tokens=toks[:16])
+    b = y.fork(a)
+    y.c.prefill([(a, toks[16:24])])
+    with pytest.raises(DecodeError, match="n_ctx 32"):
+        y.c.prefill([(b, toks[16:26])])
+    assert y.info(b)["position"] == 16 and y.c.kv_pressure()["cells_used"] == 24
+    y.c.prefill([(b, toks[16:24])])  # what still fits goes in
+    assert y.c.kv_pressure()["remaining"] == 0
 
 
 def test_interrupted_prefill_changes_nothing(gemma_model: Any) -> None:

@@ -16,6 +16,7 @@ from lloyal_pool import (
     BranchError,
     Context,
     ContextError,
+    ContextOverflowError,
     DecodeError,
     Grammar,
     GrammarError,
@@ -104,6 +105,31 @@ def test_batched_commit_equals_single_commits(ctx: Context) -> None:
         assert b.position == s.position
         assert b.logits.tobytes() == s.logits.tobytes()
         assert b.perplexity == s.perplexity
+
+
+def test_a_small_context_holds_what_was_asked_for_in_every_mode(gemma: Model) -> None:
+    # llama.cpp pads the cache to 256 cells; n_ctx=32 still means 32 tokens, for branches as for eval.
+    c = gemma.new_context(n_ctx=32)
+    try:
+        assert c.n_ctx == 32
+        toks = gemma.tokenize(" ".join(["one two three four"] * 10))
+        with pytest.raises(ContextOverflowError):
+            c.eval(toks[:33])
+        r = c.generate(toks[:30], n_predict=8, ignore_eos=True)
+        assert r.n_prompt + r.n_decoded <= 32 and len(c.tokens()) <= 32  # generation stops at the window
+        c.reset()
+        b = c.branch(toks[:31])
+        b.commit(b.produce().token)
+        assert b.position == 32 and c.kv.pressure().remaining == 0
+        with pytest.raises(ContextOverflowError):
+            b.commit(b.produce().token)
+        with pytest.raises(ContextOverflowError):
+            c.branches.step([b])
+        assert b.info().position == 32
+        b.prune()
+        assert c.generate(toks[:8], n_predict=2).n_decoded == 2  # still serving
+    finally:
+        c.close()
 
 
 def test_rollback_when_the_kv_fills(gemma: Model) -> None:

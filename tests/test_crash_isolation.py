@@ -77,6 +77,21 @@ def test_native_style_crashes_are_reported_with_the_signal(fresh_pool: Pool, kin
     assert fresh_pool[1].ping(timeout=5) < 1.0
 
 
+def test_a_ggml_abort_reports_what_failed(fresh_pool: Pool) -> None:
+    # A real GGML_ASSERT inside the native module: the line saying what failed is in the tail and in the
+    # message, not scrolled out behind backtraces.
+    with pytest.raises(WorkerCrashedError) as info:
+        fresh_pool[0].fault("ggml_abort").result(timeout=30)
+    err = info.value
+    assert err.signal_name == "SIGABRT"
+    # The crash line itself names it, and it ends the tail (nothing after it can push it out).
+    first = str(err).splitlines()[0]
+    assert "abort_report.cpp:" in first and "GGML_ASSERT(" in first and "failed" in first, first
+    last = err.stderr_tail.splitlines()[-1]
+    assert "GGML_ASSERT(" in last and "failed" in last, err.stderr_tail
+    assert fresh_pool[1].ping(timeout=5) < 1.0
+
+
 def test_exit_code_is_reported(fresh_pool: Pool) -> None:
     with pytest.raises(WorkerCrashedError, match="exited with code 42") as info:
         fresh_pool[0].fault("exit", code=42).result(timeout=10)

@@ -156,6 +156,28 @@ def test_memory_limit_names_the_option(gemma_path: Path) -> None:
         assert pool[0].alive
 
 
+@pytest.mark.parametrize("cap_mib", [600, 790, 795, 800])
+def test_a_4096_context_under_a_tight_cap_is_an_error_or_works_never_a_dead_worker(gemma_path: Path,
+                                                                                    cap_mib: int) -> None:
+    # Measured here: at 600 MiB the context surely cannot fit (refused before llama.cpp allocates); at 790
+    # and 795 its buffers fitted but the compute threads' stacks did not, and libgomp ended the worker at
+    # the first decode; 800 fits. Every cap gives a ContextError naming the cap or a working context.
+    limit = cap_mib << 20
+    with Pool(1, memory_limit=limit) as pool:
+        model = pool[0].load_model(gemma_path)
+        try:
+            ctx = model.new_context(n_ctx=4096)
+        except ContextError as exc:
+            assert f"memory_limit={limit}" in str(exc)
+        else:
+            assert ctx.generate("The capital of France is", n_predict=4, ignore_eos=True).n_decoded == 4
+            ctx.close()
+        assert pool[0].alive and model.tokenize("Hello")
+        if cap_mib == 600:
+            with pytest.raises(ContextError, match="needs at least"):
+                model.new_context(n_ctx=4096)
+
+
 def test_memory_limit_names_the_option_for_a_model_without_mmap(gemma_path: Path, tiny_model: Path) -> None:
     # Measured data segment of a worker (RLIMIT_DATA counts it): ~105 MB at start, ~146 MB after the failed
     # heap load (glibc keeps what the failed load freed), ~210 MB once Gemma is mapped (its repacked Q4_K

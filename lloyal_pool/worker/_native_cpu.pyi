@@ -30,6 +30,14 @@ def set_log_level(level: int) -> None:
     Lines look like "[llama.cpp W] ...". Warnings and errors are remembered whatever the level, for the
     messages of ModelLoadError/ContextError/GrammarError. ValueError outside [0, 4]."""
 
+def _test_ggml_assert(value: int) -> None:
+    """Test only: a real GGML_ASSERT that fails for 0x6a6d, aborting the process (SIGABRT) after writing
+    "lloyal worker: GGML abort: <file:line: GGML_ASSERT(...) failed>" to fd 2."""
+
+def _grammar_slices_check(model: Model, gbnf: str, tokens: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Test only: before and after accepting each token in turn, the tokens llama.cpp's own grammar
+    sampler allows over the whole vocabulary, and those ours allows (sliced, interruptible)."""
+
 def json_schema_to_grammar(schema_json: str) -> str:
     """llama.cpp's own JSON-schema -> GBNF converter. Raises GrammarError on an invalid schema."""
 
@@ -420,9 +428,11 @@ class Context:
         """dst.snapshot += alpha * sum(expert snapshots); every branch needs logits (BranchError; dst may be
         one of the experts). After set_logits/merge_logits a produced-but-uncommitted sample no longer
         counts for the sampling perplexity."""
-    def produce(self, branches: Sequence[int]) -> list[tuple[int, bytes, bool]]:
+    def produce(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool]]:
         """(token, piece, is_stop) per branch, sampled from its snapshot; nothing but the PRNGs changes.
-        Token -1 (piece b"", is_stop True) when nothing is allowed. BranchError: duplicates, no logits."""
+        Token -1 (piece b"", is_stop True) when nothing is allowed. BranchError: duplicates, no logits.
+        InterruptedByClient when the interrupt word names request_id during a long grammar step: then
+        no branch changed."""
     def commit(self, pairs: Sequence[tuple[int, int]], request_id: int = 0) -> None:
         """One llama_decode for every (branch, token) (at most n_batch, else ValueError). All or nothing:
         GrammarError (a token the grammar refuses), DecodeError (KV full), InterruptedByClient leave every

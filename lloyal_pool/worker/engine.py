@@ -323,6 +323,10 @@ class Engine:
         params = req.params
         if self.default_threads and params.get("n_threads") is None:
             params = {**params, "n_threads": self.default_threads}
+        cap = _memory_cap()
+        if cap is not None and getattr(self.native, "variant", "cpu") == "cpu":
+            # On the CPU every buffer of the context is heap the cap counts (a GPU build's are not).
+            _refuse_over_cap(cap, _context_lower_bound(entry.native.info(), params), "needs at least")
         try:
             native = self.native.Context(entry.native, params, self.arena)
         except (ContextError, MemoryError) as exc:
@@ -333,6 +337,11 @@ class Engine:
             raise self._region_full(entry) from None
         if self.single_threaded:
             native.set_threads(1, 1)
+        if cap is not None:
+            # The buffers fitted, but the threads llama.cpp starts at the first decode need their stacks
+            # under the same cap (past it libgomp exits the worker): refuse now, the context freed.
+            _refuse_over_cap(cap, _thread_headroom(max(native.n_threads, native.n_threads_batch)),
+                             "leaves too little for its compute threads, which need")
         slot = self._free_slots.pop()
         self.region.set_interrupt(slot, 0)
         # The native side indexes u64 words from the start of the region.
@@ -654,7 +663,7 @@ class Engine:
 
     @handles(p.Produce)
     def produce(self, req: p.Produce, call: Call) -> list[tuple[int, bytes, bool]]:
-        return list(self._context(req.context).native.produce(req.branches))
+        return list(self._context(req.context).native.produce(req.branches, call.request_id))
 
     # The decoding calls report the time spent inside llama_decode, so a caller can tell its overhead,
     # and the state of every branch they changed, which the client's handles cache.
@@ -854,6 +863,51 @@ def _under_memory_cap(exc: BaseException, error: type[LloyalError], failed_alloc
     if limit is None:
         return exc if isinstance(exc, error) else error(f"{what}: {message}")
     return error(f"{advice.format(limit=limit)} ({message})")
+
+
+def _data_in_use() -> int:
+    """What RLIMIT_DATA counts now (VmData: heap and private writable mappings), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _context_lower_bound(info: dict[str, Any], params: dict[str, Any]) -> int:
+    """Bytes a context surely allocates: the logits of one micro-batch in its compute buffer, its output
+    rows and its KV cache at one byte an element (llama.cpp's own buffers are larger)."""
+    n_vocab = int(info.get("n_vocab", 0))
+    n_ctx = int(params.get("n_ctx") or info.get("n_ctx_train") or 0)
+    n_ubatch = min(int(params.get("n_ubatch") or 512), int(params.get("n_batch") or 2048), max(n_ctx, 1))
+    n_seq = int(params.get("n_seq_max") or 1)
+    n_head = max(int(info.get("n_head", 0)), 1)
+    head_dim = int(info.get("n_embd", 0)) // n_head
+    kv = n_ctx * int(info.get("n_layer", 0)) * int(info.get("n_head_kv", 0)) * head_dim * 2
+    logits = 0 if params.get("embeddings") else n_vocab * 4 * (n_ubatch + n_seq)
+    return logits + kv
+
+
+def _thread_headroom(n_threads: int) -> int:
+    """A stack for each compute thread besides the calling one (glibc maps RLIMIT_STACK's size for each,
+    and RLIMIT_DATA counts it), and a little room for a decode's own small allocations."""
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    if stack == resource.RLIM_INFINITY or stack <= 0:
+        stack = 8 << 20
+    return (max(n_threads, 1) - 1) * int(stack) + (2 << 20)
+
+
+def _refuse_over_cap(cap: int, need: int, what: str) -> None:
+    """ContextError naming the cap when `need` bytes do not fit in what the cap leaves."""
+    left = cap - _data_in_use()
+    if need > left:
+        raise ContextError(
+            f"the context does not fit under this worker's memory cap, Pool(memory_limit={cap}) bytes: it {what} "
+            f"about {need / (1 << 20):.0f} MiB and {max(left, 0) / (1 << 20):.0f} MiB are left: raise memory_limit "
+            f"or lower n_ctx")
 
 
 def _name_memory_limit(exc: ContextError | MemoryError) -> BaseException:

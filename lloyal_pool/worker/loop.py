@@ -38,6 +38,8 @@ def _fault(engine: Engine, req: p.Fault, call: Call) -> Any:
         faulthandler._sigsegv()  # type: ignore[attr-defined]
     elif kind == "abort":
         os.abort()
+    elif kind == "ggml_abort":
+        engine.native._test_ggml_assert(0x6A6D)
     elif kind == "exit":
         os._exit(req.code)
     elif kind == "hang":
