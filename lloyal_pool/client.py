@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from .session import Session
     from .snapshot import Snapshot
 
-log = logging.getLogger("lloyal_pool")
+_log = logging.getLogger("lloyal_pool")
 #: The most threads a context takes (ggml's GGML_MAX_N_THREADS).
 MAX_THREADS = 512
 ProgressCallback = Callable[[float], None]
@@ -182,6 +182,8 @@ class Instance:
                                  "may not read it (Pool(allowed_dirs=...))")
         req = p.LoadModel(path=abspath, n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
+        if progress is not None and not callable(progress):
+            raise BadRequestError(f"the progress callback must be callable, got {type(progress).__name__}")
         failed: list[BaseException] = []
 
         def guarded(fraction: float) -> None:
@@ -1186,7 +1188,7 @@ class Pool:
             try:
                 callback(event)
             except Exception:
-                log.exception("a Pool.subscribe() callback raised on %s", event.kind)
+                _log.exception("a Pool.subscribe() callback raised on %s", event.kind)
 
     def _release(self, proc: WorkerProcess, timeout: float = 5.0) -> None:
         proc.close(timeout)

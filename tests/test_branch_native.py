@@ -177,19 +177,26 @@ def test_batched_commit_of_eight_matches_single_commits_closely(gemma_model: Any
 
 # -- rollback ------------------------------------------------------------------------------------------
 
-def test_commit_rollback_when_the_cache_is_full(gemma_model: Any) -> None:
-    # Fill the 64 cells asked for so that an 8-branch commit cannot fit.
-    x = Ctx(gemma_model, n_ctx=64, n_seq_max=16)
-    assert x.c.kv_pressure()["n_ctx"] == 64  # sequence mode: what was asked for
+def _eight_branches_near_full(x: Any, gemma_model: Any) -> tuple[Any, list[Any]]:
+    """A sampled root prefilled to 29 cells short of the context, and 7 forks reseeded apart: a few
+    8-branch commits fill it."""
     root = x.create({"temperature": 1.0, "seed": 7})
     cells = x.c.kv_pressure()["n_ctx"]
-    assert cells == 64  # branch mode too: what was asked for, not llama.cpp's 256 padded cells
     text = " ".join(["the river runs past the old mill and the hills"] * 40)
     prompt = gemma_model.tokenize(text, True, True)[: cells - 8 * 3 - 5]
     x.c.prefill([(root, prompt)])
     hs = [root] + [x.fork(root) for _ in range(7)]
     for i, h in enumerate(hs[1:]):
         x.c.branch_reseed(h, 100 + i)
+    return root, hs
+
+
+def test_commit_rollback_when_the_cache_is_full(gemma_model: Any) -> None:
+    # Fill the 64 cells asked for so that an 8-branch commit cannot fit.
+    x = Ctx(gemma_model, n_ctx=64, n_seq_max=16)
+    assert x.c.kv_pressure()["n_ctx"] == 64  # sequence mode: what was asked for
+    root, hs = _eight_branches_near_full(x, gemma_model)
+    assert x.c.kv_pressure()["n_ctx"] == 64  # branch mode too: what was asked for, not 256 padded cells
     failed = False
     for _ in range(10):
         toks = [t for t, _p, _s in x.c.produce(hs)]
@@ -224,14 +231,7 @@ def test_step_rollback_when_the_cache_is_full(gemma_model: Any) -> None:
     # step() = produce + commit: when the commit half fails, the sampling half is undone too (PRNG
     # draws, last token), so the next produce() draws what the failed step drew.
     x = Ctx(gemma_model, n_ctx=64, n_seq_max=32)
-    root = x.create({"temperature": 1.0, "seed": 7})
-    cells = x.c.kv_pressure()["n_ctx"]
-    text = " ".join(["the river runs past the old mill and the hills"] * 40)
-    prompt = gemma_model.tokenize(text, True, True)[: cells - 8 * 3 - 5]
-    x.c.prefill([(root, prompt)])
-    hs = [root] + [x.fork(root) for _ in range(7)]
-    for i, h in enumerate(hs[1:]):
-        x.c.branch_reseed(h, 100 + i)
+    _root, hs = _eight_branches_near_full(x, gemma_model)
     failed = False
     for _ in range(10):
         twins = [x.fork(h) for h in hs]  # same PRNG state, snapshot and last token, before the step
