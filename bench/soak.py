@@ -297,10 +297,12 @@ class Snapshot:
     tmp: set[str]
     dev_shm: set[str]
     children: dict[int, str]
+    threads: dict[int | None, str]
 
     @classmethod
     def take(cls) -> Snapshot:
-        return cls(_fd_targets(), _memfd_maps(), _tmp_entries(), _dev_shm(), _children())
+        return cls(_fd_targets(), _memfd_maps(), _tmp_entries(), _dev_shm(), _children(),
+                   {t.ident: t.name for t in threading.enumerate()})
 
 
 def _foreign(path: str) -> bool:
@@ -338,6 +340,9 @@ def leaks(before: Snapshot, temp_dir: str, private_tmp: str) -> tuple[dict[str, 
             "fds": [f"{fd} -> {t}" for fd, t in after.fds.items() if fd not in before.fds],
             "dev_shm": sorted(after.dev_shm - before.dev_shm),
             "temp_files": left,
+            # The spawner thread serves every pool of the process for its lifetime, by design.
+            "threads": sorted(name for ident, name in after.threads.items()
+                              if ident not in before.threads and name != "lloyal-spawner"),
         }
         # Something on its way out (a child being reaped) gets a few seconds; a leak stays.
         if not any(found.values()) or time.monotonic() > deadline:
@@ -664,6 +669,8 @@ class Soak:
             "scheduler_errors": self.scheduler.errors if self.scheduler else [],
             "disruptions": [dataclasses.asdict(d) for d in self.disruptions],
             "stop_found_after_s": [round(d.died_t - d.t, 2) for d in stops if d.died_t is not None],
+            "kill_reported_after_s": [round(d.died_t - d.t, 3) for d in self.disruptions
+                                      if d.action == "SIGKILL" and d.died_t is not None],
             "replacements": self.replacements,
             "rss_mib": {"at_entry": round(rss_at_entry, 2), "start": round(rss_start[0], 2),
                         "end": round(rss_end[0], 2), "after_close": round(rss_closed[0], 2),
@@ -732,11 +739,11 @@ class Client:
             if slot is None or not slot.ready:
                 soak.cond.wait(0.2)
                 return False
-            if self.ctx is not None and slot.epoch == self.epoch and self.ctx.instance.alive:
-                return True
-            if slot.epoch == self.epoch and not slot.instance.alive:
+            if not slot.instance.alive:
                 soak.cond.wait(0.2)  # its death is being handled
                 return False
+            if self.ctx is not None and slot.epoch == self.epoch and self.ctx.instance.alive:
+                return True
             epoch, models = slot.epoch, dict(slot.models)
         self.drop()
         self.model = models[self.rng.choice(sorted(models))]
