@@ -941,7 +941,7 @@ def find_models(names: Sequence[str]) -> dict[str, str]:
             out[name] = str(default_model_path())
         elif name == "tiny":
             sys.path.insert(0, str(ROOT / "tests"))
-            from tinymodel import tiny_model_path
+            from tinymodel import tiny_model_path  # type: ignore[import-not-found]
 
             out[name] = str(tiny_model_path(ROOT / ".cache" / "test-models"))
         else:
