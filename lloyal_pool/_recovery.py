@@ -71,6 +71,8 @@ class Journal:
         self.checkpoint: bytes | None = None
         self.entries: list[p.Request[Any]] = []
         self.lost: str | None = None  # why the history cannot be rebuilt, or None
+        # Set while LoRA adapters are applied: every history computed under them is lost, until set_lora([]).
+        self._lora: str | None = None
         self._n_recorded = 0  # requests recorded so far: marks for checkpoints taken between them
 
     def mark(self) -> int:
@@ -85,10 +87,10 @@ class Journal:
             since = self._n_recorded - mark
             self.checkpoint = state
             self.entries = self.entries[len(self.entries) - since:] if since else []
-            self.lost = None if not since else self.lost
+            self.lost = self._lora if not since else self.lost
 
     def _start(self, entries: list[p.Request[Any]], lost: str | None = None) -> None:
-        self.checkpoint, self.entries, self.lost = None, entries, lost
+        self.checkpoint, self.entries, self.lost = None, entries, lost or self._lora
 
     def record(self, req: p.Request[Any], fut: Future[Any], handle: int) -> None:
         """A done-callback of every request on the context (the reader thread runs them in reply order);
@@ -139,8 +141,9 @@ class Journal:
             self._start([])  # a generation context's rerank leaves it empty
         elif isinstance(req, p.SetLora):
             if req.adapters:
-                self.lost = "LoRA adapters are applied (they are not replayed)"
+                self._lora = self.lost = "LoRA adapters are applied (they are not replayed)"
             else:
+                self._lora = None
                 self._start([])  # set_lora([]) that changed anything emptied the context
         elif isinstance(req, p.LoadState):
             self.lost = "a state was loaded from a file (checkpoint() after it to make the context recoverable)"
@@ -196,7 +199,6 @@ class HandleMap:
     def __init__(self) -> None:
         self.models: dict[int, int] = {}
         self.contexts: dict[int, int] = {}
-        self.loras: dict[int, int] = {}
         self.lost_contexts: dict[int, str] = {}
 
     def remap(self, req: p.Request[Any]) -> p.Request[Any] | None:
@@ -323,9 +325,7 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError)
             if adapter.closed:
                 continue
             try:
-                again = proc.call(p.LoadLora(model=loaded.model, path=adapter.path)).result()
-                handles.loras[adapter._handle] = again.lora
-                adapter._handle = again.lora
+                adapter._handle = proc.call(p.LoadLora(model=loaded.model, path=adapter.path)).result().lora
             except Exception as exc:
                 adapter._closed = True
                 log.error("[recover] LoRA adapter %s could not be loaded again: %s", adapter.path, exc)

@@ -136,3 +136,24 @@ def test_checkpoint_needs_recover(tiny_model: Path) -> None:
         ctx.eval("Hi")
         with pytest.raises(ContextError, match="recover=True"):
             ctx.checkpoint()
+
+
+def test_lora_adapters_come_back_and_a_lora_context_is_lost(tiny_model: Path, tmp_path: Path) -> None:
+    from loras import attention_shapes, write_lora
+
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(tiny_model)
+        path = write_lora(tmp_path / "a.gguf", "llama", attention_shapes(model.info, range(model.info.n_layer)),
+                          rank=4, seed=1)
+        adapter = model.load_lora(path)
+        with_lora = model.new_context(n_ctx=256)
+        with_lora.set_lora([(adapter, 1.0)])
+        with_lora.generate("Hello", n_predict=4)
+        old_handle = adapter._handle
+        _kill_and_wait(pool)
+        with pytest.raises(DeadWorkerError, match="LoRA"):
+            with_lora.tokens()  # what it held was computed under the adapter: not replayed
+        fresh = model.new_context(n_ctx=256)
+        assert fresh.set_lora([(adapter, 1.0)])  # the adapter was loaded again in the replacement
+        assert fresh.generate("Hello", n_predict=4).n_decoded == 4
+        assert not adapter.closed and isinstance(old_handle, int)
