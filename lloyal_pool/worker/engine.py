@@ -217,7 +217,6 @@ class Engine:
         emit = call.emit
 
         def progress(fraction: float) -> bool:
-            self.region.beat()  # a large file loads for longer than a hang timeout
             # llama.cpp reports hundreds of steps; a percent is enough for a progress bar.
             if emit is not None and (fraction - last[0] >= 0.01 or fraction >= 1.0):
                 last[0] = fraction

@@ -132,7 +132,6 @@ class WorkerLoop:
                 self.zygote.fork(self, req_id, req)  # replies itself; returns in the child too
                 return
             result = self.engine.handle(req, req_id, emit)
-            self.engine.region.beat()
             # Packed here, so that a result too big for one frame (or not msgpack-able) fails this
             # request instead of the worker.
             frame = pack(Kind.RESPONSE, req_id, result)
