@@ -1076,9 +1076,9 @@ class Pool:
             raise InvalidArgumentError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")
         for name, value in (env or {}).items():
             if not isinstance(name, str) or not name or "=" in name or "\0" in name:
-                raise ValueError(f"env: {name!r} is not an environment variable name")
+                raise InvalidArgumentError(f"env: {name!r} is not an environment variable name")
             if value is not None and (not isinstance(value, str) or "\0" in value):
-                raise TypeError(f"env[{name!r}] must be a str, or None to pass ours through; got {value!r}")
+                raise InvalidArgumentError(f"env[{name!r}] must be a str, or None to pass ours through; got {value!r}")
         if memory_limit is not None and memory_limit <= 0:
             raise InvalidArgumentError(f"memory_limit is a positive number of bytes, got {memory_limit}")
         _check_options(size, shm_bytes, shm_backend, threads_per_worker)

@@ -296,6 +296,9 @@ class ContextParams:
     type_v: str | None = None
     swa_full: bool = True  # full-size sliding-window cache, so any part of a sequence can be removed
     flash_attn: str | None = None  # "auto" | "on" | "off"
+    # Compute with fewer threads while other processes hold the cores (docs/RELIABILITY.md, "A busy machine");
+    # False keeps the thread count fixed. CPU builds only.
+    adapt_threads: bool = True
 
     def __post_init__(self) -> None:
         # None is how the other fields leave a choice to llama.cpp; n_ctx has a value of its own for that (0).
@@ -323,6 +326,7 @@ class Result(msgspec.Struct, frozen=True):
     decode_ms: float
     n_drafted: int = 0  # generate_with_draft: tokens the drafter proposed
     n_accepted: int = 0  # ... and of those, the ones the target's sampler chose too
+    n_threads: int = 0  # the threads its last decode computed with: fewer than asked while the machine was busy
 
     @property
     def interrupted(self) -> bool:

@@ -103,5 +103,7 @@ std::optional<grammar_spec> parse_grammar(py::handle spec, const Model & model);
 std::vector<std::pair<llama_token, float>> parse_logit_bias(py::handle bias, const Model & model);
 // The context params dict (see the stub's Context); ContextError for unknown keys and bad values.
 llama_context_params parse_context_params(const py::dict & params);
+// The context param adapt_threads (default true): whether the thread governor may lower the threads.
+bool parse_adapt_threads(const py::dict & params);
 
 }  // namespace lloyal

@@ -19,9 +19,13 @@ py_context::py_context(std::shared_ptr<Model> model, const py::dict & params, st
         throw context_error("arena is None");
     }
     const llama_context_params cp = parse_context_params(params);
+    const bool adapt_threads = parse_adapt_threads(params);
     {
         gil_release nogil;
         core = std::make_unique<context_core>(std::move(model), cp, arena->arena);
+    }
+    if (!adapt_threads) {
+        core->set_adapt_threads(false);
     }
     sequence = std::make_unique<sequence_driver>(*core);
     branches = std::make_unique<branch_driver>(*core);
@@ -195,6 +199,7 @@ py::dict result_dict(const generate_result & r) {
     d["decode_ms"] = r.decode_ms;
     d["n_drafted"] = r.n_drafted;
     d["n_accepted"] = r.n_accepted;
+    d["n_threads"] = r.n_threads;
     return d;
 }
 
@@ -349,7 +354,7 @@ void register_context(py::module_ & m) {
             if (n_threads < 1 || n_threads_batch < 1) {
                 throw py::value_error("thread counts must be at least 1");
             }
-            llama_set_n_threads(c.core->get(), n_threads, n_threads_batch);
+            c.core->set_threads(n_threads, n_threads_batch);
         }, py::arg("n_threads"), py::arg("n_threads_batch"))
         .def_property_readonly("last_decode_ms", [](const py_context & c) { return c.core->decode_ms(); })
         .def_property_readonly("logits_offset", [](const py_context & c) { return c.core->logits_block().offset(); })

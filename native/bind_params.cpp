@@ -211,7 +211,7 @@ const std::set<std::string> & known_context_keys() {
     static const std::set<std::string> keys = {
         "n_ctx",      "n_batch",         "n_ubatch", "n_threads", "n_threads_batch", "n_seq_max", "embeddings",
         "rope_freq_base", "rope_freq_scale", "type_k", "type_v",  "swa_full",        "flash_attn",
-        "pooling",
+        "pooling",    "adapt_threads",
     };
     return keys;
 }
@@ -444,6 +444,10 @@ std::vector<std::pair<llama_token, float>> parse_logit_bias(py::handle bias, con
         out.emplace_back(tok, static_cast<float>(b));
     }
     return normalized_bias(std::move(out));
+}
+
+bool parse_adapt_threads(const py::dict & params) {
+    return !params.contains("adapt_threads") || ctx_bool(params, "adapt_threads");
 }
 
 llama_context_params parse_context_params(const py::dict & params) {

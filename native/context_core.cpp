@@ -140,6 +140,10 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
     n_seq_max = llama_n_seq_max(ctx_);
     n_threads = llama_n_threads(ctx_);
     n_threads_batch = llama_n_threads_batch(ctx_);
+    applied_ = {n_threads, n_threads_batch};
+    governor_.set_wanted(n_threads, n_threads_batch);
+    // Elsewhere the decode's work is on a device, and the CPU time of its threads says nothing about it.
+    governor_.set_enabled(std::string_view(LLOYAL_VARIANT_NAME) == "cpu");
     n_swa = llama_model_n_swa(lm);
     n_cells = llama_n_ctx(ctx_);
     swa_full = cp.swa_full;
@@ -180,15 +184,33 @@ bool context_core::interrupt_requested() const {
     return __atomic_load_n(interrupt_word_, __ATOMIC_ACQUIRE) == id;
 }
 
+void context_core::set_threads(int32_t n, int32_t n_batch) {
+    governor_.set_wanted(n, n_batch);
+    applied_ = {n, n_batch};
+    llama_set_n_threads(ctx_, n, n_batch);
+}
+
 int32_t context_core::decode(int32_t n) {
+    const thread_governor::threads t = governor_.before_decode(now_us());
+    if (t.n != applied_.n || t.n_batch != applied_.n_batch) {
+        llama_set_n_threads(ctx_, t.n, t.n_batch);
+        applied_ = t;
+    }
+    last_decode_threads_ = n > 1 ? t.n_batch : t.n;
     const int64_t t0 = now_us();
+    const cpu_usage use0 = governor_.enabled() ? process_cpu_usage() : cpu_usage{0, 0};
     batch_.n_tokens = n;
     ++n_decodes_;
     const int32_t ret = llama_decode(ctx_, batch_);
+    const int64_t t1 = now_us();
+    if (governor_.enabled()) {
+        const cpu_usage use1 = process_cpu_usage();
+        governor_.after_decode(n > 1, t1 - t0, use1.cpu_us - use0.cpu_us, use1.preempted - use0.preempted, t1);
+    }
     if (aborting_.exchange(false, std::memory_order_relaxed)) {
         log_abort_end();
     }
-    decode_us_ += now_us() - t0;
+    decode_us_ += t1 - t0;
     return ret;
 }
 

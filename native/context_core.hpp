@@ -7,6 +7,7 @@
 #include "common.hpp"
 #include "lora.hpp"
 #include "model.hpp"
+#include "thread_governor.hpp"
 
 #include <atomic>
 #include <functional>
@@ -115,6 +116,14 @@ class context_core {
     // added to the decode timer, which every decoding call of a driver starts from zero.
     int32_t decode(int32_t n);
     void reset_decode_timer() { decode_us_ = 0; }
+    // The threads llama.cpp computes with from now on (n_threads/n_threads_batch keep the values the
+    // context was created with); the governor may use fewer while the machine is busy.
+    void set_threads(int32_t n, int32_t n_batch);
+    // Whether the governor may lower the threads (the adapt_threads context param; CPU builds only).
+    void set_adapt_threads(bool on) { governor_.set_enabled(on); }
+    bool adapt_threads() const { return governor_.enabled(); }
+    // The threads the last decode computed with (0 before the first).
+    int32_t last_decode_threads() const { return last_decode_threads_; }
     // How many llama_decode calls this context has made: logits kept aside (a state load, a scoring
     // pass) belong to the context only while no decode has replaced llama.cpp's output since.
     uint64_t n_decodes() const { return n_decodes_; }
@@ -133,6 +142,9 @@ class context_core {
     int64_t decode_us_ = 0;
     progress_fn progress_;
     uint64_t n_decodes_ = 0;
+    thread_governor governor_;
+    thread_governor::threads applied_{0, 0};  // what llama.cpp was last told
+    int32_t last_decode_threads_ = 0;
 
     std::atomic<bool> busy_{false};
     const uint64_t * interrupt_word_ = nullptr;

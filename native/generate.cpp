@@ -356,6 +356,7 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
     res.n_prompt = plan.tokens.size();
     res.n_cached = plan.n_cached;
     res.n_past = history_.size();
+    res.n_threads = core_.last_decode_threads();
     return res;
 }
 

@@ -50,6 +50,7 @@ struct generate_result {
     std::string stop_reason;  // "eos" | "length" | "stop" | "interrupted"
     double prompt_ms = 0.0;
     double decode_ms = 0.0;
+    int32_t n_threads = 0;  // the threads the call's last decode computed with (thread_governor.hpp)
 };
 
 // What score() and score_choices() report for one text (score.cpp).

@@ -584,7 +584,7 @@ BAD_CONTEXT_PARAMS: list[dict[str, Any]] = [
     {"n_threads": 0}, {"n_threads": 10**6}, {"n_threads_batch": -1}, {"type_k": "not-a-type"},
     {"type_v": "bogus"}, {"flash_attn": "maybe"}, {"rope_freq_base": NAN}, {"rope_freq_scale": INF},
     {"rope_freq_base": -1.0}, {"pooling": "mean"}, {"embeddings": True, "pooling": "average"},
-    {"n_batch": 2, "n_seq_max": 5}, {"swa_full": "yes"},
+    {"n_batch": 2, "n_seq_max": 5}, {"swa_full": "yes"}, {"adapt_threads": "no"}, {"adapt_threads": 0},
 ]
 
 
@@ -730,6 +730,10 @@ BAD_POOL_OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("shm_str", {"shm_bytes": "64M"}, "shm_bytes"),
     ("shm_float", {"shm_bytes": 1e9}, "shm_bytes"),
     ("shm_petabyte", {"shm_bytes": 1 << 50}, "shm_bytes"),
+    ("env_empty_name", {"env": {"": "x"}}, "env"),
+    ("env_name_with_equals", {"env": {"A=B": "x"}}, "env"),
+    ("env_value_not_str", {"env": {"OMP_NUM_THREADS": 4}}, "env"),
+    ("env_value_nul", {"env": {"X": "a\0b"}}, "env"),
 ]
 
 

@@ -252,3 +252,34 @@ def test_a_killed_parent_leaves_no_temporary_directory(tmp_path: Path, tiny_mode
                        for p in pids)
     finally:
         parent.kill()
+
+
+# -- a busy machine ----------------------------------------------------------------------------------
+def _hogs() -> list[subprocess.Popen[bytes]]:
+    """A busy process per usable CPU, each in a session of its own, as another desktop app would be."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in os.sched_getaffinity(0)]
+
+
+def test_a_busy_machine_lowers_the_threads_and_a_quiet_one_restores_them(gemma_path: Path) -> None:
+    with Pool(1, threads_per_worker=2) as pool:
+        model = pool[0].load_model(gemma_path)
+        ctx = model.new_context(n_ctx=256)
+        fixed = model.new_context(n_ctx=256, adapt_threads=False)
+        assert ctx.generate("Hello", n_predict=8, ignore_eos=True).n_threads == 2
+        assert fixed.generate("Hello", n_predict=8, ignore_eos=True).n_threads == 2
+        hogs = _hogs()
+        try:
+            busy = [ctx.generate("Hello", n_predict=16, ignore_eos=True).n_threads for _ in range(3)]
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        assert busy[-1] == 1, busy
+        after = []
+        for _ in range(10):
+            time.sleep(0.05)
+            after.append(ctx.generate("Hello", n_predict=16, ignore_eos=True).n_threads)
+            if after[-1] == 2:
+                break
+        assert after[-1] == 2, after

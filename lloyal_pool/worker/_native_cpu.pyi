@@ -149,8 +149,8 @@ class Context:
     @property
     def n_threads_batch(self) -> int: ...
     def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
-        """The threads llama.cpp computes with from now on; n_threads and n_threads_batch keep the values
-        the context was created with. ValueError below 1."""
+        """The threads llama.cpp computes with from now on (at most: see adapt_threads); n_threads and
+        n_threads_batch keep the values the context was created with. ValueError below 1."""
     @property
     def last_decode_ms(self) -> float:
         """Time inside llama_decode during the last call that decoded (eval, generate, commit, prefill, step,
@@ -171,8 +171,9 @@ class Context:
         """params keys (all optional): n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch, n_seq_max,
         embeddings, pooling ("none", "mean", "cls", "last", "rank"; embeddings=True only), rope_freq_base,
         rope_freq_scale, type_k, type_v (ggml type names, e.g. "f16", "q8_0"), swa_full (default True),
-        flash_attn ("auto"/"on"/"off"). n_ctx 0 = the model's n_ctx_train. Raises ContextError for invalid
-        values.
+        flash_attn ("auto"/"on"/"off"), adapt_threads (default True: in a CPU build, decode with fewer
+        threads while other processes hold the cores; native/thread_governor.hpp). n_ctx 0 = the model's
+        n_ctx_train. Raises ContextError for invalid values.
 
         With embeddings=True: pooling missing = the model's GGUF pooling_type, or "mean" when it declares
         none; n_batch and n_ubatch default to 512 together, or both to the one given (llama.cpp pools per
