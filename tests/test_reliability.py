@@ -16,6 +16,7 @@ import pytest
 
 from lloyal_pool import (
     CallTimeoutError,
+    Context,
     DeadWorkerError,
     Pool,
     PoolClosedError,
@@ -261,12 +262,23 @@ def _hogs() -> list[subprocess.Popen[bytes]]:
             for _ in os.sched_getaffinity(0)]
 
 
+def _threads_until(ctx: Context, want: int, calls: int = 10) -> list[int]:
+    """n_threads of up to `calls` generations, stopping at the first that used `want` threads: the
+    governor returns to the asked-for count once it sees free cores, which a machine running other work
+    may take a moment to show."""
+    seen: list[int] = []
+    while len(seen) < calls and (not seen or seen[-1] != want):
+        seen.append(ctx.generate("Hello", n_predict=16, ignore_eos=True).n_threads)
+        time.sleep(0.05)
+    return seen
+
+
 def test_a_busy_machine_lowers_the_threads_and_a_quiet_one_restores_them(gemma_path: Path) -> None:
     with Pool(1, threads_per_worker=2) as pool:
         model = pool[0].load_model(gemma_path)
         ctx = model.new_context(n_ctx=256)
         fixed = model.new_context(n_ctx=256, adapt_threads=False)
-        assert ctx.generate("Hello", n_predict=8, ignore_eos=True).n_threads == 2
+        assert _threads_until(ctx, 2)[-1] == 2
         assert fixed.generate("Hello", n_predict=8, ignore_eos=True).n_threads == 2
         hogs = _hogs()
         try:
@@ -276,10 +288,5 @@ def test_a_busy_machine_lowers_the_threads_and_a_quiet_one_restores_them(gemma_p
                 h.kill()
                 h.wait()
         assert busy[-1] == 1, busy
-        after = []
-        for _ in range(10):
-            time.sleep(0.05)
-            after.append(ctx.generate("Hello", n_predict=16, ignore_eos=True).n_threads)
-            if after[-1] == 2:
-                break
+        after = _threads_until(ctx, 2)
         assert after[-1] == 2, after

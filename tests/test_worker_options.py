@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lloyal_pool import ContextError, ModelLoadError, Pool
+from lloyal_pool import ContextError, InvalidArgumentError, ModelLoadError, Pool
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -75,10 +75,9 @@ def test_worker_environment_is_the_allow_list(monkeypatch: pytest.MonkeyPatch) -
         assert _environ(pool[0].pid) == {"LLOYAL_TEST_SET": "given", "LLOYAL_TEST_PASSED": "ours"}
 
 
-@pytest.mark.parametrize(("env", "error"), [
-    ({"A=B": "x"}, ValueError), ({"": "x"}, ValueError), ({"A": 1}, TypeError), ({"A": "x\0y"}, TypeError)])
-def test_bad_env_is_refused_before_any_worker_starts(env: dict[str, object], error: type[Exception]) -> None:
-    with pytest.raises(error, match="env"):
+@pytest.mark.parametrize("env", [{"A=B": "x"}, {"": "x"}, {"A": 1}, {"A": "x\0y"}])
+def test_bad_env_is_refused_before_any_worker_starts(env: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgumentError, match="env"):
         Pool(1, env=env)  # type: ignore[arg-type]
 
 
