@@ -23,6 +23,8 @@ in the sample are recorded as skipped, so cosmic-ray's own `cr-report`/`cr-html`
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import math
 import random
 import shlex
@@ -70,31 +72,81 @@ def _test_command(tests: list[str]) -> str:
                      *map(shlex.quote, tests)])
 
 
-def _open(module: str, seed: int, sample: int) -> tuple[Any, list[Any]]:
-    """The module's session (created on first use) and its sample, in the order it runs."""
+def _annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where the module's annotations are. Every module here has ``from __future__ import annotations``, so
+    an annotation is a string nobody evaluates: cosmic-ray's mutants of it (``str | None`` -> ``str & None``,
+    half of client.py's) are equivalent by construction and are left out of the population."""
+    spans = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        found: list[ast.expr | None] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            found += [node.returns, *(arg.annotation for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs,
+                                                                  a.vararg, a.kwarg] if arg is not None)]
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+        spans += [((x.lineno, x.col_offset), (x.end_lineno or x.lineno, x.end_col_offset or 0))
+                  for x in found if x is not None]
+    return spans
+
+
+def _compiles(source: str, mutation: Any) -> bool:
+    """Whether the mutant is Python at all: cosmic-ray also turns the ``*`` of a keyword-only signature
+    into ``//`` and the like, a syntax error that any test would "kill". Those are left out of the sample."""
+    import cosmic_ray.plugins
+    from cosmic_ray.mutating import mutate_code
+
+    operator = cosmic_ray.plugins.get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
+    code = mutate_code(source, operator, mutation.occurrence)
+    try:
+        compile(code or "", "<mutant>", "exec")
+    except SyntaxError:
+        return False
+    return code is not None
+
+
+def _open(module: str, seed: int, sample: int) -> tuple[Any, list[Any], dict[str, Any]]:
+    """The module's session (created on first use), its sample in the order it runs, and the counts of
+    the population it was drawn from."""
     from cosmic_ray.commands import init
     from cosmic_ray.work_db import WorkDB
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     SESSIONS.mkdir(exist_ok=True)
     path = _session(module, seed)
+    meta_path = path.with_suffix(".json")
     fresh = not path.exists()
     db = WorkDB(str(path), WorkDB.Mode.create)
+    source = ROOT / _modules()[module]["path"]
     if fresh:
-        init([ROOT / _modules()[module]["path"]], db, {})
-    items = sorted(db.work_items, key=lambda w: (w.mutations[0].operator_name, w.mutations[0].occurrence))
-    if not fresh:  # the sample size the session was made with
-        skipped = sum(1 for _, r in db.results if r.worker_outcome == WorkerOutcome.SKIPPED)
-        sample = len(items) - skipped
-    chosen = random.Random(seed).sample(items, min(sample, len(items)))
-    if fresh:
-        ids = {w.job_id for w in chosen}
-        db.set_multiple_results([w.job_id for w in items if w.job_id not in ids],
-                                WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
-        listing = path.with_suffix(".sample.txt")
-        listing.write_text("".join(f"{_name(w.mutations[0])}\t{w.mutations[0].definition_name}\t"
-                                   f"line {w.mutations[0].start_pos[0]}\n" for w in chosen))
-    return db, chosen
+        init([source], db, {})
+    items = {w.job_id: w for w in db.work_items}
+    if not fresh:
+        meta = json.loads(meta_path.read_text())
+        return db, [items[job_id] for job_id in meta["chosen"]], meta
+    spans = _annotation_spans(source)
+    ordered = sorted(items.values(), key=lambda w: (w.mutations[0].operator_name, w.mutations[0].occurrence))
+    population = [w for w in ordered if not any(a <= tuple(w.mutations[0].start_pos) < b for a, b in spans)]
+    chosen: list[Any] = []
+    invalid = 0
+    text = source.read_text()
+    for w in random.Random(seed).sample(population, len(population)):
+        if len(chosen) == sample:
+            break
+        if _compiles(text, w.mutations[0]):
+            chosen.append(w)
+        else:
+            invalid += 1
+    meta = {"mutants": len(items), "in_annotations": len(items) - len(population), "sample": sample,
+            "invalid_seen": invalid, "chosen": [w.job_id for w in chosen]}
+    meta_path.write_text(json.dumps(meta))
+    ids = set(meta["chosen"])
+    db.set_multiple_results([job_id for job_id in items if job_id not in ids],
+                            WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+    path.with_suffix(".sample.txt").write_text("".join(
+        f"{_name(w.mutations[0])}\t{w.mutations[0].definition_name}\tline {w.mutations[0].start_pos[0]}\n"
+        for w in chosen))
+    return db, chosen, meta
 
 
 def _outcome(result: Any) -> str:
@@ -124,13 +176,34 @@ def _baseline(path: Path, tests: list[str]) -> float:
     return took
 
 
+def _stop_cleanly() -> None:
+    """SIGTERM or SIGINT (even where a background shell ignores it) end the run between two lines of
+    Python, so cosmic-ray puts the original source back; the test run under way, in its own session, goes
+    with it."""
+    import os
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        import psutil
+
+        for child in psutil.Process().children():
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from cosmic_ray.mutating import mutate_and_test
 
     module = _modules()[args.module]
     path = ROOT / module["path"]
     tests = args.tests or module["tests"]
-    db, chosen = _open(args.module, args.seed, args.sample)
+    db, chosen, _ = _open(args.module, args.seed, args.sample)
     done = dict(db.results)
     if args.only:
         wanted = set(args.only)
@@ -138,11 +211,12 @@ def cmd_run(args: argparse.Namespace) -> None:
         todo = chosen
     else:
         todo = [w for w in chosen if w.job_id not in done]
-    if args.max is not None:
+    if args.max is not None:  # the sample's order is random too: a prefix of it is a smaller random sample
         todo = todo[:args.max]
     if not todo:
         print(f"{args.module}: nothing to run ({len(chosen)} sampled, all done)")
         return
+    _stop_cleanly()
     timeout = args.timeout
     if timeout is None:
         took = _baseline(path, tests)
@@ -190,17 +264,18 @@ def cmd_report(args: argparse.Namespace) -> None:
             counts[outcome] = counts.get(outcome, 0) + 1
         db.close()
         counts.pop("skipped", None)
-        rows.append((module, int(seed), counts))
-    print(f"{'module':10} {'seed':>4} {'run':>4} {'killed':>6} {'timeout':>7} {'survived':>8} {'other':>5} "
-          f"{'score':>6}  95% CI")
-    for module, seed, c in rows:
+        meta = json.loads(path.with_suffix(".json").read_text())
+        rows.append((module, int(seed), meta["mutants"] - meta["in_annotations"], counts))
+    print(f"{'module':10} {'seed':>4} {'of':>5} {'run':>4} {'killed':>6} {'timeout':>7} {'survived':>8} "
+          f"{'other':>5} {'score':>6}  95% CI")
+    for module, seed, population, c in rows:
         killed, timed_out, survived = c.get("killed", 0), c.get("timeout", 0), c.get("survived", 0)
         other = sum(c.values()) - killed - timed_out - survived
         n = killed + timed_out + survived
         lo, hi = wilson(killed + timed_out, n)
         score = (killed + timed_out) / n if n else 0.0
-        print(f"{module:10} {seed:>4} {n:>4} {killed:>6} {timed_out:>7} {survived:>8} {other:>5} "
-              f"{score:>6.1%}  {lo:.1%}-{hi:.1%}")
+        print(f"{module:10} {seed:>4} {population:>5} {n:>4} {killed:>6} {timed_out:>7} {survived:>8} "
+              f"{other:>5} {score:>6.1%}  {lo:.1%}-{hi:.1%}")
 
 
 def cmd_show(args: argparse.Namespace) -> None:
