@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Sampled mutation testing of the parent-side modules with cosmic-ray (docs/TESTING.md).
+
+Every mutant of a module against the whole suite would take days on a small machine, so this runs a seeded
+random sample of each module's mutants against the test subset that exercises it (mutation.toml), and gives
+the score with a 95% Wilson interval:
+
+    python scripts/mutation.py run shm --seed 1 --sample 60        # resumable: done mutants are kept
+    python scripts/mutation.py run shm --seed 1 --only NAME ...      # re-run some (names from `show`)
+    python scripts/mutation.py show shm --seed 1 [--all]              # the survivors' diffs
+    python scripts/mutation.py report [--seed 1]                     # the per-module table
+
+cosmic-ray writes each mutant into the source file itself and puts the original back after its test run.
+That is what makes it work with the editable install: its import finder maps lloyal_pool's modules to
+these very files (a copy of the package elsewhere on sys.path would be ignored), for the parent and for
+the workers alike (`python -I -m lloyal_pool.worker` still reads site-packages' .pth). A mutant of shm.py
+therefore runs on both sides of the region, as a change to it would. No environment variable is involved.
+
+Sessions live in .mutation/ (cosmic-ray's sqlite work database, one per module and seed; the mutants not
+in the sample are recorded as skipped, so cosmic-ray's own `cr-report`/`cr-html` show the sample too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SESSIONS = ROOT / ".mutation"
+CONFIG = ROOT / "mutation.toml"
+
+
+def _config() -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import toml as tomllib  # type: ignore[no-redef]  # cosmic-ray's own dependency
+    with open(CONFIG, "rb") as f:
+        return tomllib.load(f)  # type: ignore[arg-type]
+
+
+def _modules() -> dict[str, dict[str, Any]]:
+    return dict(_config()["sample"])
+
+
+def _session(module: str, seed: int) -> Path:
+    return SESSIONS / f"{module}-seed{seed}.sqlite"
+
+
+def _name(mutation: Any) -> str:
+    """A mutant's stable name: its operator and occurrence (cosmic-ray's job ids are random)."""
+    return f"{mutation.operator_name}#{mutation.occurrence}"
+
+
+def _drop_bytecode(path: Path) -> None:
+    # Workers run in isolated mode (-I ignores PYTHONDONTWRITEBYTECODE) and cache the mutant's bytecode; a
+    # later mutant of the same size written within the same second would pass for it. Compile afresh.
+    for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+        pyc.unlink(missing_ok=True)
+
+
+def _test_command(tests: list[str]) -> str:
+    return " ".join([shlex.quote(sys.executable), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                     *map(shlex.quote, tests)])
+
+
+def _annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where the module's annotations are. Every module here has ``from __future__ import annotations``, so
+    an annotation is a string nobody evaluates: cosmic-ray's mutants of it (``str | None`` -> ``str & None``,
+    half of client.py's) are equivalent by construction and are left out of the population."""
+    spans = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        found: list[ast.expr | None] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            found += [node.returns, *(arg.annotation for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs,
+                                                                  a.vararg, a.kwarg] if arg is not None)]
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+        spans += [((x.lineno, x.col_offset), (x.end_lineno or x.lineno, x.end_col_offset or 0))
+                  for x in found if x is not None]
+    return spans
+
+
+def _compiles(source: str, mutation: Any) -> bool:
+    """Whether the mutant is Python at all: cosmic-ray also turns the ``*`` of a keyword-only signature
+    into ``//`` and the like, a syntax error that any test would "kill". Those are left out of the sample."""
+    import cosmic_ray.plugins
+    from cosmic_ray.mutating import mutate_code
+
+    operator = cosmic_ray.plugins.get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
+    code = mutate_code(source, operator, mutation.occurrence)
+    try:
+        compile(code or "", "<mutant>", "exec")
+    except SyntaxError:
+        return False
+    return code is not None
+
+
+def _open(module: str, seed: int, sample: int) -> tuple[Any, list[Any], dict[str, Any]]:
+    """The module's session (created on first use), its sample in the order it runs, and the counts of
+    the population it was drawn from."""
+    from cosmic_ray.commands import init
+    from cosmic_ray.work_db import WorkDB
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    SESSIONS.mkdir(exist_ok=True)
+    path = _session(module, seed)
+    meta_path = path.with_suffix(".json")
+    fresh = not path.exists()
+    db = WorkDB(str(path), WorkDB.Mode.create)
+    source = ROOT / _modules()[module]["path"]
+    if fresh:
+        init([source], db, {})
+    items = {w.job_id: w for w in db.work_items}
+    if not fresh:
+        meta = json.loads(meta_path.read_text())
+        return db, [items[job_id] for job_id in meta["chosen"]], meta
+    spans = _annotation_spans(source)
+    ordered = sorted(items.values(), key=lambda w: (w.mutations[0].operator_name, w.mutations[0].occurrence))
+    population = [w for w in ordered if not any(a <= tuple(w.mutations[0].start_pos) < b for a, b in spans)]
+    chosen: list[Any] = []
+    invalid = 0
+    text = source.read_text()
+    for w in random.Random(seed).sample(population, len(population)):
+        if len(chosen) == sample:
+            break
+        if _compiles(text, w.mutations[0]):
+            chosen.append(w)
+        else:
+            invalid += 1
+    meta = {"mutants": len(items), "in_annotations": len(items) - len(population), "sample": sample,
+            "invalid_seen": invalid, "chosen": [w.job_id for w in chosen]}
+    meta_path.write_text(json.dumps(meta))
+    ids = set(meta["chosen"])
+    db.set_multiple_results([job_id for job_id in items if job_id not in ids],
+                            WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+    path.with_suffix(".sample.txt").write_text("".join(
+        f"{_name(w.mutations[0])}\t{w.mutations[0].definition_name}\tline {w.mutations[0].start_pos[0]}\n"
+        for w in chosen))
+    return db, chosen, meta
+
+
+def _outcome(result: Any) -> str:
+    """killed, timeout, survived, or what went wrong (no-test: the operator found nothing to change)."""
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    if result.worker_outcome != WorkerOutcome.NORMAL:
+        return str(result.worker_outcome.value)
+    if result.test_outcome == TestOutcome.SURVIVED:
+        return "survived"
+    if result.test_outcome == TestOutcome.KILLED:
+        return "timeout" if result.output == "timeout" else "killed"
+    return "incompetent"
+
+
+def _baseline(path: Path, tests: list[str]) -> float:
+    """The unmutated subset must pass; its duration sets the per-mutant timeout."""
+    from cosmic_ray.testing import run_tests
+    from cosmic_ray.work_item import TestOutcome
+
+    _drop_bytecode(path)
+    start = time.monotonic()
+    outcome, output = run_tests(_test_command(tests), 3600)
+    took = time.monotonic() - start
+    if outcome != TestOutcome.SURVIVED:
+        sys.exit(f"the unmutated test subset fails:\n{output[-4000:]}")
+    return took
+
+
+def _stop_cleanly() -> None:
+    """SIGTERM or SIGINT (even where a background shell ignores it) end the run between two lines of
+    Python, so cosmic-ray puts the original source back; the test run under way, in its own session, goes
+    with it."""
+    import os
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        import psutil
+
+        for child in psutil.Process().children():
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from cosmic_ray.mutating import mutate_and_test
+
+    module = _modules()[args.module]
+    path = ROOT / module["path"]
+    tests = args.tests or module["tests"]
+    db, chosen, _ = _open(args.module, args.seed, args.sample)
+    done = dict(db.results)
+    if args.only:
+        wanted = set(args.only)
+        chosen = [w for w in chosen if _name(w.mutations[0]) in wanted]
+        todo = chosen
+    else:
+        todo = [w for w in chosen if w.job_id not in done]
+    if args.max is not None:  # the sample's order is random too: a prefix of it is a smaller random sample
+        todo = todo[:args.max]
+    if not todo:
+        print(f"{args.module}: nothing to run ({len(chosen)} sampled, all done)")
+        return
+    _stop_cleanly()
+    timeout = args.timeout
+    if timeout is None:
+        took = _baseline(path, tests)
+        timeout = 2 * took + 60
+        print(f"{args.module}: unmutated subset passes in {took:.0f}s; timeout per mutant {timeout:.0f}s", flush=True)
+    for i, item in enumerate(todo, 1):
+        if args.pause_while:
+            while Path(args.pause_while).exists():
+                time.sleep(30)
+        mutation = item.mutations[0]
+        _drop_bytecode(path)
+        start = time.monotonic()
+        try:
+            result = mutate_and_test(item.mutations, _test_command(tests), timeout)
+        finally:
+            _drop_bytecode(path)
+        db.set_result(item.job_id, result)
+        print(f"[{i}/{len(todo)}] {_name(mutation)} {mutation.definition_name} line {mutation.start_pos[0]}: "
+              f"{_outcome(result)} ({time.monotonic() - start:.0f}s)", flush=True)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of k successes in n trials."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from cosmic_ray.work_db import WorkDB
+
+    rows = []
+    for path in sorted(SESSIONS.glob("*-seed*.sqlite")):
+        module, seed = path.stem.rsplit("-seed", 1)
+        if args.seed is not None and int(seed) != args.seed:
+            continue
+        db = WorkDB(str(path), WorkDB.Mode.open)
+        counts: dict[str, int] = {}
+        for _, result in db.results:
+            outcome = _outcome(result)
+            counts[outcome] = counts.get(outcome, 0) + 1
+        db.close()
+        counts.pop("skipped", None)
+        meta = json.loads(path.with_suffix(".json").read_text())
+        rows.append((module, int(seed), meta["mutants"] - meta["in_annotations"], counts))
+    print(f"{'module':10} {'seed':>4} {'of':>5} {'run':>4} {'killed':>6} {'timeout':>7} {'survived':>8} "
+          f"{'other':>5} {'score':>6}  95% CI")
+    for module, seed, population, c in rows:
+        killed, timed_out, survived = c.get("killed", 0), c.get("timeout", 0), c.get("survived", 0)
+        other = sum(c.values()) - killed - timed_out - survived
+        n = killed + timed_out + survived
+        lo, hi = wilson(killed + timed_out, n)
+        score = (killed + timed_out) / n if n else 0.0
+        print(f"{module:10} {seed:>4} {population:>5} {n:>4} {killed:>6} {timed_out:>7} {survived:>8} "
+              f"{other:>5} {score:>6.1%}  {lo:.1%}-{hi:.1%}")
+
+
+def cmd_show(args: argparse.Namespace) -> None:
+    from cosmic_ray.work_db import WorkDB
+
+    db = WorkDB(str(_session(args.module, args.seed)), WorkDB.Mode.open)
+    results = dict(db.results)
+    for item in sorted(db.work_items, key=lambda w: w.mutations[0].start_pos):
+        result = results.get(item.job_id)
+        if result is None:
+            continue
+        outcome = _outcome(result)
+        if outcome == "skipped" or (outcome in ("killed", "timeout") and not args.all):
+            continue
+        mutation = item.mutations[0]
+        print(f"=== {_name(mutation)} {mutation.definition_name} line {mutation.start_pos[0]}: {outcome}")
+        print(result.diff or "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run a module's sample (resumes where it stopped)")
+    run.add_argument("module", choices=sorted(_modules()))
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--sample", type=int, default=60, help="mutants drawn (default 60)")
+    run.add_argument("--tests", nargs="+", help="the test subset (default: the module's in mutation.toml)")
+    run.add_argument("--timeout", type=float, help="seconds per mutant (default: 2x the unmutated run + 60)")
+    run.add_argument("--only", nargs="+", help="run these mutants again (names as `show` prints them)")
+    run.add_argument("--max", type=int, help="stop after this many mutants")
+    run.add_argument("--pause-while", metavar="FILE", help="wait between mutants while FILE exists")
+    run.set_defaults(func=cmd_run)
+    report = sub.add_parser("report", help="the per-module table")
+    report.add_argument("--seed", type=int)
+    report.set_defaults(func=cmd_report)
+    show = sub.add_parser("show", help="the surviving mutants' diffs")
+    show.add_argument("module", choices=sorted(_modules()))
+    show.add_argument("--seed", type=int, default=1)
+    show.add_argument("--all", action="store_true", help="killed ones too")
+    show.set_defaults(func=cmd_show)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
