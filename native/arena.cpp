@@ -31,7 +31,7 @@ region_arena::block region_arena::alloc(size_t nbytes) {
             return block(shared_from_this(), offset, need);
         }
     }
-    throw lloyal_error("the worker's shared-memory region has no room for " + std::to_string(need) +
+    throw region_full_error("the worker's shared-memory region has no room for " + std::to_string(need) +
                        " more bytes; create the Pool with a larger shm_bytes");
 }
 

@@ -26,6 +26,7 @@ struct error_classes {
     PyObject * result_too_large = nullptr;
     PyObject * state = nullptr;
     PyObject * chat_template = nullptr;
+    PyObject * region_full = nullptr;  // the native module's own RegionFullError (a ContextError)
 };
 
 error_classes g_classes;
@@ -52,7 +53,7 @@ void set_error(PyObject * cls, const char * what) {
 
 }  // namespace
 
-void register_errors(py::module_ &) {
+void register_errors(py::module_ & m) {
     py::module_ errors = py::module_::import("lloyal_pool.errors");
     g_classes.base = load_class(errors, "LloyalError");
     g_classes.model_load = load_class(errors, "ModelLoadError");
@@ -68,6 +69,16 @@ void register_errors(py::module_ &) {
     g_classes.result_too_large = load_class(errors, "ResultTooLargeError");
     g_classes.state = load_class(errors, "StateError");
     g_classes.chat_template = load_class(errors, "TemplateError");
+    // Not a public error: the engine catches it when a context's logits row does not fit and raises a
+    // ContextError that says which shm_bytes would (engine.py, Engine._region_full).
+    const std::string qualified = m.attr("__name__").cast<std::string>() + ".RegionFullError";
+    g_classes.region_full = PyErr_NewExceptionWithDoc(
+        qualified.c_str(), "No room in the worker's shared-memory region for a context's logits row.",
+        g_classes.context, nullptr);
+    if (g_classes.region_full == nullptr) {
+        throw py::error_already_set();
+    }
+    m.attr("RegionFullError") = py::handle(g_classes.region_full);
 
     // Most derived first: a catch clause for lloyal_error would also take every subclass.
     py::register_exception_translator([](std::exception_ptr p) {
@@ -101,6 +112,8 @@ void register_errors(py::module_ &) {
             set_error(g_classes.state, e.what());
         } catch (const template_error & e) {
             set_error(g_classes.chat_template, e.what());
+        } catch (const region_full_error & e) {
+            set_error(g_classes.region_full, e.what());
         } catch (const lloyal_error & e) {
             set_error(g_classes.base, e.what());
         } catch (const std::invalid_argument & e) {

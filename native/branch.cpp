@@ -115,7 +115,7 @@ void branch_driver::check_branch_capable() const {
 region_arena::block branch_driver::new_block() const {
     try {
         return core_.arena().alloc(static_cast<size_t>(core_.model().n_vocab()) * sizeof(float));
-    } catch (const lloyal_error & e) {
+    } catch (const region_full_error & e) {
         throw branch_error(std::string(e.what()) + " (every branch keeps its " +
                            std::to_string(static_cast<size_t>(core_.model().n_vocab()) * sizeof(float) >> 10) +
                            " KiB logits snapshot there)");

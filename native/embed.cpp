@@ -139,7 +139,7 @@ embed_result embed_driver::embed(const std::vector<std::vector<llama_token>> & i
     result_ = region_arena::block();  // the previous call's rows: the client has read them by now
     try {
         result_ = core_.arena().alloc(std::max<size_t>(n_rows * r.width * sizeof(float), 1));
-    } catch (const lloyal_error & e) {
+    } catch (const region_full_error & e) {
         throw result_too_large_error(std::to_string(n_rows) + " rows of " + std::to_string(r.width) +
                                      " floats do not fit: " + e.what() + " (or embed fewer texts per call)");
     }

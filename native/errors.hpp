@@ -68,6 +68,14 @@ struct state_error : lloyal_error {
     using lloyal_error::lloyal_error;
 };
 
+// No free block of the size asked for in the worker's shared-memory region (arena.cpp). A caller that
+// knows what the block was for says so in its own type (a branch's snapshot: branch_error; embedding
+// rows: result_too_large_error); a context's logits row reaches Python as the native module's
+// RegionFullError, a ContextError that the engine turns into advice on shm_bytes.
+struct region_full_error : lloyal_error {
+    using lloyal_error::lloyal_error;
+};
+
 // An all-or-nothing operation stopped by the interrupt word; nothing was changed.
 struct interrupted_error : lloyal_error {
     using lloyal_error::lloyal_error;

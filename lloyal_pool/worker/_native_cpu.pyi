@@ -10,6 +10,8 @@ TypeError.
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lloyal_pool.errors import ContextError
+
 variant: str  # "cpu", "cuda", "vulkan"
 
 def build_info() -> dict[str, Any]:
@@ -118,6 +120,10 @@ def set_heartbeat_word(buffer: memoryview | None, index: int = 0) -> None:
 
 def sampler_fields() -> list[str]:
     """The sampler params' names in the order native/sampling.hpp declares them (LLOYAL_SAMPLER_FIELDS)."""
+
+class RegionFullError(ContextError):
+    """No room in the worker's shared-memory region for a context's logits row (Context's constructor).
+    The engine turns it into a ContextError naming the shm_bytes that would hold one more."""
 
 class Arena:
     """The bulk area of a worker's shared region, in page-aligned blocks the native side hands out: one

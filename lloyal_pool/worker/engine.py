@@ -328,12 +328,10 @@ class Engine:
             _refuse_over_cap(cap, _context_lower_bound(entry.native.info(), params), "needs at least")
         try:
             native = self.native.Context(entry.native, params, self.arena)
+        except self.native.RegionFullError:
+            raise self._region_full(entry) from None
         except (ContextError, MemoryError) as exc:
             raise _name_memory_limit(exc) from None
-        except LloyalError as exc:
-            if type(exc) is not LloyalError or "shared-memory region has no room" not in str(exc):
-                raise
-            raise self._region_full(entry) from None
         if self.single_threaded:
             native.set_threads(1, 1)
         if cap is not None:
