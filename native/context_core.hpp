@@ -121,7 +121,6 @@ class context_core {
     void set_threads(int32_t n, int32_t n_batch);
     // Whether the governor may lower the threads (the adapt_threads context param; CPU builds only).
     void set_adapt_threads(bool on) { governor_.set_enabled(on); }
-    bool adapt_threads() const { return governor_.enabled(); }
     // The threads the last decode computed with (0 before the first).
     int32_t last_decode_threads() const { return last_decode_threads_; }
     // How many llama_decode calls this context has made: logits kept aside (a state load, a scoring
