@@ -29,6 +29,7 @@ from lloyal_pool import (
     StopReason,
     WorkerCrashedError,
 )
+from lloyal_pool import _process
 from lloyal_pool import protocol as p
 from lloyal_pool.errors import BranchError
 
@@ -87,6 +88,26 @@ def test_interrupt_stops_the_oldest_request_in_flight_not_a_queued_one(tctx: Con
     assert running.future.result(timeout=PATIENCE).stop_reason is StopReason.INTERRUPTED
     after = queued.result(timeout=PATIENCE)
     assert after.stop_reason is StopReason.LENGTH and after.n_decoded == 8
+
+
+def test_a_request_interrupted_while_being_sent_takes_no_later_interrupt(tiny_model: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C while a decoding request is written to the pipe (a large frame blocks there while the worker is
+    # busy) comes after its id was put in the context's list of requests in flight: left at its head, it
+    # would take every later interrupt() of the context.
+    def interrupted(fd: int, frame: bytes) -> None:
+        raise KeyboardInterrupt
+
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=4096)
+        with monkeypatch.context() as m:
+            m.setattr(_process, "write_frame", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                ctx.generate("Hello", n_predict=4)
+        running = ctx.stream("Count:", n_predict=0, ignore_eos=True)
+        next(running)
+        ctx.interrupt()
+        assert running.future.result(timeout=PATIENCE).stop_reason is StopReason.INTERRUPTED
 
 
 # -- process lifecycle ----------------------------------------------------------------------------------
