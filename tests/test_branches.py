@@ -430,3 +430,23 @@ def test_branches_refuse_a_window_sized_sliding_window_cache(gemma) -> None:  # 
         assert ctx.generate("Hello", n_predict=2).n_decoded == 2  # the context still serves
     finally:
         ctx.close()
+
+
+def test_logit_bias_through_the_pool_bans_and_clears(tiny: Model) -> None:
+    # The client's side of set_logit_bias (the native side has its own tests): a ban reaches the worker's
+    # sampler, and None or {} clear it.
+    ctx = tiny.new_context(n_ctx=256, n_seq_max=2)
+    try:
+        b = ctx.branch([1, 15043])  # greedy: produce() gives the top token, and changes nothing
+        top = b.produce().token
+        b.set_logit_bias({top: float("-inf")})
+        banned = b.produce().token
+        assert banned != top
+        b.clear_logit_bias()
+        assert b.produce().token == top
+        b.set_logit_bias({banned: float("-inf"), top: float("-inf")})
+        assert b.produce().token not in (top, banned)
+        b.set_logit_bias({})
+        assert b.produce().token == top
+    finally:
+        ctx.close()

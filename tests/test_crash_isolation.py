@@ -98,6 +98,17 @@ def test_exit_code_is_reported(fresh_pool: Pool) -> None:
     assert info.value.returncode == 42
 
 
+def test_a_crash_report_quotes_the_last_40_lines_of_stderr(fresh_pool: Pool) -> None:
+    # 101 lines on the worker's stderr (its stdout goes there too), then it dies: the error quotes the tail,
+    # the last 40 lines, ending with the last one written.
+    assert fresh_pool[0].fault("stdout").result(timeout=10) == "ok"
+    with pytest.raises(WorkerCrashedError) as info:
+        fresh_pool[0].fault("exit", code=3).result(timeout=10)
+    lines = info.value.stderr_tail.splitlines()
+    assert len(lines) == 40 and lines[-1] == "print() too"
+    assert lines[0] == "garbage on stdout must not reach the protocol"
+
+
 def test_unexpected_worker_exception_keeps_the_worker(fresh_pool: Pool) -> None:
     from lloyal_pool import RemoteError
 

@@ -113,6 +113,8 @@ def test_a_call_within_its_timeout_returns_normally(tiny_model: Path) -> None:
         ctx = pool[0].load_model(tiny_model, timeout=60).new_context(n_ctx=512)
         assert ctx.generate("Hi", n_predict=2, timeout=60).n_decoded == 2
         assert ctx.score("Hello there", timeout=60).n_scored > 0
+        stream = ctx.stream("Hi", n_predict=3, ignore_eos=True, timeout=60)
+        assert "".join(stream) == stream.result.text and stream.result.n_decoded == 3
         with pytest.raises(ValueError, match="timeout"):
             ctx.generate("Hi", n_predict=2, timeout=-1)
 

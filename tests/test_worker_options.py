@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lloyal_pool import ContextError, InvalidArgumentError, ModelLoadError, Pool
+from lloyal_pool import ContextError, InvalidArgumentError, ModelLoadError, Pool, WorkerStartupError
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -84,6 +84,14 @@ def test_bad_env_is_refused_before_any_worker_starts(env: dict[str, object]) -> 
 def test_bad_memory_limit_is_refused() -> None:
     with pytest.raises(ValueError, match="memory_limit"):
         Pool(1, memory_limit=0)
+
+
+def test_a_memory_limit_too_small_to_start_a_worker_says_so() -> None:
+    # A worker needs about 110 MiB of data before it loads a model: under a 48 MiB cap it cannot start, and
+    # the error says that this cap is the likely cause and how much a worker needs.
+    with pytest.raises(WorkerStartupError,
+                       match=r"memory_limit=50331648 bytes \(48 MiB\) is likely too small .* about 110 MiB"):
+        Pool(1, memory_limit=48 << 20)
 
 
 _OWNER = textwrap.dedent("""
