@@ -143,6 +143,9 @@ class _Spawner:
 
 _spawner = _Spawner()
 
+# The request pipe's write, one chunk at a time (a name of its own, so that a test can interrupt it).
+_pipe_write: Callable[[int, memoryview], int] = os.write
+
 
 def _worker_env(allowed: dict[str, str | None]) -> dict[str, str]:
     """A worker's whole environment: only what Pool(env=...) names (None: our value, when we have one).
@@ -411,11 +414,32 @@ class WorkerProcess:
                 raise
             if on_id is not None:
                 on_id(req_id)
-            try:
-                write_frame(self._req_w, frame)
-            except OSError:
-                pass  # the worker is gone; the reader thread fails this call with the cause
+            self._write_request(req_id, frame)
         return fut
+
+    def _write_request(self, req_id: int, frame: bytes) -> None:
+        """Writes a request's frame. A KeyboardInterrupt (or another exception a signal handler raises)
+        may land while the write blocks on a full pipe. If nothing went out yet, the request was never
+        sent: it is forgotten, or its id would stay pending and the hang watch would take the idle worker
+        for a hung one. If part went out, the rest is written before the exception goes on, since the
+        worker would otherwise misread every frame after it; the request then runs, and its reply goes
+        to a future nobody waits on."""
+        view = memoryview(frame)
+        try:
+            while view:
+                view = view[_pipe_write(self._req_w, view):]
+        except OSError:
+            pass  # the worker is gone; the reader thread fails this call with the cause
+        except BaseException:
+            if len(view) == len(frame):
+                with self._lock:
+                    self._pending.pop(req_id, None)
+                raise
+            try:
+                write_frame(self._req_w, bytes(view))
+            except OSError:
+                pass
+            raise
 
     def _stale_error(self) -> BaseException:
         dead = self._dead

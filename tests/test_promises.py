@@ -95,19 +95,50 @@ def test_a_request_interrupted_while_being_sent_takes_no_later_interrupt(tiny_mo
     # Ctrl-C while a decoding request is written to the pipe (a large frame blocks there while the worker is
     # busy) comes after its id was put in the context's list of requests in flight: left at its head, it
     # would take every later interrupt() of the context.
-    def interrupted(fd: int, frame: bytes) -> None:
+    def interrupted(fd: int, data: memoryview) -> int:
         raise KeyboardInterrupt
 
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=4096)
         with monkeypatch.context() as m:
-            m.setattr(_process, "write_frame", interrupted)
+            m.setattr(_process, "_pipe_write", interrupted)
             with pytest.raises(KeyboardInterrupt):
                 ctx.generate("Hello", n_predict=4)
+        # Never sent, so not pending either: a pending id would have the hang watch kill the idle worker.
+        assert not pool[0]._proc._pending
         running = ctx.stream("Count:", n_predict=0, ignore_eos=True)
         next(running)
         ctx.interrupt()
         assert running.future.result(timeout=PATIENCE).stop_reason is StopReason.INTERRUPTED
+
+
+def test_a_request_interrupted_halfway_through_its_frame_is_still_sent_whole(tiny_model: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C after part of a frame went into the pipe: the rest must follow, or the worker would misread
+    # every later frame. The request then runs, and the context keeps serving.
+    import os
+
+    calls = []
+
+    def part_then_interrupt(fd: int, data: memoryview) -> int:
+        calls.append(len(data))
+        if len(calls) == 1:
+            return os.write(fd, data[:8])
+        raise KeyboardInterrupt
+
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
+        with monkeypatch.context() as m:
+            m.setattr(_process, "_pipe_write", part_then_interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                ctx.generate("Hello", n_predict=4)
+        assert len(calls) == 2
+        assert ctx.generate("Hello", n_predict=4).n_decoded == 4
+        assert pool[0].alive
+        deadline = time.monotonic() + PATIENCE
+        while pool[0]._proc._pending and time.monotonic() < deadline:  # the orphan's reply comes in too
+            time.sleep(0.01)
+        assert not pool[0]._proc._pending
 
 
 # -- process lifecycle ----------------------------------------------------------------------------------
