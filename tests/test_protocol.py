@@ -74,6 +74,25 @@ def test_exit_descriptions_name_the_signal() -> None:
     assert crashed.signal_name == "SIGKILL" and "last words" in str(crashed)
 
 
+@pytest.mark.parametrize("field", ["magic", "version", "size"])
+def test_a_region_whose_header_does_not_match_is_refused(field: str) -> None:
+    # Each field on its own: a worker must never read a region laid out by another version of the package.
+    import struct
+
+    from lloyal_pool.errors import LloyalError
+    from lloyal_pool.shm import LAYOUT_VERSION, MAGIC, RegionSpec
+
+    region = Region.create(1 << 20, backend="memfd")
+    try:
+        values = {"magic": MAGIC, "version": LAYOUT_VERSION, "size": region.size}
+        values[field] += 1
+        struct.pack_into("<QII", region.view, 0, values["magic"], values["version"], values["size"])
+        with pytest.raises(LloyalError, match="header does not match"):
+            Region.attach(RegionSpec(region.size, os.dup(region.spec.fd)))
+    finally:
+        region.close()
+
+
 @pytest.mark.parametrize("backend", ["memfd", "posix"])
 def test_region_is_shared_between_mappings(backend: str) -> None:
     region = Region.create(1 << 20, backend=backend)
