@@ -140,7 +140,6 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
     n_seq_max = llama_n_seq_max(ctx_);
     n_threads = llama_n_threads(ctx_);
     n_threads_batch = llama_n_threads_batch(ctx_);
-    applied_ = {n_threads, n_threads_batch};
     governor_.set_wanted(n_threads, n_threads_batch);
     // Elsewhere the decode's work is on a device, and the CPU time of its threads says nothing about it.
     governor_.set_enabled(std::string_view(LLOYAL_VARIANT_NAME) == "cpu");
@@ -186,15 +185,13 @@ bool context_core::interrupt_requested() const {
 
 void context_core::set_threads(int32_t n, int32_t n_batch) {
     governor_.set_wanted(n, n_batch);
-    applied_ = {n, n_batch};
     llama_set_n_threads(ctx_, n, n_batch);
 }
 
 int32_t context_core::decode(int32_t n) {
     const thread_governor::threads t = governor_.before_decode(now_us());
-    if (t.n != applied_.n || t.n_batch != applied_.n_batch) {
+    if (t.n != llama_n_threads(ctx_) || t.n_batch != llama_n_threads_batch(ctx_)) {
         llama_set_n_threads(ctx_, t.n, t.n_batch);
-        applied_ = t;
     }
     last_decode_threads_ = n > 1 ? t.n_batch : t.n;
     const int64_t t0 = now_us();

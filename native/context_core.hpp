@@ -142,7 +142,6 @@ class context_core {
     progress_fn progress_;
     uint64_t n_decodes_ = 0;
     thread_governor governor_;
-    thread_governor::threads applied_{0, 0};  // what llama.cpp was last told
     int32_t last_decode_threads_ = 0;
 
     std::atomic<bool> busy_{false};
