@@ -4,6 +4,9 @@ It stands in for the worker's side of the pipes only, never for llama.cpp.
 
 The script (a msgpack file named by LLOYAL_FAKE_SCRIPT in its environment) is a map:
     protocol: the version its HELLO claims
+    hello:    (optional) entries that replace the HELLO payload's ("sandbox": the sandbox report)
+    before:   (optional) frames written instead of HELLO, as in frames; the fake then exits with code 3,
+              or with linger true waits for its request pipe to close first
     frames:   what it writes once the first request arrives, in order: {"raw": bytes} as they are, or
               {"kind": k, "id": i, "payload": x} packed as a frame (id None: that request's id)
 then it answers every further request with a Pong, until its request pipe closes.
@@ -53,13 +56,27 @@ def _write(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _write_all(fd: int, items: list[dict[str, Any]], req_id: int) -> None:
+    for item in items:
+        if "raw" in item:
+            _write(fd, item["raw"])
+        else:
+            _write(fd, _frame(item["kind"], req_id if item["id"] is None else item["id"], item["payload"]))
+
+
 def main(argv: list[str]) -> int:
     rfd, wfd = (int(x) for x in argv[argv.index("--fds") + 1].split(","))
     with open(os.environ["LLOYAL_FAKE_SCRIPT"], "rb") as f:
         script = msgspec.msgpack.decode(f.read())
+    if "before" in script:
+        _write_all(wfd, script["before"], 0)
+        while script.get("linger") and os.read(rfd, 1 << 16):
+            pass
+        return 3
     box = {"landlock": 0, "disabled": True, "writes_scoped": False, "tcp_blocked": False}
-    _write(wfd, _frame(1, 0, {"protocol": script["protocol"], "pid": os.getpid(), "variant": "cpu",
-                              "build": {}, "threads": 1, "sandbox": box}))
+    hello = {"protocol": script["protocol"], "pid": os.getpid(), "variant": "cpu", "build": {}, "threads": 1,
+             "sandbox": box, **script.get("hello", {})}
+    _write(wfd, _frame(1, 0, hello))
     first = True
     try:
         while True:
@@ -69,12 +86,7 @@ def main(argv: list[str]) -> int:
             req_id = got[1]
             if first:
                 first = False
-                for item in script["frames"]:
-                    if "raw" in item:
-                        _write(wfd, item["raw"])
-                    else:
-                        _write(wfd, _frame(item["kind"], req_id if item["id"] is None else item["id"],
-                                           item["payload"]))
+                _write_all(wfd, script["frames"], req_id)
                 continue
             _write(wfd, _frame(3, req_id, {"pid": os.getpid()}))
     except (BrokenPipeError, OSError):

@@ -41,6 +41,7 @@ from lloyal_pool.worker.loop import PROTOCOL_VIOLATION_EXIT
 PATIENCE = 60.0  # a guard against hanging forever, never a timing assertion
 RID = 1  # the id of a fresh worker's first request
 _LEN = struct.Struct("<I")
+PONG = {"kind": 3, "id": None, "payload": {"pid": 1}}  # the answer to the first request, a Ping
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 values = st.recursive(
@@ -62,13 +63,14 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def fake_pool(fake_python: Path, frames: list[dict[str, Any]],
-              protocol: int = PROTOCOL_VERSION) -> Iterator[Pool]:
-    with tempfile.NamedTemporaryFile(suffix=".msgpack") as script:
-        script.write(msgspec.msgpack.encode({"protocol": protocol, "frames": frames}))
-        script.flush()
+def fake_pool(fake_python: Path, frames: list[dict[str, Any]], protocol: int = PROTOCOL_VERSION,
+              script: dict[str, Any] | None = None, **options: Any) -> Iterator[Pool]:
+    """A one-worker pool of the fake; ``script``: more of its script (hello, before), ``options``: Pool's."""
+    with tempfile.NamedTemporaryFile(suffix=".msgpack") as f:
+        f.write(msgspec.msgpack.encode({"protocol": protocol, "frames": frames, **(script or {})}))
+        f.flush()
         with mock.patch.object(sys, "executable", str(fake_python)):
-            pool = Pool(1, env={"LLOYAL_FAKE_SCRIPT": script.name}, sandbox=False)
+            pool = Pool(1, env={"LLOYAL_FAKE_SCRIPT": f.name}, **{"sandbox": False, **options})
         try:
             yield pool
         finally:
@@ -98,6 +100,55 @@ def test_a_worker_speaking_another_protocol_version_fails_start_up(fake_python: 
     with pytest.raises(WorkerStartupError, match=f"speaks protocol {PROTOCOL_VERSION + 1}"), \
             fake_pool(fake_python, [], protocol=PROTOCOL_VERSION + 1):
         pytest.fail("the pool started")
+
+
+@pytest.mark.parametrize(("before", "named"), [
+    ([], r"died during start-up \(its pipe closed\)"),
+    ([{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}], "died during start-up .*malformed frame"),
+    ([{"kind": 4, "id": 0, "payload": {"type": "OSError", "message": "no such variant"}}],
+     "OSError: no such variant"),
+    ([{"kind": 3, "id": 0, "payload": {"pid": 1}}], "sent RESPONSE before HELLO"),
+])
+def test_a_worker_that_fails_before_its_handshake_names_the_cause(fake_python: Path, before: list[dict[str, Any]],
+                                                                  named: str) -> None:
+    with pytest.raises(WorkerStartupError, match=named), fake_pool(fake_python, [], script={"before": before}):
+        pytest.fail("the pool started")
+
+
+def test_a_worker_that_never_shakes_hands_fails_start_up_at_its_timeout(fake_python: Path) -> None:
+    with pytest.raises(WorkerStartupError, match=r"no handshake within start_timeout=1s"), \
+            fake_pool(fake_python, [], script={"before": [], "linger": True}, start_timeout=1.0):
+        pytest.fail("the pool started")
+
+
+@pytest.mark.parametrize(("box", "options", "warned"), [
+    ({"writes_scoped": False}, {"sandbox": True}, "offers no Landlock; the worker runs unconfined"),
+    ({"writes_scoped": True, "tcp_blocked": False, "landlock": 3}, {"sandbox": True},
+     "Landlock ABI 3 cannot block TCP"),
+    ({"writes_scoped": True, "tcp_blocked": False, "landlock": 3}, {"sandbox": True, "network": True}, None),
+    ({"writes_scoped": True, "tcp_blocked": True, "landlock": 4}, {"sandbox": True}, None),
+    ({"writes_scoped": False}, {"sandbox": False}, None),
+])
+def test_a_weaker_sandbox_than_asked_is_a_warning(fake_python: Path, caplog: pytest.LogCaptureFixture,
+                                                  box: dict[str, Any], options: dict[str, Any],
+                                                  warned: str | None) -> None:
+    with caplog.at_level("WARNING", logger="lloyal_pool"), \
+            fake_pool(fake_python, [PONG], script={"hello": {"sandbox": {"disabled": True, **box}}},
+                      **options) as pool:
+        assert isinstance(outcome(ping(pool)), p.Pong)
+    startup = [r.getMessage() for r in caplog.records if "[startup]" in r.getMessage()]
+    if warned is None:
+        assert startup == []
+    else:
+        assert len(startup) == 1 and warned in startup[0], startup
+
+
+def test_a_fallback_to_another_variant_is_a_warning(fake_python: Path, caplog: pytest.LogCaptureFixture) -> None:
+    hello = {"requested_variant": "cuda", "variant": "cpu", "fallback_reason": "no CUDA driver"}
+    with caplog.at_level("WARNING", logger="lloyal_pool"), fake_pool(fake_python, [], script={"hello": hello}):
+        pass
+    assert any("requested native variant 'cuda' unavailable, running 'cpu' (no CUDA driver)" in r.getMessage()
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize(("frames", "named"), [
