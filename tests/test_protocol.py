@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lloyal_pool import errors
 from lloyal_pool.protocol import MAX_FRAME, Kind, PeerClosed, pack, read_frame, unpack, write_frame
-from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
+from lloyal_pool.shm import BULK_OFFSET, PAGE, Region, TransferFile, WorkerTransfer
 
 
 def test_frame_round_trip_over_a_pipe() -> None:
@@ -134,3 +135,63 @@ def test_worker_refuses_malformed_requests_as_bad_requests() -> None:
                 ["tokenize", {"model": "1", "text": "hi"}], ["tokenize", {"text": "hi"}]):
         with pytest.raises(errors.BadRequestError):
             p.parse_request(bad)
+
+
+# -- bulk transfer files ------------------------------------------------------------------------------------
+def test_a_transfer_memfd_is_sealed_before_the_worker_reads_it() -> None:
+    import fcntl
+
+    with TransferFile() as f:
+        assert f.path == f"/proc/{os.getpid()}/fd/{f._fd}"  # a memfd: no name anywhere
+        f.write(b"state" * 1000)
+        seals = fcntl.fcntl(f._fd, fcntl.F_GET_SEALS)
+        for seal in (fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW, fcntl.F_SEAL_WRITE, fcntl.F_SEAL_SEAL):
+            assert seals & seal, f"seal {seal} missing: {seals:#x}"
+        with open(f.path, "r+b", buffering=0) as worker_side, pytest.raises(PermissionError):
+            worker_side.write(b"x")  # what a worker sees: read-only
+        with open(f.path, "rb") as worker_side:
+            assert worker_side.read() == b"state" * 1000
+
+
+def test_a_transfer_memfd_is_sealed_against_resizing_before_the_parent_maps_it() -> None:
+    import fcntl
+
+    with TransferFile() as f:
+        with open(f.path, "r+b") as worker_side:  # the worker writes its state
+            worker_side.write(b"w" * 10000)
+        assert f.read() == b"w" * 10000
+        seals = fcntl.fcntl(f._fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and not seals & fcntl.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            os.ftruncate(f._fd, 10)  # a worker shrinking it under the mapping is refused
+
+
+def test_a_transfer_file_in_a_directory_is_removed_at_close(tmp_path: Path) -> None:
+    f = TransferFile(str(tmp_path))
+    assert os.path.dirname(f.path) == str(tmp_path) and os.path.isfile(f.path)
+    assert f.read() == b""
+    f.write(b"abc" * 100)
+    with open(f.path, "r+b") as worker_side:
+        assert worker_side.read() == b"abc" * 100
+        worker_side.write(b"more")  # a plain file: the worker may write where it was given one
+    assert f.read() == b"abc" * 100 + b"more"
+    f.close()
+    f.close()  # idempotent
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_transfer_is_emptied_after_each_use() -> None:
+    fd = os.memfd_create("worker_side")
+    try:
+        t = WorkerTransfer(os.getpid(), fd)
+        assert t.path == f"/proc/self/fd/{fd}"
+        with t:
+            t.write(b"state" * 100)
+            assert os.fstat(fd).st_size == 500 and t.read() == b"state" * 100
+        assert os.fstat(fd).st_size == 0  # its memory freed
+        with t:
+            assert t.read() == b""
+        t.close()
+        t.close()
+    finally:
+        os.close(fd)

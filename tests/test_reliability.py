@@ -18,6 +18,7 @@ from lloyal_pool import (
     CallTimeoutError,
     Context,
     DeadWorkerError,
+    InvalidArgumentError,
     Pool,
     PoolClosedError,
     StaleHandleError,
@@ -117,6 +118,37 @@ def test_a_call_within_its_timeout_returns_normally(tiny_model: Path) -> None:
         assert "".join(stream) == stream.result.text and stream.result.n_decoded == 3
         with pytest.raises(ValueError, match="timeout"):
             ctx.generate("Hi", n_predict=2, timeout=-1)
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.001, True, "5", float("nan")])
+def test_a_bad_timeout_is_refused_before_anything_is_sent(tiny_model: Path, timeout: object) -> None:
+    with Pool(1) as pool:
+        worker = pool[0]
+        model = worker.load_model(tiny_model)
+        ctx = model.new_context(n_ctx=512)
+        long = {"n_predict": 100_000, "ignore_eos": True}
+        calls = [lambda t: worker.ping(timeout=t), lambda t: worker.load_model(tiny_model, timeout=t),
+                 lambda t: ctx.generate("Hi", timeout=t, **long), lambda t: ctx.stream("Hi", timeout=t, **long),
+                 lambda t: ctx.generate_with_draft("Hi", timeout=t, **long),
+                 lambda t: ctx.eval("Hi " * 100, timeout=t), lambda t: ctx.score("Hi there", timeout=t),
+                 lambda t: ctx.score_choices(["a", "b"], timeout=t)]
+        for call in calls:
+            with pytest.raises(InvalidArgumentError, match="timeout is a number of seconds"):
+                call(timeout)
+            assert worker._proc._pending == {}  # nothing went out to run unobserved
+        assert ctx.generate("Hi", n_predict=2).n_decoded == 2
+
+
+def test_a_zero_timeout_is_a_timeout_that_has_passed_not_a_bad_value(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+        for call in (lambda: ctx.generate("Hi", n_predict=2, timeout=0),
+                     lambda: "".join(ctx.stream("Hi", n_predict=2, timeout=0))):
+            try:
+                call()
+            except CallTimeoutError:
+                pass  # as a rule; a reply already there when it is checked is taken
+        assert ctx.generate("Hi", n_predict=2).n_decoded == 2
 
 
 def test_a_ping_timeout_is_a_lloyal_error_and_a_timeout_error() -> None:
