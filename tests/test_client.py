@@ -82,3 +82,11 @@ def test_workers_share_the_cpus_by_default(pool: Pool, tiny: Model) -> None:
     finally:
         ctx.close()
         explicit.close()
+
+
+@pytest.mark.parametrize("threads", [1, 512])
+def test_threads_per_worker_takes_ggmls_whole_range(tiny_model: Path, threads: int) -> None:
+    with Pool(1, threads_per_worker=threads) as pool:
+        assert pool[0].threads == threads
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=64)
+        assert ctx.n_threads == threads
