@@ -195,3 +195,49 @@ def test_a_worker_transfer_is_emptied_after_each_use() -> None:
         t.close()
     finally:
         os.close(fd)
+
+
+# -- how much memory a region may take --------------------------------------------------------------------
+MiB = 1 << 20
+V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+V1 = ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")
+
+
+@pytest.mark.parametrize(("files", "backend", "free_shm", "expected"), [
+    ({}, "auto", None, None),
+    ({"/proc/meminfo": "MemTotal: 9 kB\nMemAvailable: 4096 kB\n"}, "auto", None, 4 * MiB),
+    ({"/proc/meminfo": "MemAvailable: oops kB\n"}, "auto", None, None),
+    ({"/proc/meminfo": "MemAvailable: 4096 kB\n", V2[0]: "2097152\n", V2[1]: "1048576\n"}, "auto", None, 1 * MiB),
+    ({"/proc/meminfo": "MemAvailable: 4096 kB\n", V2[0]: "max\n", V2[1]: "1048576\n"}, "auto", None, 4 * MiB),
+    # v2 answers, so v1's files (a hybrid mount) are not read
+    ({"/proc/meminfo": "MemAvailable: 4096 kB\n", V2[0]: "max\n", V2[1]: "0\n", V1[0]: "1024\n", V1[1]: "0\n"},
+     "auto", None, 4 * MiB),
+    ({"/proc/meminfo": "MemAvailable: 4096 kB\n", V1[0]: str((1 << 63) - 4096), V1[1]: "0"}, "auto", None,
+     4 * MiB),
+    ({"/proc/meminfo": "MemAvailable: 4096 kB\n", V1[0]: "3145728", V1[1]: "4194304"}, "auto", None, 0),
+    ({V2[0]: "8388608", V2[1]: "garbage", V1[0]: "3145728", V1[1]: "1048576"}, "auto", None, 2 * MiB),
+    ({"/proc/meminfo": "MemAvailable: 4096 kB\n"}, "posix", 3 * MiB, 3 * MiB),
+    ({"/proc/meminfo": "MemAvailable: 4096 kB\n"}, "memfd", 3 * MiB, 4 * MiB),
+    ({}, "posix", 5 * MiB, 5 * MiB),
+])
+def test_available_memory_is_the_least_of_what_the_machine_says(
+        monkeypatch: pytest.MonkeyPatch, files: dict[str, str], backend: str, free_shm: int | None,
+        expected: int | None) -> None:
+    import io
+
+    from lloyal_pool import shm
+
+    def fake_open(path: str, *args: object, **kwargs: object) -> io.StringIO:
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+
+    def fake_statvfs(path: str) -> os.statvfs_result:
+        assert path == "/dev/shm"
+        if free_shm is None:
+            raise OSError("no /dev/shm")
+        return os.statvfs_result((4096, 4096, 0, 0, free_shm // 4096, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(shm, "open", fake_open, raising=False)
+    monkeypatch.setattr(os, "statvfs", fake_statvfs)
+    assert shm.available_memory(backend) == expected
