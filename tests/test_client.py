@@ -90,3 +90,18 @@ def test_threads_per_worker_takes_ggmls_whole_range(tiny_model: Path, threads: i
         assert pool[0].threads == threads
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=64)
         assert ctx.n_threads == threads
+
+
+def test_a_model_is_mapped_by_default_and_read_when_asked(tiny_model: Path) -> None:
+    """use_mmap (default True) maps the file into the worker; False reads it into the worker's memory."""
+    def mapped(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(line.rstrip().endswith(str(tiny_model.resolve())) for line in f)
+
+    with Pool(1) as pool:
+        worker = pool[0]
+        model = worker.load_model(tiny_model)
+        assert mapped(worker.pid)
+        model.close()
+        worker.load_model(tiny_model, use_mmap=False)
+        assert not mapped(worker.pid)

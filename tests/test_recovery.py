@@ -130,6 +130,18 @@ def test_calls_on_the_instance_wait_for_the_recovery(tiny_model: Path) -> None:
         assert recovered.wait(30)
 
 
+def test_a_call_made_while_the_recovery_runs_waits_for_it(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(tiny_model)
+        dying = pool[0]._proc
+        _kill(pool)
+        assert dying._dead_event.wait(30)  # the death is known, the replacement is on its way
+        assert dying.recovering is not None and not dying.recovering.is_set()
+        assert pool[0].ping(timeout=30) < 5  # through the instance
+        assert pool[0]._proc is not dying and pool[0].alive
+        assert model.tokenize("Hello world")
+
+
 def test_checkpoint_needs_recover(tiny_model: Path) -> None:
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
