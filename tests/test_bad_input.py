@@ -778,8 +778,9 @@ def _still_serving_in(model: Model, ctx: Context) -> None:
     assert ctx.generate("Hi", n_predict=2).n_decoded == 2
 
 
-def test_shm_bytes_for_gemma_sized_vocabularies() -> None:
+def test_shm_bytes_for_gemma_sized_vocabularies(pool: Pool) -> None:
     # The README's table: the default 64 MiB region holds 63 Gemma 3 rows and 511 of a 32k vocabulary.
+    assert pool[0]._proc.region.size == 64 << 20
     assert ((64 << 20) - BULK_OFFSET) // row_bytes(262144) == 63
     assert ((64 << 20) - BULK_OFFSET) // row_bytes(32000) == 511
     assert shm_bytes_for(262144, 512) == BULK_OFFSET + 512 * (1 << 20)
