@@ -77,6 +77,20 @@ def test_an_idle_stopped_worker_is_not_killed_until_a_call_waits() -> None:
         assert pool[0].ping(timeout=5) < 1.0
 
 
+def test_a_hang_check_that_fails_for_one_worker_leaves_the_watch_over_the_others(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(now: float, hang_timeout: float) -> None:
+        raise RuntimeError("this worker's check is broken")
+
+    with Pool(2, hang_timeout=0.5) as pool:
+        monkeypatch.setattr(pool[0]._proc, "check_hang", broken)  # checked first, at every tick
+        os.kill(pool[1].pid, signal.SIGSTOP)
+        with caplog.at_level("ERROR", logger="lloyal_pool"), pytest.raises(WorkerHungError):
+            pool[1].ping(timeout=30)
+        assert "hang check of worker 0 failed" in caplog.text
+        assert pool[0].ping(timeout=5) < 1.0
+
+
 def test_hang_timeout_is_validated() -> None:
     for bad in (0, -1.0, "30", True):
         with pytest.raises(ValueError, match="hang_timeout"):
