@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lloyal_pool import Model, Pool, PoolClosedError
+from lloyal_pool import Model, Pool, PoolClosedError, WorkerCrashedError
 
 
 def test_load_progress_reaches_the_callback(pool: Pool, tiny_model: Path) -> None:
@@ -28,6 +28,17 @@ def test_worker_figures(pool: Pool) -> None:
         assert s["variant"] == "cpu" and "user" in s["cpu_times"]
     info = pool[0].build_info
     assert info["llama_cpp"] and info["default_threads"] >= 1
+
+
+def test_a_dead_workers_figures_say_how_it_ended() -> None:
+    with Pool(2) as pool:
+        pool[1].kill()
+        with pytest.raises(WorkerCrashedError):
+            pool[1].ping(timeout=30)
+        alive, dead = pool.stats()
+        assert alive["state"] == "alive" and alive["in_flight"] == 0
+        assert dead == {"worker_id": pool[1].worker_id, "pid": pool[1].pid, "state": "dead", "variant": "cpu",
+                        "in_flight": 0, "returncode": -9}
 
 
 def test_many_threads_share_a_worker(tiny: Model) -> None:
