@@ -142,6 +142,19 @@ def test_a_call_made_while_the_recovery_runs_waits_for_it(tiny_model: Path) -> N
         assert model.tokenize("Hello world")
 
 
+def test_a_model_call_made_while_the_recovery_runs_goes_to_its_new_handle(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        gone = pool[0].load_model(tiny_model)
+        model = pool[0].load_model(tiny_model)
+        before = model.tokenize("Hello world")
+        gone.close()  # the replacement loads only `model`: its handle there differs from this one
+        dying = pool[0]._proc
+        _kill(pool)
+        assert dying._dead_event.wait(30)
+        assert dying.recovering is not None and not dying.recovering.is_set()
+        assert model.tokenize("Hello world") == before
+
+
 def test_checkpoint_needs_recover(tiny_model: Path) -> None:
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)

@@ -91,6 +91,18 @@ def test_a_hang_check_that_fails_for_one_worker_leaves_the_watch_over_the_others
         assert pool[0].ping(timeout=5) < 1.0
 
 
+@pytest.mark.parametrize("hang_timeout", [0.5, 30.0])
+def test_an_idle_pool_with_its_hang_watch_costs_no_cpu(hang_timeout: float) -> None:
+    with Pool(2, hang_timeout=hang_timeout) as pool:
+        pool[0].ping()
+        pool[1].ping()
+        me = psutil.Process()
+        before = sum(me.cpu_times()[:2])
+        time.sleep(1.0)
+        # The watch ticks a few times a second; a tick of 0 (a spinning thread) would burn the second whole.
+        assert sum(me.cpu_times()[:2]) - before < 0.2
+
+
 def test_hang_timeout_is_validated() -> None:
     for bad in (0, -1.0, "30", True):
         with pytest.raises(ValueError, match="hang_timeout"):
