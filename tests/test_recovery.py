@@ -142,17 +142,31 @@ def test_a_call_made_while_the_recovery_runs_waits_for_it(tiny_model: Path) -> N
         assert model.tokenize("Hello world")
 
 
-def test_a_model_call_made_while_the_recovery_runs_goes_to_its_new_handle(tiny_model: Path) -> None:
+def test_model_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny_model: Path,
+                                                                          gemma_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     with Pool(1, recover=True) as pool:
-        gone = pool[0].load_model(tiny_model)
-        model = pool[0].load_model(tiny_model)
-        before = model.tokenize("Hello world")
-        gone.close()  # the replacement loads only `model`: its handle there differs from this one
+        # One handle counter per worker, and the replacement loads each model and then its contexts: with
+        # handles 1 (closed), 2 and 3 before, whichever of a and b comes first gets a lower handle and
+        # the other a higher one (a's two contexts or b's one come in between). Two models whose tokens
+        # differ, so that a call sent to the other's handle is seen.
+        gone, a, b = (pool[0].load_model(path) for path in (tiny_model, tiny_model, gemma_path))
+        contexts = [a.new_context(n_ctx=64), a.new_context(n_ctx=64), b.new_context(n_ctx=64)]
+        gone.close()
+        before = (a._handle, b._handle)
+        expected = [m.tokenize("Hello world") for m in (a, b)]
+        assert expected[0] != expected[1]
         dying = pool[0]._proc
         _kill(pool)
         assert dying._dead_event.wait(30)
         assert dying.recovering is not None and not dying.recovering.is_set()
-        assert model.tokenize("Hello world") == before
+        with ThreadPoolExecutor(2) as calls:  # both made before the recovery is done
+            got = [f.result(timeout=60) for f in [calls.submit(m.tokenize, "Hello world") for m in (a, b)]]
+        assert got == expected
+        moved = sorted(new - old for old, new in zip(before, (a._handle, b._handle), strict=True))
+        assert moved[0] < 0 < moved[1], (before, moved)
+        assert all(ctx.generate("Hi", n_predict=1).n_decoded == 1 for ctx in contexts)
 
 
 def test_checkpoint_needs_recover(tiny_model: Path) -> None:
