@@ -169,6 +169,37 @@ def test_model_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny_m
         assert all(ctx.generate("Hi", n_predict=1).n_decoded == 1 for ctx in contexts)
 
 
+def test_context_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny_model: Path,
+                                                                            tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loras import attention_shapes, write_lora
+
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(tiny_model)  # handle 1
+        path = write_lora(tmp_path / "a.gguf", "llama", attention_shapes(model.info, range(model.info.n_layer)),
+                          rank=4, seed=1)
+        first = model.new_context(n_ctx=128)  # 2
+        adapters = [model.load_lora(path), model.load_lora(path)]  # 3, 4 (loaded, applied nowhere)
+        model.new_context(n_ctx=64).close()  # 5
+        second = model.new_context(n_ctx=128)  # 6
+        first.eval("one two three")
+        second.eval("four five six seven")
+        held = [ctx.tokens() for ctx in (first, second)]
+        # The replacement loads the model, its adapters, then its contexts (in no set order): 1, 2, 3, then
+        # 4 and 5, so `first` moves up from 2 and `second` down from 6.
+        before = (first.handle, second.handle)
+        dying = pool[0]._proc
+        _kill(pool)
+        assert dying._dead_event.wait(30)
+        assert dying.recovering is not None and not dying.recovering.is_set()
+        with ThreadPoolExecutor(2) as calls:  # both made before the recovery is done
+            got = [f.result(timeout=60) for f in [calls.submit(ctx.tokens) for ctx in (first, second)]]
+        assert got == held and held[0] != held[1]
+        assert before == (2, 6) and {first.handle, second.handle} == {4, 5}
+        assert not any(adapter.closed for adapter in adapters)
+
+
 def test_checkpoint_needs_recover(tiny_model: Path) -> None:
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
