@@ -35,7 +35,7 @@ from ._futures import mapped
 from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
 from ._process import HangWatch, TempRoot, WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
-from .chat import TOOL_CHOICES, ChatMessage
+from .chat import ChatMessage
 from .errors import (
     BadRequestError,
     CallTimeoutError,
@@ -231,12 +231,6 @@ class Instance:
         return self._proc.call(p.Fault(kind=kind, **args))
 
 
-def _tool_choice(choice: str) -> str:
-    if choice not in TOOL_CHOICES:
-        raise InvalidArgumentError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {choice!r}")
-    return choice
-
-
 def _close_quietly(model: Model) -> None:
     try:
         model.close()
@@ -357,13 +351,13 @@ class Model:
         return self._call(p.ParseChatOutput(model=self._handle, text=text,
                                             messages=json.dumps(list(messages)) if messages else "",
                                             template=template, tools=json.dumps(list(tools)) if tools else "",
-                                            tool_choice=_tool_choice(tool_choice), partial=partial))
+                                            tool_choice=tool_choice, partial=partial))
 
     def _format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
                      tools: Sequence[Mapping[str, Any]] | None, tool_choice: str = "auto") -> p.ChatPrompt:
         return self._call(p.ChatFormat(model=self._handle, messages=json.dumps(list(messages)), template=template,
                                        tools=json.dumps(list(tools)) if tools else "",
-                                       tool_choice=_tool_choice(tool_choice)))
+                                       tool_choice=tool_choice))
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
