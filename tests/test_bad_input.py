@@ -733,6 +733,12 @@ BAD_POOL_OPTIONS: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.parametrize("size", [0, -1, True, 1.5, "2", None])
+def test_a_pool_of_no_workers_or_of_a_size_that_is_not_an_int_is_refused(size: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"at least one worker, got size={size!r}"):
+        Pool(size)
+
+
 @pytest.mark.parametrize(("kw", "name"), [(kw, n) for _, kw, n in BAD_POOL_OPTIONS],
                          ids=[n for n, _, _ in BAD_POOL_OPTIONS])
 def test_bad_pool_options_are_refused_before_any_worker_starts(kw: dict[str, Any], name: str) -> None:
