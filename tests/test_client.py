@@ -79,6 +79,8 @@ def test_closed_pool_refuses_calls(tiny_model: Path) -> None:
         model.tokenize("hello")
     with pytest.raises(PoolClosedError):
         pool.replace(0)
+    with pytest.raises(PoolClosedError):
+        pool.snapshot(lambda instance: None)
 
 
 def test_workers_share_the_cpus_by_default(pool: Pool, tiny: Model) -> None:
@@ -116,3 +118,30 @@ def test_a_model_is_mapped_by_default_and_read_when_asked(tiny_model: Path) -> N
         model.close()
         worker.load_model(tiny_model, use_mmap=False)
         assert not mapped(worker.pid)
+
+
+def test_handles_say_what_they_are_in_their_repr(tiny_model: Path, tmp_path: Path) -> None:
+    from loras import attention_shapes, write_lora
+
+    with Pool(1) as pool:
+        inst = pool[0]
+        assert repr(inst) == f"<Instance worker={inst.worker_id} pid={inst.pid} variant=cpu alive>"
+        model = inst.load_model(tiny_model)
+        assert repr(model) == f"<Model {model.info.desc!r} worker={inst.worker_id} handle={model._handle}>"
+        ctx = model.new_context(n_ctx=64)
+        assert repr(ctx) == f"<Context n_ctx=64 worker={inst.worker_id} handle={ctx.handle}>"
+        branch = model.new_context(n_ctx=64, n_seq_max=2).branch([1, 2])
+        assert repr(branch) == f"<Branch {branch.handle} context={branch.store._link.handle}>"
+        branch.prune()
+        assert repr(branch).endswith(" released>")
+        path = write_lora(tmp_path / "a.gguf", "llama", attention_shapes(model.info, [0]), rank=2, seed=1)
+        adapter = model.load_lora(path)
+        assert repr(adapter) == f"<LoraAdapter 'a.gguf' handle={adapter._handle}>"
+        adapter.close()
+        assert repr(adapter).endswith(" closed>")
+        with ctx.stream("Hi", n_predict=2) as stream:
+            assert "".join(stream) == stream.result.text and stream.done
+        inst.kill()
+        with pytest.raises(WorkerCrashedError):
+            inst.ping(timeout=30)
+        assert repr(inst).endswith(" dead>")
