@@ -241,3 +241,25 @@ def test_available_memory_is_the_least_of_what_the_machine_says(
     monkeypatch.setattr(shm, "open", fake_open, raising=False)
     monkeypatch.setattr(os, "statvfs", fake_statvfs)
     assert shm.available_memory(backend) == expected
+
+
+def test_a_region_moves_only_onto_a_memfd_of_its_own_size() -> None:
+    region = Region.create(BULK_OFFSET + 4 * PAGE, backend="memfd")
+    try:
+        region.view[BULK_OFFSET:BULK_OFFSET + 6] = b"hello!"  # the "!" is past what is used
+        address = np.frombuffer(region.view, dtype=np.uint8).ctypes.data
+        small = os.memfd_create("smaller")
+        try:
+            os.ftruncate(small, region.size - PAGE)
+            with pytest.raises(errors.LloyalError, match="memfd of its zygote's size"):
+                region.move_to(small, BULK_OFFSET + 5)
+        finally:
+            os.close(small)
+        child = os.memfd_create("child")
+        os.ftruncate(child, region.size)
+        region.move_to(child, BULK_OFFSET + 5)  # takes child's descriptor
+        # The same address, now the child's memory, with what was used copied over.
+        assert np.frombuffer(region.view, dtype=np.uint8).ctypes.data == address
+        assert bytes(region.view[BULK_OFFSET:BULK_OFFSET + 6]) == b"hello\x00"
+    finally:
+        region.close()
