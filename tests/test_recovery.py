@@ -200,6 +200,18 @@ def test_context_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny
         assert not any(adapter.closed for adapter in adapters)
 
 
+def test_a_stream_interrupted_just_before_a_crash_stays_interrupted_when_sent_again(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+        stream = ctx.stream("Once upon a time", n_predict=400, ignore_eos=True)
+        next(stream)  # it runs
+        os.kill(pool[0].pid, signal.SIGSTOP)
+        stream.interrupt()  # written to the region, never read by the stopped worker
+        _kill(pool)  # the replacement gets the stream again, under a new request id
+        assert stream.future.result(timeout=60).interrupted
+        assert len(stream.result.tokens) < 400
+
+
 def test_checkpoint_needs_recover(tiny_model: Path) -> None:
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
