@@ -7,6 +7,8 @@ import logging
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -119,7 +121,9 @@ def test_a_normal_session_is_quiet_on_stderr(gemma_path: Path) -> None:
     assert out.stdout.strip() == "error: invalid grammar: expecting ')' at the end of the grammar"
 
 
-def test_native_logs_reach_python_logging(gemma_path: Path) -> None:
+@contextmanager
+def worker_log_records() -> Iterator[list[logging.LogRecord]]:
+    """Every record the workers' loggers (lloyal_pool.worker.<id>) emit meanwhile, DEBUG included."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -132,14 +136,18 @@ def test_native_logs_reach_python_logging(gemma_path: Path) -> None:
     old = logger.level
     logger.setLevel(logging.DEBUG)
     try:
-        with Pool(1, native_log_level="debug") as pool:
-            inst = pool[0]
-            model = inst.load_model(gemma_path)
-            with pytest.raises(GrammarError):
-                model.new_context(n_ctx=64).generate("Hi", n_predict=1, grammar="root ::= (")
+        yield records
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
+
+
+def test_native_logs_reach_python_logging(gemma_path: Path) -> None:
+    with worker_log_records() as records, Pool(1, native_log_level="debug") as pool:
+        inst = pool[0]
+        model = inst.load_model(gemma_path)
+        with pytest.raises(GrammarError):
+            model.new_context(n_ctx=64).generate("Hi", n_predict=1, grammar="root ::= (")
     names = {r.name for r in records}
     assert f"lloyal_pool.worker.{inst.worker_id}" in names
     # llama.cpp's own levels: its info and debug lines are DEBUG records; a normal load and a grammar
@@ -156,26 +164,11 @@ def test_native_log_level_is_the_least_severe_llama_cpp_line_passed_on(
         tiny_model: Path, tmp_path: Path, level: str, seen: str) -> None:
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(tiny_model.read_bytes()[:3000])  # llama.cpp logs an error reading it
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    logger = logging.getLogger("lloyal_pool.worker")
-    handler = Keep(level=logging.DEBUG)
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    try:
-        with Pool(1, native_log_level=level) as pool:
-            model = pool[0].load_model(tiny_model)  # info and debug lines
-            model.new_context(n_ctx=2048).generate("Hi", n_predict=2)  # a warning: past its training length
-            with pytest.raises(ModelLoadError):
-                pool[0].load_model(truncated)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
+    with worker_log_records() as records, Pool(1, native_log_level=level) as pool:
+        model = pool[0].load_model(tiny_model)  # info and debug lines
+        model.new_context(n_ctx=2048).generate("Hi", n_predict=2)  # a warning: past its training length
+        with pytest.raises(ModelLoadError):
+            pool[0].load_model(truncated)
     levels = {m[len("[llama.cpp ")] for m in (r.getMessage() for r in records) if m.startswith("[llama.cpp ")}
     assert "".join(sorted(levels, key="DIWE".index)) == seen
 
