@@ -120,10 +120,10 @@ size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama
 }  // namespace
 
 std::unique_ptr<chain_sampler> make_generation_sampler(const gen_params & p, const Model & model, uint32_t n_ctx,
-                                                       const std::vector<llama_token> & seen) {
+                                                       const std::vector<llama_token> & seen, const stop_fn & stop) {
     auto sampler = std::make_unique<chain_sampler>(p, model, n_ctx, seen);
     if (p.grammar) {
-        sampler->set_grammar(make_grammar_sampler(model, *p.grammar));
+        sampler->set_grammar(make_grammar_sampler(model, *p.grammar, stop));
     }
     sampler->set_logit_bias(p.ignore_eos ? with_eog_banned(p.logit_bias, model) : p.logit_bias);
     return sampler;
@@ -306,21 +306,27 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
     core_.reset_decode_timer();
     const Model & model = core_.model();
     prompt_plan plan = plan_prompt(prompt, p);
-    // Everything that can be refused (the grammar above all) is refused before the KV cache is touched.
-    const std::unique_ptr<chain_sampler> sampler = make_generation_sampler(p, model, core_.n_ctx_seq, seen_tokens(plan));
     std::vector<llama_token_data> scratch;
 
     generate_result res;
     generation_output out(p, model, on_piece, res);
     {
         context_core::request_scope req(core_, request_id);
+        const stop_fn stop = [this] { return core_.interrupt_requested(); };
+        // Everything that can be refused (the grammar above all) is refused before the KV cache is
+        // touched; the parse of a large grammar already takes an interrupt.
+        std::unique_ptr<chain_sampler> sampler;
+        try {
+            sampler = make_generation_sampler(p, model, core_.n_ctx_seq, seen_tokens(plan), stop);
+        } catch (const interrupted_error &) {
+            out.stop("interrupted");
+        }
         const int64_t t0 = now_us();
-        if (!take_prompt(plan, prompt.append, on_progress)) {
+        if (!out.stopped() && !take_prompt(plan, prompt.append, on_progress)) {
             out.stop("interrupted");
         }
         const int64_t t1 = now_us();
         res.prompt_ms = elapsed_ms(t0, t1);
-        const stop_fn stop = [this] { return core_.interrupt_requested(); };
         // At the top of each round everything emitted is decoded, and the last logits are the history's.
         while (!out.stopped()) {
             if (core_.interrupt_requested()) {

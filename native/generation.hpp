@@ -17,7 +17,7 @@ namespace lloyal {
 // and DRY windows started with `seen` (the context, prompt included, as llama-server does; the grammar
 // sees only what is generated). GrammarError before anything is decoded.
 std::unique_ptr<chain_sampler> make_generation_sampler(const gen_params & p, const Model & model, uint32_t n_ctx,
-                                                       const std::vector<llama_token> & seen);
+                                                       const std::vector<llama_token> & seen, const stop_fn & stop = nullptr);
 
 // The sampler's token for one logits row (n_vocab floats), accepted into the sampler (grammar state,
 // penalty windows). LLAMA_TOKEN_NULL when a complete grammar allows nothing more (EOG banned); an

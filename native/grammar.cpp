@@ -9,13 +9,20 @@
 #include "llama-grammar.h"
 #include "llama-vocab.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <regex>
 #include <set>
+#include <thread>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -347,40 +354,150 @@ void grammar_accept(llama_sampler * s, llama_token token, const stop_fn & stop) 
     }
 }
 
-sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g) {
-    const uint64_t mark = log_mark();
-    llama_sampler * smpl = nullptr;
+namespace {
+
+// One parse of a grammar (llama_grammar_init_impl), with what llama.cpp wrote on stderr meanwhile. It
+// owns copies of its inputs, so that a parse its caller stopped waiting for can run on to its end.
+struct grammar_parse {
+    const llama_vocab * vocab;
+    grammar_spec spec;
+    llama_grammar * parsed = nullptr;
     std::string captured;
-    std::vector<const char *> patterns;
-    for (const auto & p : g.trigger_patterns) {
-        patterns.push_back(p.c_str());
+    std::exception_ptr error;
+
+    // capture_stderr: false once the text is known to parse (parses_alone), since only llama.cpp's GBNF
+    // parser writes to stderr.
+    void run(bool capture_stderr) {
+        std::vector<const char *> patterns;
+        for (const auto & p : spec.trigger_patterns) {
+            patterns.push_back(p.c_str());
+        }
+        const auto init = [&] {
+            parsed = spec.lazy ? llama_grammar_init_impl(vocab, spec.gbnf.c_str(), spec.root.c_str(), true,
+                                                         patterns.data(), patterns.size(),
+                                                         spec.trigger_tokens.data(), spec.trigger_tokens.size())
+                               : llama_grammar_init_impl(vocab, spec.gbnf.c_str(), spec.root.c_str(), false,
+                                                         nullptr, 0, nullptr, 0);
+        };
+        try {
+            const reported quiet;  // a failed parse is a GrammarError carrying the reason: log it as debug
+            if (capture_stderr) {
+                captured = run_capturing_stderr(init);
+            } else {
+                init();
+            }
+        } catch (...) {
+            error = std::current_exception();
+        }
     }
-    const std::string & gbnf = g.gbnf;
-    const std::string & root = g.root;
-    const std::vector<llama_token> & trigger_tokens = g.trigger_tokens;
+
+    // Whether the text parses (quick: no stacks are built), with llama.cpp's reason in `captured` if not.
+    bool parses_alone() {
+        bool ok = false;
+        const reported quiet;
+        captured = run_capturing_stderr([&] {
+            llama_grammar_parser parser(vocab);
+            ok = parser.parse(spec.gbnf.c_str()) && !parser.rules.empty();
+        });
+        return ok;
+    }
+
+  private:
     struct reported {
         reported() { log_reported_begin(); }
         ~reported() { log_reported_end(); }
     };
-    try {
-        const reported quiet;  // a failed parse is a GrammarError carrying the reason: log it as debug
-        captured = run_capturing_stderr([&] {
-            if (gbnf.empty()) {
-                smpl = wrap(model.vocab(), nullptr);  // llama.cpp's grammar sampler: an empty one allows all
-                return;
+};
+
+// A grammar this large may take llama.cpp long enough to parse (its stacks grow with the alternatives:
+// 20,000 took 1.6 s) that an interrupt must not wait for it: it is parsed on a thread of its own.
+constexpr size_t kParseAsideBytes = 4096;
+
+// Parses the caller stopped waiting for, still running: joined before their vocabulary can go (a
+// model's destructor) and before the process forks (a snapshot's zygote), where a thread would be lost
+// with the stderr lock it holds.
+std::mutex g_aside_mu;
+std::vector<std::thread> g_aside;
+
+void join_aside_at_fork() { join_abandoned_grammar_parses(); }
+const int g_atfork = ::pthread_atfork(join_aside_at_fork, nullptr, nullptr);
+
+// The parse on a thread, asking `stop` every 2 ms meanwhile: true leaves the parse to end on its own
+// (its result freed) and throws interrupted_error. The text is checked here first, so that the thread
+// never holds fd 2 redirected: a parse left running must not swallow what others write there.
+void parse_aside(const std::shared_ptr<grammar_parse> & job, const stop_fn & stop) {
+    if (!job->parses_alone()) {
+        return;  // no grammar: the caller reports the reason captured
+    }
+    auto state = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+    auto done = std::make_shared<bool>(false);
+    auto abandoned = std::make_shared<bool>(false);
+    std::thread worker([job, state, done, abandoned] {
+        job->run(false);
+        std::lock_guard<std::mutex> lock(state->first);
+        *done = true;
+        if (*abandoned && job->parsed != nullptr) {
+            llama_grammar_free_impl(job->parsed);
+            job->parsed = nullptr;
+        }
+        state->second.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(state->first);
+    while (!*done) {
+        if (stop()) {
+            *abandoned = true;
+            lock.unlock();
+            std::lock_guard<std::mutex> aside(g_aside_mu);
+            g_aside.push_back(std::move(worker));
+            throw interrupted_error("interrupted while the grammar was parsed: nothing was changed");
+        }
+        state->second.wait_for(lock, std::chrono::milliseconds(2));
+    }
+    lock.unlock();
+    worker.join();
+}
+
+}  // namespace
+
+void join_abandoned_grammar_parses() {
+    std::vector<std::thread> threads;
+    {
+        std::lock_guard<std::mutex> lock(g_aside_mu);
+        threads.swap(g_aside);
+    }
+    for (auto & t : threads) {
+        t.join();
+    }
+}
+
+sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g, const stop_fn & stop) {
+    const uint64_t mark = log_mark();
+    llama_sampler * smpl = nullptr;
+    std::string captured;
+    if (g.gbnf.empty()) {
+        smpl = wrap(model.vocab(), nullptr);  // llama.cpp's grammar sampler: an empty one allows all
+    } else {
+        auto job = std::make_shared<grammar_parse>();
+        job->vocab = model.vocab();
+        job->spec = g;
+        if (stop && g.gbnf.size() >= kParseAsideBytes) {
+            parse_aside(job, stop);
+        } else {
+            job->run(true);
+        }
+        try {
+            if (job->error) {
+                std::rethrow_exception(job->error);
             }
-            llama_grammar * parsed =
-                g.lazy ? llama_grammar_init_impl(model.vocab(), gbnf.c_str(), root.c_str(), true, patterns.data(),
-                                                 patterns.size(), trigger_tokens.data(), trigger_tokens.size())
-                       : llama_grammar_init_impl(model.vocab(), gbnf.c_str(), root.c_str(), false, nullptr, 0, nullptr, 0);
-            if (parsed != nullptr) {
-                smpl = wrap(model.vocab(), parsed);
-            }
-        });
-    } catch (const std::regex_error & e) {
-        throw grammar_error(std::string("invalid trigger pattern: ") + e.what());
-    } catch (const std::exception & e) {
-        throw grammar_error(std::string("invalid grammar: ") + e.what());
+        } catch (const std::regex_error & e) {
+            throw grammar_error(std::string("invalid trigger pattern: ") + e.what());
+        } catch (const std::exception & e) {
+            throw grammar_error(std::string("invalid grammar: ") + e.what());
+        }
+        captured = std::move(job->captured);
+        if (job->parsed != nullptr) {
+            smpl = wrap(model.vocab(), job->parsed);
+        }
     }
     if (smpl == nullptr) {
         const std::string parsed = parse_error_reason(captured);

@@ -1,6 +1,7 @@
 #include "common.hpp"
 #include "errors.hpp"
 #include "model.hpp"
+#include "sampling.hpp"
 
 #include <algorithm>
 #include <cctype>
@@ -224,6 +225,7 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
 }
 
 Model::~Model() {
+    join_abandoned_grammar_parses();  // one of them may still read this model's vocabulary
     if (model_ != nullptr) {
         llama_model_free(model_);
     }

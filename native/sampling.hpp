@@ -95,12 +95,15 @@ struct sampler_deleter {
 };
 using sampler_ptr = std::unique_ptr<llama_sampler, sampler_deleter>;
 
-// A grammar sampler, or GrammarError with llama.cpp's reason (grammar.cpp); an invalid trigger
-// pattern is a GrammarError too.
-sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g);
 // Asked between the slices of a long grammar step: true stops it with InterruptedError, the grammar
 // unchanged. Null: never.
 using stop_fn = std::function<bool()>;
+// A grammar sampler, or GrammarError with llama.cpp's reason (grammar.cpp); an invalid trigger
+// pattern is a GrammarError too. With `stop`, a large grammar is parsed on a thread of its own while
+// `stop` is asked every 2 ms: true throws InterruptedError at once and leaves the parse to end there.
+sampler_ptr make_grammar_sampler(const Model & model, const grammar_spec & g, const stop_fn & stop = nullptr);
+// Waits for the parses make_grammar_sampler left running (before a model is freed, and at fork).
+void join_abandoned_grammar_parses();
 // llama.cpp's grammar apply and accept on a sampler of make_grammar_sampler's, in slices with `stop`
 // asked between them; the results are those of llama.cpp's single calls (grammar.cpp).
 void grammar_apply(llama_sampler * grammar, llama_token_data_array & cur, const stop_fn & stop);

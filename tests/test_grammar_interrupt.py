@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import lloyal_pool.worker._native_cpu as native
-from lloyal_pool import InterruptedByClient, Model, SamplerParams, StopReason
+from lloyal_pool import Grammar, GrammarError, InterruptedByClient, Model, Pool, SamplerParams, StopReason
 
 
 def many_words(n: int) -> str:
@@ -80,3 +80,39 @@ def test_an_interrupted_grammar_step_changes_no_branch(gemma: Model) -> None:
             [ctx.branches.produce([twin])[0].token for _ in range(3)]
     finally:
         ctx.close()
+
+
+def test_interrupt_lands_while_a_large_grammar_is_parsed(tiny_model: Path) -> None:
+    """A grammar of 20,000 alternatives takes llama.cpp seconds to set up (its stacks) before the first
+    token: the parse runs aside and the generation takes an interrupt meanwhile."""
+    with Pool(1) as pool:
+        model = pool[0].load_model(tiny_model)
+        ctx = model.new_context(n_ctx=256)
+        fut = ctx.generate_async("Hi", n_predict=3, grammar=many_words(20000))
+        time.sleep(0.3)  # not a measurement: the parse is under way by then
+        ctx.interrupt()
+        result = fut.result(timeout=600)
+        assert result.stop_reason is StopReason.INTERRUPTED and result.n_decoded == 0
+        assert ctx.tokens() == []  # stopped before the prompt was decoded
+        assert ctx.generate("Hello", n_predict=2).n_decoded == 2
+        model.close()  # waits for the parse left running: it reads this model's vocabulary
+        assert pool[0].ping(timeout=30) < 1.0
+
+
+def test_a_large_grammar_being_parsed_is_not_a_hang(tiny_model: Path) -> None:
+    # The parse (seconds) gives signs of life: a hang watch far shorter than it leaves the worker alone.
+    with Pool(1, hang_timeout=0.3) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
+        result = ctx.generate("Hi", n_predict=1, grammar=many_words(20000))
+        assert result.n_decoded == 1 and result.text.startswith("w") and pool[0].alive
+
+
+def test_a_large_grammar_that_does_not_parse_says_why(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
+        with pytest.raises(GrammarError, match="expecting"):
+            ctx.generate("Hi", n_predict=1, grammar=many_words(2000) + " | (")
+        lazy = Grammar(gbnf=many_words(2000), lazy=True, trigger_patterns=["(unclosed"])
+        with pytest.raises(GrammarError, match="invalid trigger pattern"):
+            ctx.generate("Hi", n_predict=1, grammar=lazy)
+        assert ctx.generate("Hi", n_predict=2).n_decoded == 2
