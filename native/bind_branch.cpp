@@ -50,12 +50,12 @@ template <class F> auto nogil(F && fn) {
 void register_branch_methods(context_class & cls) {
     cls.def(
            "branch_create",
-           [](py_context & c, const py::dict & params, py::handle grammar) {
+           [](py_context & c, const py::dict & params, py::handle grammar, uint64_t request_id) {
                const sampler_params p = parse_sampler_params(params);
                const auto g = parse_grammar(grammar, c.core->model());
-               return created(nogil([&] { return c.branches->create(p, g); }));
+               return created(nogil([&] { return c.branches->create(p, g, request_id); }));
            },
-           py::arg("params"), py::arg("grammar") = py::none())
+           py::arg("params"), py::arg("grammar") = py::none(), py::arg("request_id") = 0)
         .def(
             "branch_adopt",
             [](py_context & c, py::handle seq, const py::dict & params, py::handle grammar) {

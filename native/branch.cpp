@@ -122,11 +122,12 @@ region_arena::block branch_driver::new_block() const {
     }
 }
 
-std::unique_ptr<branch> branch_driver::new_root(const sampler_params & p, const std::optional<grammar_spec> & grammar) {
+std::unique_ptr<branch> branch_driver::new_root(const sampler_params & p, const std::optional<grammar_spec> & grammar,
+                                                const stop_fn & stop) {
     const Model & model = core_.model();
     sampler_ptr g;
     if (grammar) {
-        g = make_grammar_sampler(model, *grammar);
+        g = make_grammar_sampler(model, *grammar, stop);
     }
     auto b = std::make_unique<branch>();
     b->sampler = std::make_unique<chain_sampler>(p, model, core_.n_ctx_seq);
@@ -145,10 +146,16 @@ llama_seq_id branch_driver::lease_or_throw() {
     return seq;
 }
 
-branch_created branch_driver::create(const sampler_params & p, const std::optional<grammar_spec> & grammar) {
+branch_created branch_driver::create(const sampler_params & p, const std::optional<grammar_spec> & grammar,
+                                     uint64_t request_id) {
     context_core::busy_guard busy(core_);
     check_branch_capable();
-    std::unique_ptr<branch> b = new_root(p, grammar);
+    std::unique_ptr<branch> b;
+    {
+        context_core::request_scope req(core_, request_id);
+        const stop_fn stop = [this] { return core_.interrupt_requested(); };
+        b = new_root(p, grammar, request_id != 0 ? stop : stop_fn());
+    }
     const llama_seq_id seq = lease_or_throw();
     lease_guard guard(store_, seq);
     b->seq = seq;

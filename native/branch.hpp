@@ -194,7 +194,10 @@ class branch_driver {
     void clear();  // every branch and detached sequence goes; the caller clears the KV memory
 
     // branch.cpp
-    branch_created create(const sampler_params & p, const std::optional<grammar_spec> & grammar);
+    // request_id: the BranchCreate's, so that an interrupt lands while a large grammar is set up
+    // (InterruptedError, nothing created); 0: none.
+    branch_created create(const sampler_params & p, const std::optional<grammar_spec> & grammar,
+                          uint64_t request_id = 0);
     branch_created adopt(int64_t seq, const sampler_params & p, const std::optional<grammar_spec> & grammar);
     branch_created fork(uint32_t src);
     std::vector<uint32_t> prune(uint32_t h, bool subtree);
@@ -241,7 +244,8 @@ class branch_driver {
     void check_branch_capable() const;  // ContextError: a history, or a cache that cannot roll back
     llama_seq_id lease_or_throw();
     // A branch record without a seq yet: sampler, grammar and snapshot block, all validated.
-    std::unique_ptr<branch> new_root(const sampler_params & p, const std::optional<grammar_spec> & grammar);
+    std::unique_ptr<branch> new_root(const sampler_params & p, const std::optional<grammar_spec> & grammar,
+                                     const stop_fn & stop = nullptr);
     region_arena::block new_block() const;
     void free_branch(uint32_t handle);  // cells removed, seq and slot returned
     // Out of the store and the tree (its children become roots); null when not live. The seq stays leased.

@@ -116,3 +116,16 @@ def test_a_large_grammar_that_does_not_parse_says_why(tiny_model: Path) -> None:
         with pytest.raises(GrammarError, match="invalid trigger pattern"):
             ctx.generate("Hi", n_predict=1, grammar=lazy)
         assert ctx.generate("Hi", n_predict=2).n_decoded == 2
+
+
+def test_interrupt_lands_while_a_new_branchs_large_grammar_is_set_up(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256, n_seq_max=2)
+        fut = ctx.branches.create_async("Hi", SamplerParams(), grammar=many_words(20000))
+        time.sleep(0.3)  # not a measurement: the set-up is under way by then
+        ctx.interrupt()
+        with pytest.raises(InterruptedByClient, match="grammar"):
+            fut.result(timeout=600)
+        # Nothing was created: both sequences are free for new branches.
+        branches = [ctx.branch("Hi", SamplerParams()) for _ in range(2)]
+        assert len({b.handle for b in branches}) == 2

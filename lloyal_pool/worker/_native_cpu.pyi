@@ -393,10 +393,12 @@ class Context:
     # create, adopt and fork return (handle, offset): the branch's snapshot is the n_vocab float32 at that
     # offset of the arena's region, owned by the branch and freed with it (BranchError when the region
     # is full).
-    def branch_create(self, params: dict[str, Any], grammar: dict[str, Any] | None = None) -> tuple[int, int]:
+    def branch_create(self, params: dict[str, Any], grammar: dict[str, Any] | None = None,
+                      request_id: int = 0) -> tuple[int, int]:
         """A root at position 0 without logits. BranchError when no sequence is free; ContextError for a
         sequence-mode history or a cache that cannot roll back (recurrent model, sliding window without
-        swa_full)."""
+        swa_full). With request_id, interrupting it while a large grammar is set up raises
+        InterruptedError (nothing created)."""
     def branch_adopt(self, seq: int, params: dict[str, Any],
                      grammar: dict[str, Any] | None = None) -> tuple[int, int]:
         """A root over a detached sequence (detached, or loaded with state_seq_set/_load_file), at

@@ -593,7 +593,7 @@ class Engine:
         entry = self._context(req.context)
         spec = self._grammar(req.grammar)
         tokens = self._prompt_tokens(entry, req.prompt, bos=True)
-        created = entry.native.branch_create(req.params, spec)
+        created = entry.native.branch_create(req.params, spec, call.request_id)
         if tokens:
             try:
                 entry.native.prefill([(created[0], tokens)], call.request_id, call.prompt_progress(req.progress))
