@@ -77,6 +77,24 @@ def test_interrupt_from_another_thread_while_iterating(gemma: Model) -> None:
         ctx.close()
 
 
+def test_prompt_text_reads_control_tokens_unless_asked_not_to(gemma: Model) -> None:
+    """eval's text is what the application wrote (a chat template's output): its control-token text is
+    those tokens, unless parse_special=False."""
+    text = "<start_of_turn>user\nHi<end_of_turn>"
+    special = gemma.tokenize(text, add_special=False, parse_special=True)
+    plain = gemma.tokenize(text, add_special=False, parse_special=False)
+    assert len(special) < len(plain)
+    ctx = gemma.new_context(n_ctx=128)
+    try:
+        ctx.eval(text, add_special=False)
+        assert ctx.tokens() == special
+        ctx.reset()
+        ctx.eval(text, add_special=False, parse_special=False)
+        assert ctx.tokens() == plain
+    finally:
+        ctx.close()
+
+
 def test_text_leaves_out_markup_tokens_unless_asked(gemma: Model) -> None:
     image = gemma.tokenize("<start_of_image>", add_special=False, parse_special=True)
     assert len(image) == 1
