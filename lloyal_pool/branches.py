@@ -242,7 +242,8 @@ class Branch:
 
     def set_grammar(self, grammar: GrammarLike) -> None:
         """GBNF text, a Grammar (JSON schema, lazy triggers), or None to remove. Invalid grammars raise
-        GrammarError now. Forks inherit the grammar and its state."""
+        GrammarError now. Forks inherit the grammar and its state. Interruptible (a grammar of thousands
+        of alternatives takes seconds to set up): InterruptedByClient, and the branch keeps its grammar."""
         self._call(p.BranchSetGrammar(context=self._ctx, branch=self._live(), grammar=_grammar_wire(grammar)))
 
     def set_logit_bias(self, bias: Mapping[int, float] | None) -> None:

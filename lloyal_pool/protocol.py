@@ -134,7 +134,8 @@ class Request(msgspec.Struct, Generic[R], kw_only=True, forbid_unknown_fields=Tr
     """One operation's request; R is its reply type."""
 
     op: ClassVar[Op]
-    decodes: ClassVar[bool] = False  # runs llama_decode: interruptible, tracked per context by the client
+    # Runs llama_decode or other long native work: interruptible, tracked per context by the client.
+    decodes: ClassVar[bool] = False
 
 
 class ContextRequest(Request[R]):
@@ -454,6 +455,7 @@ class BranchFork(BranchRequest[BranchCreated]):
 
 class BranchAdopt(ContextRequest[BranchCreated]):
     op = Op.BRANCH_ADOPT
+    decodes = True  # no decode, but a large grammar's set-up takes seconds: interruptible
     seq: int
     params: dict[str, Any]
     grammar: dict[str, Any] | None = None
@@ -487,6 +489,7 @@ class BranchSetParams(BranchRequest[None]):
 
 class BranchSetGrammar(BranchRequest[None]):
     op = Op.BRANCH_SET_GRAMMAR
+    decodes = True  # no decode, but a large grammar's set-up takes seconds: interruptible
     grammar: dict[str, Any] | None
 
 

@@ -58,13 +58,13 @@ void register_branch_methods(context_class & cls) {
            py::arg("params"), py::arg("grammar") = py::none(), py::arg("request_id") = 0)
         .def(
             "branch_adopt",
-            [](py_context & c, py::handle seq, const py::dict & params, py::handle grammar) {
+            [](py_context & c, py::handle seq, const py::dict & params, py::handle grammar, uint64_t request_id) {
                 const int64_t s = int_arg(seq, "a sequence id");
                 const sampler_params p = parse_sampler_params(params);
                 const auto g = parse_grammar(grammar, c.core->model());
-                return created(nogil([&] { return c.branches->adopt(s, p, g); }));
+                return created(nogil([&] { return c.branches->adopt(s, p, g, request_id); }));
             },
-            py::arg("seq"), py::arg("params"), py::arg("grammar") = py::none())
+            py::arg("seq"), py::arg("params"), py::arg("grammar") = py::none(), py::arg("request_id") = 0)
         .def(
             "branch_fork",
             [](py_context & c, py::handle src) {
@@ -124,12 +124,12 @@ void register_branch_methods(context_class & cls) {
             py::arg("branch"), py::arg("params"))
         .def(
             "branch_set_grammar",
-            [](py_context & c, py::handle h, py::handle grammar) {
+            [](py_context & c, py::handle h, py::handle grammar, uint64_t request_id) {
                 const uint32_t b = handle_arg(h);
                 const auto g = parse_grammar(grammar, c.core->model());
-                nogil([&] { c.branches->set_grammar(b, g); });
+                nogil([&] { c.branches->set_grammar(b, g, request_id); });
             },
-            py::arg("branch"), py::arg("grammar"))
+            py::arg("branch"), py::arg("grammar"), py::arg("request_id") = 0)
         .def(
             "branch_set_logit_bias",
             [](py_context & c, py::handle h, py::handle bias) {

@@ -122,13 +122,17 @@ region_arena::block branch_driver::new_block() const {
     }
 }
 
-std::unique_ptr<branch> branch_driver::new_root(const sampler_params & p, const std::optional<grammar_spec> & grammar,
-                                                const stop_fn & stop) {
-    const Model & model = core_.model();
-    sampler_ptr g;
-    if (grammar) {
-        g = make_grammar_sampler(model, *grammar, stop);
+sampler_ptr branch_driver::set_up_grammar(const std::optional<grammar_spec> & grammar, uint64_t request_id) {
+    if (!grammar) {
+        return nullptr;
     }
+    context_core::request_scope req(core_, request_id);
+    const stop_fn stop = [this] { return core_.interrupt_requested(); };
+    return make_grammar_sampler(core_.model(), *grammar, request_id != 0 ? stop : stop_fn());
+}
+
+std::unique_ptr<branch> branch_driver::new_root(const sampler_params & p, sampler_ptr g) {
+    const Model & model = core_.model();
     auto b = std::make_unique<branch>();
     b->sampler = std::make_unique<chain_sampler>(p, model, core_.n_ctx_seq);
     b->sampler->set_grammar(std::move(g));
@@ -150,12 +154,7 @@ branch_created branch_driver::create(const sampler_params & p, const std::option
                                      uint64_t request_id) {
     context_core::busy_guard busy(core_);
     check_branch_capable();
-    std::unique_ptr<branch> b;
-    {
-        context_core::request_scope req(core_, request_id);
-        const stop_fn stop = [this] { return core_.interrupt_requested(); };
-        b = new_root(p, grammar, request_id != 0 ? stop : stop_fn());
-    }
+    std::unique_ptr<branch> b = new_root(p, set_up_grammar(grammar, request_id));
     const llama_seq_id seq = lease_or_throw();
     lease_guard guard(store_, seq);
     b->seq = seq;
@@ -166,7 +165,8 @@ branch_created branch_driver::create(const sampler_params & p, const std::option
     return {added.handle, added.block.offset()};
 }
 
-branch_created branch_driver::adopt(int64_t seq_arg_, const sampler_params & p, const std::optional<grammar_spec> & grammar) {
+branch_created branch_driver::adopt(int64_t seq_arg_, const sampler_params & p, const std::optional<grammar_spec> & grammar,
+                                    uint64_t request_id) {
     context_core::busy_guard busy(core_);
     const llama_seq_id seq = seq_arg(seq_arg_);
     check_branch_capable();
@@ -177,7 +177,7 @@ branch_created branch_driver::adopt(int64_t seq_arg_, const sampler_params & p, 
     if (!store_.is_detached(seq)) {
         throw branch_error("sequence " + std::to_string(seq) + " is not a detached sequence (branch_detach gives one)");
     }
-    std::unique_ptr<branch> b = new_root(p, grammar);
+    std::unique_ptr<branch> b = new_root(p, set_up_grammar(grammar, request_id));
     llama_memory_t mem = core_.memory();
     const llama_pos lo = std::max<llama_pos>(0, llama_memory_seq_pos_min(mem, seq));
     b->seq = seq;
@@ -298,10 +298,10 @@ void branch_driver::set_params(uint32_t h, const sampler_params & p) {
     b.sampler->set_params(p, b.accepted);
 }
 
-void branch_driver::set_grammar(uint32_t h, const std::optional<grammar_spec> & grammar) {
+void branch_driver::set_grammar(uint32_t h, const std::optional<grammar_spec> & grammar, uint64_t request_id) {
     context_core::busy_guard busy(core_);
     branch & b = store_.get(h);
-    b.sampler->set_grammar(grammar ? make_grammar_sampler(core_.model(), *grammar) : nullptr);
+    b.sampler->set_grammar(set_up_grammar(grammar, request_id));
 }
 
 void branch_driver::set_logit_bias(uint32_t h, std::vector<std::pair<llama_token, float>> bias) {

@@ -194,11 +194,12 @@ class branch_driver {
     void clear();  // every branch and detached sequence goes; the caller clears the KV memory
 
     // branch.cpp
-    // request_id: the BranchCreate's, so that an interrupt lands while a large grammar is set up
-    // (InterruptedError, nothing created); 0: none.
+    // request_id (create, adopt, set_grammar): the request's, so that an interrupt lands while a large
+    // grammar is set up (InterruptedError, nothing changed); 0: none.
     branch_created create(const sampler_params & p, const std::optional<grammar_spec> & grammar,
                           uint64_t request_id = 0);
-    branch_created adopt(int64_t seq, const sampler_params & p, const std::optional<grammar_spec> & grammar);
+    branch_created adopt(int64_t seq, const sampler_params & p, const std::optional<grammar_spec> & grammar,
+                         uint64_t request_id = 0);
     branch_created fork(uint32_t src);
     std::vector<uint32_t> prune(uint32_t h, bool subtree);
     std::vector<uint32_t> retain_only(uint32_t h);
@@ -206,7 +207,7 @@ class branch_driver {
     branch_info info(uint32_t h);
     std::vector<uint32_t> handles();
     void set_params(uint32_t h, const sampler_params & p);
-    void set_grammar(uint32_t h, const std::optional<grammar_spec> & grammar);
+    void set_grammar(uint32_t h, const std::optional<grammar_spec> & grammar, uint64_t request_id = 0);
     void set_logit_bias(uint32_t h, std::vector<std::pair<llama_token, float>> bias);
     void reseed(uint32_t h, uint32_t seed);
     void set_logits(uint32_t h, const float * z);  // n_vocab floats
@@ -244,8 +245,9 @@ class branch_driver {
     void check_branch_capable() const;  // ContextError: a history, or a cache that cannot roll back
     llama_seq_id lease_or_throw();
     // A branch record without a seq yet: sampler, grammar and snapshot block, all validated.
-    std::unique_ptr<branch> new_root(const sampler_params & p, const std::optional<grammar_spec> & grammar,
-                                     const stop_fn & stop = nullptr);
+    // The grammar's sampler (nullptr for none), set up under request_id's interrupt.
+    sampler_ptr set_up_grammar(const std::optional<grammar_spec> & grammar, uint64_t request_id);
+    std::unique_ptr<branch> new_root(const sampler_params & p, sampler_ptr grammar);
     region_arena::block new_block() const;
     void free_branch(uint32_t handle);  // cells removed, seq and slot returned
     // Out of the store and the tree (its children become roots); null when not live. The seq stays leased.

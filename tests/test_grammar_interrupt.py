@@ -129,3 +129,15 @@ def test_interrupt_lands_while_a_new_branchs_large_grammar_is_set_up(tiny_model:
         # Nothing was created: both sequences are free for new branches.
         branches = [ctx.branch("Hi", SamplerParams()) for _ in range(2)]
         assert len({b.handle for b in branches}) == 2
+
+
+def test_interrupt_lands_while_a_branchs_large_grammar_is_set(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256, n_seq_max=2)
+        branch = ctx.branch("Hi", SamplerParams(), grammar='root ::= "zq"')
+        timer = threading.Timer(0.3, ctx.interrupt)  # not a measurement: the set-up is under way by then
+        timer.start()
+        with pytest.raises(InterruptedByClient, match="grammar"):
+            branch.set_grammar(many_words(20000))
+        timer.join()
+        assert ctx.branches.produce([branch])[0].text.startswith("z")  # the grammar it had

@@ -400,10 +400,10 @@ class Context:
         swa_full). With request_id, interrupting it while a large grammar is set up raises
         InterruptedError (nothing created)."""
     def branch_adopt(self, seq: int, params: dict[str, Any],
-                     grammar: dict[str, Any] | None = None) -> tuple[int, int]:
+                     grammar: dict[str, Any] | None = None, request_id: int = 0) -> tuple[int, int]:
         """A root over a detached sequence (detached, or loaded with state_seq_set/_load_file), at
         pos_max + 1, without logits until its next prefill/commit. BranchError for a free sequence or a
-        branch's."""
+        branch's. request_id as for branch_create."""
     def branch_fork(self, src: int) -> tuple[int, int]:
         """A child sharing the parent's KV cells, with a copy of its sampler (PRNG included), grammar, bias,
         perplexity sums and snapshot. BranchError when no sequence is free."""
@@ -426,7 +426,8 @@ class Context:
     def branch_set_params(self, branch: int, params: dict[str, Any]) -> None:
         """A new sampler chain (PRNGs from params' seed, penalty/DRY windows re-primed from the committed
         tokens); params equal to the current ones change nothing."""
-    def branch_set_grammar(self, branch: int, grammar: dict[str, Any] | None) -> None: ...
+    def branch_set_grammar(self, branch: int, grammar: dict[str, Any] | None, request_id: int = 0) -> None:
+        """request_id as for branch_create: interrupted, the branch keeps the grammar it had."""
     def branch_set_logit_bias(self, branch: int, bias: dict[int, float] | Sequence[tuple[int, float]] | None) -> None:
         """Replaces the bias (a token's entries add up; -inf bans; +inf and NaN are a ValueError)."""
     def branch_reseed(self, branch: int, seed: int) -> None:

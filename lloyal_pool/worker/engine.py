@@ -611,7 +611,7 @@ class Engine:
     def branch_adopt(self, req: p.BranchAdopt, call: Call) -> p.BranchCreated:
         entry = self._context(req.context)
         spec = self._grammar(req.grammar)
-        return self._created(entry, entry.native.branch_adopt(req.seq, req.params, spec))
+        return self._created(entry, entry.native.branch_adopt(req.seq, req.params, spec, call.request_id))
 
     @handles(p.BranchPrune)
     def branch_prune(self, req: p.BranchPrune, call: Call) -> list[int]:
@@ -635,7 +635,7 @@ class Engine:
 
     @handles(p.BranchSetGrammar)
     def branch_set_grammar(self, req: p.BranchSetGrammar, call: Call) -> None:
-        self._context(req.context).native.branch_set_grammar(req.branch, self._grammar(req.grammar))
+        self._context(req.context).native.branch_set_grammar(req.branch, self._grammar(req.grammar), call.request_id)
 
     @handles(p.BranchSetLogitBias)
     def branch_set_logit_bias(self, req: p.BranchSetLogitBias, call: Call) -> None:
