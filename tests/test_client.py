@@ -145,3 +145,17 @@ def test_handles_say_what_they_are_in_their_repr(tiny_model: Path, tmp_path: Pat
         with pytest.raises(WorkerCrashedError):
             inst.ping(timeout=30)
         assert repr(inst).endswith(" dead>")
+
+
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
+def test_each_shared_memory_backend_serves_and_leaves_nothing(tiny_model: Path, backend: str) -> None:
+    import os
+
+    before = set(os.listdir("/dev/shm"))
+    with Pool(1, shm_backend=backend) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=64)
+        result = ctx.generate("Hi", n_predict=2)
+        logits = ctx.logits(copy=True)
+        assert result.n_decoded == 2 and logits.shape == (ctx.model.n_vocab,)
+        assert int(logits.argmax()) == ctx.generate("", n_predict=1, append=True, temperature=0.0).tokens[0]
+    assert set(os.listdir("/dev/shm")) <= before
