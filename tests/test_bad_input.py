@@ -746,6 +746,12 @@ def test_bad_pool_options_are_refused_before_any_worker_starts(kw: dict[str, Any
         Pool(1, **kw)
 
 
+def test_shm_bytes_past_the_available_memory_says_what_all_workers_need() -> None:
+    size = 1 << 45
+    with pytest.raises(InvalidArgumentError, match=f"shm_bytes={size} for 3 worker\\(s\\) needs {3 * size} bytes"):
+        Pool(3, shm_bytes=size)
+
+
 def test_shm_bytes_past_the_available_memory(tiny: Model) -> None:
     available = available_memory()
     assert available is not None  # Linux: /proc/meminfo

@@ -88,6 +88,8 @@ def test_workers_share_the_cpus_by_default(pool: Pool, tiny: Model) -> None:
 
     share = max(1, len(os.sched_getaffinity(0)) // len(pool))
     assert [inst.threads for inst in pool] == [share] * len(pool)
+    with Pool(1) as alone:
+        assert alone[0].threads == len(os.sched_getaffinity(0))
     ctx = tiny.new_context(n_ctx=64)
     explicit = tiny.new_context(n_ctx=64, n_threads=3)
     try:
@@ -140,7 +142,7 @@ def test_handles_say_what_they_are_in_their_repr(tiny_model: Path, tmp_path: Pat
         adapter.close()
         assert repr(adapter).endswith(" closed>")
         with ctx.stream("Hi", n_predict=2) as stream:
-            assert "".join(stream) == stream.result.text and stream.done
+            assert "".join(stream) == stream.result.text and stream.done is True
         inst.kill()
         with pytest.raises(WorkerCrashedError):
             inst.ping(timeout=30)

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from lloyal_pool import Pool, ProtocolError, StaleHandleError, WorkerCrashedError, WorkerStartupError
+from lloyal_pool._process import ABORT_MARKER
 
 
 def _memfds() -> int:
@@ -89,6 +90,7 @@ def test_a_ggml_abort_reports_what_failed(fresh_pool: Pool) -> None:
     assert "abort_report.cpp:" in first and "GGML_ASSERT(" in first and "failed" in first, first
     last = err.stderr_tail.splitlines()[-1]
     assert "GGML_ASSERT(" in last and "failed" in last, err.stderr_tail
+    assert last.startswith(ABORT_MARKER) and first.endswith(last[len(ABORT_MARKER):].strip())  # the last one
     assert fresh_pool[1].ping(timeout=5) < 1.0
 
 
