@@ -68,16 +68,23 @@ STOP_GRACE = 2.0
 """Seconds a timed-out call that was interrupted gets to end before wait() gives up on it."""
 
 
+def check_timeout(timeout: float | None) -> None:
+    """A call's ``timeout`` (None or seconds >= 0), checked before its request is sent: a bad value must
+    not leave the call running unobserved in its worker."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise InvalidArgumentError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
+
+
 def wait(fut: Future[R], timeout: float | None, stop: Callable[[], None] | None = None,
          what: str = "the call") -> R:
-    """fut's result, waiting at most ``timeout`` seconds (None: as long as it takes). When the time has
-    passed, ``stop()`` (an interrupt) runs, the call gets STOP_GRACE seconds to end, and CallTimeoutError
-    is raised, carrying what the stopped call returned (an interrupted generation's partial Result). Its
-    worker dying meanwhile raises that error instead: it says more."""
+    """fut's result, waiting at most ``timeout`` seconds (None: as long as it takes; checked by
+    check_timeout before the call was sent). When the time has passed, ``stop()`` (an interrupt) runs,
+    the call gets STOP_GRACE seconds to end, and CallTimeoutError is raised, carrying what the stopped
+    call returned (an interrupted generation's partial Result). Its worker dying meanwhile raises that
+    error instead: it says more."""
     if timeout is None:
         return fut.result()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise InvalidArgumentError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
     try:
         return fut.result(timeout)
     except TimeoutError:

@@ -32,10 +32,10 @@ import numpy as np
 from . import protocol as p
 from ._files import irregular_path
 from ._futures import mapped
-from ._link import ContextLink, PromptProgress, events, spread_progress, wait
+from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
 from ._process import HangWatch, TempRoot, WorkerOptions, WorkerProcess
 from .branches import KV, Branch, BranchStore, GrammarLike
-from .chat import TOOL_CHOICES, ChatMessage
+from .chat import ChatMessage
 from .errors import (
     BadRequestError,
     CallTimeoutError,
@@ -152,6 +152,7 @@ class Instance:
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds; CallTimeoutError when there is no answer within ``timeout``."""
+        check_timeout(timeout)
         t0 = time.perf_counter()
         wait(self._live().call(p.Ping()), timeout, what="ping")
         return time.perf_counter() - t0
@@ -166,6 +167,7 @@ class Instance:
         is raised here once the load ends (the model is freed again). ModelLoadError for a
         missing, unreadable or invalid file, or one outside the pool's ``allowed_dirs``; the worker keeps
         serving. ``timeout``: seconds to wait at most (CallTimeoutError; the load goes on in the worker)."""
+        check_timeout(timeout)
         return wait(self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
                                           vocab_only=vocab_only, progress=progress), timeout, what="load_model")
 
@@ -227,12 +229,6 @@ class Instance:
     def fault(self, kind: str, **args: Any) -> Future[Any]:
         """Test-only: ask the worker to crash in a given way (needs LLOYAL_POOL_TEST_FAULTS=1)."""
         return self._proc.call(p.Fault(kind=kind, **args))
-
-
-def _tool_choice(choice: str) -> str:
-    if choice not in TOOL_CHOICES:
-        raise InvalidArgumentError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {choice!r}")
-    return choice
 
 
 def _close_quietly(model: Model) -> None:
@@ -355,13 +351,13 @@ class Model:
         return self._call(p.ParseChatOutput(model=self._handle, text=text,
                                             messages=json.dumps(list(messages)) if messages else "",
                                             template=template, tools=json.dumps(list(tools)) if tools else "",
-                                            tool_choice=_tool_choice(tool_choice), partial=partial))
+                                            tool_choice=tool_choice, partial=partial))
 
     def _format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
                      tools: Sequence[Mapping[str, Any]] | None, tool_choice: str = "auto") -> p.ChatPrompt:
         return self._call(p.ChatFormat(model=self._handle, messages=json.dumps(list(messages)), template=template,
                                        tools=json.dumps(list(tools)) if tools else "",
-                                       tool_choice=_tool_choice(tool_choice)))
+                                       tool_choice=tool_choice))
 
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
@@ -467,9 +463,7 @@ class Stream:
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._request_id = 0
         self.future: Future[Result]
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):
-            raise InvalidArgumentError(f"timeout is a number of seconds >= 0 or None, got {timeout!r}")
+        check_timeout(timeout)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
         self._timed_out: CallTimeoutError | None = None
@@ -610,6 +604,7 @@ class Context:
 
         ``timeout``: seconds to wait at most (this and every other blocking call that takes it): then the
         generation is interrupted and CallTimeoutError raised, its ``result`` the partial Result."""
+        check_timeout(timeout)
         return self._link.wait(self.generate_async(prompt, params, append=append, on_piece=on_piece,
                                                    progress=progress, **overrides), timeout, "generate")
 
@@ -671,6 +666,7 @@ class Context:
         down to ``ngram_min`` tokens, and what followed it; no second model), or a Context of a smaller
         model with the same vocabulary in the same worker (its greedy continuation; it must not be in use
         meanwhile). Needs swa_full=True on sliding-window models (the default)."""
+        check_timeout(timeout)
         fut = self.generate_with_draft_async(prompt, params, draft=draft, n_draft=n_draft, ngram_min=ngram_min,
                                              ngram_max=ngram_max, append=append, on_piece=on_piece,
                                              progress=progress, **overrides)
@@ -712,6 +708,7 @@ class Context:
         """Decodes prompt into the KV cache after what it holds, without sampling (prefill). Text gets
         the model's BOS only when the context is empty, unless add_special says otherwise.
         ``progress(done, total)`` is called with the tokens decoded so far."""
+        check_timeout(timeout)
         return self._link.wait(self.eval_async(prompt, add_special=add_special, parse_special=parse_special,
                                                progress=progress), timeout, "eval")
 
@@ -900,6 +897,7 @@ class Context:
         are): every token after the first is scored against the logits of the tokens before it, so
         n_scored = n_tokens - 1. Like a generate prompt, the text replaces what the context held and stays
         in it afterwards. ValueError for fewer than two tokens, ContextOverflowError past n_ctx."""
+        check_timeout(timeout)
         return self._link.wait(self.score_async(text), timeout, "score")
 
     def score_async(self, text: str | Sequence[int]) -> Future[Score]:
@@ -914,6 +912,7 @@ class Context:
         its cache is rolled back and its last logits kept. With n_seq_max > 1 the choices are decoded
         together, one sequence each (as many at once as there are sequences); with n_seq_max 1 one
         after another."""
+        check_timeout(timeout)
         return self._link.wait(self.score_choices_async(choices), timeout, "score_choices")
 
     def score_choices_async(self, choices: Sequence[str | Sequence[int]]) -> Future[list[Score]]:
@@ -1069,8 +1068,8 @@ class Pool:
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
                  sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False) -> None:
-        if size < 1:
-            raise InvalidArgumentError(f"a Pool needs at least one worker, got size={size}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidArgumentError(f"a Pool needs an int of at least one worker, got size={size!r}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
                 hang_timeout, (int, float)) or not hang_timeout > 0):
             raise InvalidArgumentError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")

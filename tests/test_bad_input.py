@@ -733,6 +733,12 @@ BAD_POOL_OPTIONS: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.parametrize("size", [0, -1, True, 1.5, "2", None])
+def test_a_pool_of_no_workers_or_of_a_size_that_is_not_an_int_is_refused(size: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"at least one worker, got size={size!r}"):
+        Pool(size)
+
+
 @pytest.mark.parametrize(("kw", "name"), [(kw, n) for _, kw, n in BAD_POOL_OPTIONS],
                          ids=[n for n, _, _ in BAD_POOL_OPTIONS])
 def test_bad_pool_options_are_refused_before_any_worker_starts(kw: dict[str, Any], name: str) -> None:
@@ -778,8 +784,9 @@ def _still_serving_in(model: Model, ctx: Context) -> None:
     assert ctx.generate("Hi", n_predict=2).n_decoded == 2
 
 
-def test_shm_bytes_for_gemma_sized_vocabularies() -> None:
+def test_shm_bytes_for_gemma_sized_vocabularies(pool: Pool) -> None:
     # The README's table: the default 64 MiB region holds 63 Gemma 3 rows and 511 of a 32k vocabulary.
+    assert pool[0]._proc.region.size == 64 << 20
     assert ((64 << 20) - BULK_OFFSET) // row_bytes(262144) == 63
     assert ((64 << 20) - BULK_OFFSET) // row_bytes(32000) == 511
     assert shm_bytes_for(262144, 512) == BULK_OFFSET + 512 * (1 << 20)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lloyal_pool import GrammarError, Model, Pool, StopReason
+from lloyal_pool import GrammarError, Model, ModelLoadError, Pool, StopReason
 
 pytestmark = pytest.mark.gemma
 
@@ -144,8 +144,40 @@ def test_native_logs_reach_python_logging(gemma_path: Path) -> None:
     assert f"lloyal_pool.worker.{inst.worker_id}" in names
     # llama.cpp's own levels: its info and debug lines are DEBUG records; a normal load and a grammar
     # error (which the GrammarError reports) leave no warning.
-    assert any(r.getMessage().startswith("[llama.cpp I]") and r.levelno == logging.DEBUG for r in records)
+    for level in ("I", "D"):  # native_log_level="debug" lets llama.cpp's debug lines through too
+        assert any(r.getMessage().startswith(f"[llama.cpp {level}]") and r.levelno == logging.DEBUG
+                   for r in records), level
     assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+
+
+@pytest.mark.parametrize(("level", "seen"), [("debug", "DIWE"), ("info", "IWE"), ("warning", "WE"), ("error", "E"),
+                                            ("none", "")])
+def test_native_log_level_is_the_least_severe_llama_cpp_line_passed_on(
+        tiny_model: Path, tmp_path: Path, level: str, seen: str) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[:3000])  # llama.cpp logs an error reading it
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("lloyal_pool.worker")
+    handler = Keep(level=logging.DEBUG)
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        with Pool(1, native_log_level=level) as pool:
+            model = pool[0].load_model(tiny_model)  # info and debug lines
+            model.new_context(n_ctx=2048).generate("Hi", n_predict=2)  # a warning: past its training length
+            with pytest.raises(ModelLoadError):
+                pool[0].load_model(truncated)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    levels = {m[len("[llama.cpp ")] for m in (r.getMessage() for r in records) if m.startswith("[llama.cpp ")}
+    assert "".join(sorted(levels, key="DIWE".index)) == seen
 
 
 def test_a_crash_message_has_a_stderr_section_only_when_there_is_stderr(fresh_pool: Pool,

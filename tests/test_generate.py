@@ -157,6 +157,23 @@ def test_generate_takes_the_grammars_branches_take(tiny: Model) -> None:
         ctx.close()
 
 
+def test_generate_and_stream_start_afresh_unless_asked_to_append(tiny: Model) -> None:
+    """The same prompt twice is the same generation (its prefix comes from the cache); append=True
+    continues after what the context holds instead."""
+    ctx = tiny.new_context(n_ctx=256)
+    try:
+        first = ctx.generate("Once upon a time", n_predict=6, ignore_eos=True)
+        with ctx.stream("Once upon a time", n_predict=6, ignore_eos=True) as stream:
+            again = "".join(stream)
+        assert (stream.result.tokens, again) == (first.tokens, first.text) and stream.result.n_cached > 0
+        with ctx.stream("Once upon a time", n_predict=6, ignore_eos=True, append=True) as stream:
+            "".join(stream)
+        assert stream.result.n_cached == 0 and stream.result.tokens != first.tokens
+        assert ctx.generate("Once upon a time", n_predict=6, ignore_eos=True).tokens == first.tokens
+    finally:
+        ctx.close()
+
+
 def test_sampler_values_are_checked_by_the_worker(tiny: Model) -> None:
     """The native side owns the sampler fields' rules; a value it refuses fails that request only."""
     ctx = tiny.new_context(n_ctx=64)

@@ -21,6 +21,7 @@ import pytest
 
 from lloyal_pool import (
     Context,
+    ContextError,
     Model,
     Pool,
     PoolClosedError,
@@ -450,3 +451,17 @@ def test_a_branch_progress_callback_that_raises_leaves_no_branch_behind(tiny: Mo
         assert ctx.branch(prompt).position == len(prompt)
     finally:
         ctx.close()
+
+
+def test_a_worker_holds_512_contexts_and_refuses_the_513th(tiny_model: Path) -> None:
+    """The README's limit per worker, with a region sized for the rows (lloyal_pool.shm_bytes_for)."""
+    from lloyal_pool import shm_bytes_for
+
+    with Pool(1, shm_bytes=shm_bytes_for(32000, 513)) as pool:
+        model = pool[0].load_model(tiny_model)
+        assert model.n_vocab <= 32000
+        contexts = [model.new_context(n_ctx=16, n_batch=16, n_ubatch=16) for _ in range(512)]
+        with pytest.raises(ContextError, match="a worker holds at most 512 contexts"):
+            model.new_context(n_ctx=16)
+        contexts.pop().close()
+        assert model.new_context(n_ctx=16).generate("Hi", n_predict=1).n_decoded == 1

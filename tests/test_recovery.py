@@ -130,6 +130,88 @@ def test_calls_on_the_instance_wait_for_the_recovery(tiny_model: Path) -> None:
         assert recovered.wait(30)
 
 
+def test_a_call_made_while_the_recovery_runs_waits_for_it(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(tiny_model)
+        dying = pool[0]._proc
+        _kill(pool)
+        assert dying._dead_event.wait(30)  # the death is known, the replacement is on its way
+        assert dying.recovering is not None and not dying.recovering.is_set()
+        assert pool[0].ping(timeout=30) < 5  # through the instance
+        assert pool[0]._proc is not dying and pool[0].alive
+        assert model.tokenize("Hello world")
+
+
+def test_model_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny_model: Path,
+                                                                          gemma_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Pool(1, recover=True) as pool:
+        # One handle counter per worker, and the replacement loads each model and then its contexts: with
+        # handles 1 (closed), 2 and 3 before, whichever of a and b comes first gets a lower handle and
+        # the other a higher one (a's two contexts or b's one come in between). Two models whose tokens
+        # differ, so that a call sent to the other's handle is seen.
+        gone, a, b = (pool[0].load_model(path) for path in (tiny_model, tiny_model, gemma_path))
+        contexts = [a.new_context(n_ctx=64), a.new_context(n_ctx=64), b.new_context(n_ctx=64)]
+        gone.close()
+        before = (a._handle, b._handle)
+        expected = [m.tokenize("Hello world") for m in (a, b)]
+        assert expected[0] != expected[1]
+        dying = pool[0]._proc
+        _kill(pool)
+        assert dying._dead_event.wait(30)
+        assert dying.recovering is not None and not dying.recovering.is_set()
+        with ThreadPoolExecutor(2) as calls:  # both made before the recovery is done
+            got = [f.result(timeout=60) for f in [calls.submit(m.tokenize, "Hello world") for m in (a, b)]]
+        assert got == expected
+        moved = sorted(new - old for old, new in zip(before, (a._handle, b._handle), strict=True))
+        assert moved[0] < 0 < moved[1], (before, moved)
+        assert all(ctx.generate("Hi", n_predict=1).n_decoded == 1 for ctx in contexts)
+
+
+def test_context_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny_model: Path,
+                                                                            tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loras import attention_shapes, write_lora
+
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(tiny_model)  # handle 1
+        path = write_lora(tmp_path / "a.gguf", "llama", attention_shapes(model.info, range(model.info.n_layer)),
+                          rank=4, seed=1)
+        first = model.new_context(n_ctx=128)  # 2
+        adapters = [model.load_lora(path), model.load_lora(path)]  # 3, 4 (loaded, applied nowhere)
+        model.new_context(n_ctx=64).close()  # 5
+        second = model.new_context(n_ctx=128)  # 6
+        first.eval("one two three")
+        second.eval("four five six seven")
+        held = [ctx.tokens() for ctx in (first, second)]
+        # The replacement loads the model, its adapters, then its contexts (in no set order): 1, 2, 3, then
+        # 4 and 5, so `first` moves up from 2 and `second` down from 6.
+        before = (first.handle, second.handle)
+        dying = pool[0]._proc
+        _kill(pool)
+        assert dying._dead_event.wait(30)
+        assert dying.recovering is not None and not dying.recovering.is_set()
+        with ThreadPoolExecutor(2) as calls:  # both made before the recovery is done
+            got = [f.result(timeout=60) for f in [calls.submit(ctx.tokens) for ctx in (first, second)]]
+        assert got == held and held[0] != held[1]
+        assert before == (2, 6) and {first.handle, second.handle} == {4, 5}
+        assert not any(adapter.closed for adapter in adapters)
+
+
+def test_a_stream_interrupted_just_before_a_crash_stays_interrupted_when_sent_again(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+        stream = ctx.stream("Once upon a time", n_predict=400, ignore_eos=True)
+        next(stream)  # it runs
+        os.kill(pool[0].pid, signal.SIGSTOP)
+        stream.interrupt()  # written to the region, never read by the stopped worker
+        _kill(pool)  # the replacement gets the stream again, under a new request id
+        assert stream.future.result(timeout=60).interrupted
+        assert len(stream.result.tokens) < 400
+
+
 def test_checkpoint_needs_recover(tiny_model: Path) -> None:
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)

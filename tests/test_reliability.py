@@ -18,6 +18,7 @@ from lloyal_pool import (
     CallTimeoutError,
     Context,
     DeadWorkerError,
+    InvalidArgumentError,
     Pool,
     PoolClosedError,
     StaleHandleError,
@@ -76,6 +77,32 @@ def test_an_idle_stopped_worker_is_not_killed_until_a_call_waits() -> None:
         assert pool[0].ping(timeout=5) < 1.0
 
 
+def test_a_hang_check_that_fails_for_one_worker_leaves_the_watch_over_the_others(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(now: float, hang_timeout: float) -> None:
+        raise RuntimeError("this worker's check is broken")
+
+    with Pool(2, hang_timeout=0.5) as pool:
+        monkeypatch.setattr(pool[0]._proc, "check_hang", broken)  # checked first, at every tick
+        os.kill(pool[1].pid, signal.SIGSTOP)
+        with caplog.at_level("ERROR", logger="lloyal_pool"), pytest.raises(WorkerHungError):
+            pool[1].ping(timeout=30)
+        assert "hang check of worker 0 failed" in caplog.text
+        assert pool[0].ping(timeout=5) < 1.0
+
+
+@pytest.mark.parametrize("hang_timeout", [0.5, 30.0])
+def test_an_idle_pool_with_its_hang_watch_costs_no_cpu(hang_timeout: float) -> None:
+    with Pool(2, hang_timeout=hang_timeout) as pool:
+        pool[0].ping()
+        pool[1].ping()
+        me = psutil.Process()
+        before = sum(me.cpu_times()[:2])
+        time.sleep(1.0)
+        # The watch ticks a few times a second; a tick of 0 (a spinning thread) would burn the second whole.
+        assert sum(me.cpu_times()[:2]) - before < 0.2
+
+
 def test_hang_timeout_is_validated() -> None:
     for bad in (0, -1.0, "30", True):
         with pytest.raises(ValueError, match="hang_timeout"):
@@ -117,6 +144,37 @@ def test_a_call_within_its_timeout_returns_normally(tiny_model: Path) -> None:
         assert "".join(stream) == stream.result.text and stream.result.n_decoded == 3
         with pytest.raises(ValueError, match="timeout"):
             ctx.generate("Hi", n_predict=2, timeout=-1)
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.001, True, "5", float("nan")])
+def test_a_bad_timeout_is_refused_before_anything_is_sent(tiny_model: Path, timeout: object) -> None:
+    with Pool(1) as pool:
+        worker = pool[0]
+        model = worker.load_model(tiny_model)
+        ctx = model.new_context(n_ctx=512)
+        long = {"n_predict": 100_000, "ignore_eos": True}
+        calls = [lambda t: worker.ping(timeout=t), lambda t: worker.load_model(tiny_model, timeout=t),
+                 lambda t: ctx.generate("Hi", timeout=t, **long), lambda t: ctx.stream("Hi", timeout=t, **long),
+                 lambda t: ctx.generate_with_draft("Hi", timeout=t, **long),
+                 lambda t: ctx.eval("Hi " * 100, timeout=t), lambda t: ctx.score("Hi there", timeout=t),
+                 lambda t: ctx.score_choices(["a", "b"], timeout=t)]
+        for call in calls:
+            with pytest.raises(InvalidArgumentError, match="timeout is a number of seconds"):
+                call(timeout)
+            assert worker._proc._pending == {}  # nothing went out to run unobserved
+        assert ctx.generate("Hi", n_predict=2).n_decoded == 2
+
+
+def test_a_zero_timeout_is_a_timeout_that_has_passed_not_a_bad_value(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+        for call in (lambda: ctx.generate("Hi", n_predict=2, timeout=0),
+                     lambda: "".join(ctx.stream("Hi", n_predict=2, timeout=0))):
+            try:
+                call()
+            except CallTimeoutError:
+                pass  # as a rule; a reply already there when it is checked is taken
+        assert ctx.generate("Hi", n_predict=2).n_decoded == 2
 
 
 def test_a_ping_timeout_is_a_lloyal_error_and_a_timeout_error() -> None:
