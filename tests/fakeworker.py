@@ -5,6 +5,7 @@ It stands in for the worker's side of the pipes only, never for llama.cpp.
 The script (a msgpack file named by LLOYAL_FAKE_SCRIPT in its environment) is a map:
     protocol: the version its HELLO claims
     hello:    (optional) entries that replace the HELLO payload's ("sandbox": the sandbox report)
+    stderr:   (optional) bytes it writes to its stderr first
     before:   (optional) frames written instead of HELLO, as in frames; the fake then exits with code 3,
               or with linger true waits for its request pipe to close first
     frames:   what it writes once the first request arrives, in order: {"raw": bytes} as they are, or
@@ -68,6 +69,8 @@ def main(argv: list[str]) -> int:
     rfd, wfd = (int(x) for x in argv[argv.index("--fds") + 1].split(","))
     with open(os.environ["LLOYAL_FAKE_SCRIPT"], "rb") as f:
         script = msgspec.msgpack.decode(f.read())
+    if "stderr" in script:
+        _write(2, script["stderr"])
     if "before" in script:
         _write_all(wfd, script["before"], 0)
         while script.get("linger") and os.read(rfd, 1 << 16):

@@ -115,6 +115,17 @@ def test_a_worker_that_fails_before_its_handshake_names_the_cause(fake_python: P
         pytest.fail("the pool started")
 
 
+def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_python: Path) -> None:
+    from lloyal_pool._process import STDERR_TAIL_BYTES
+
+    huge = "x" * (STDERR_TAIL_BYTES + 1000)
+    stderr = "".join(f"line {i}\n" for i in range(10)) + huge + "\n"
+    with pytest.raises(WorkerStartupError) as info, \
+            fake_pool(fake_python, [], script={"before": [], "stderr": stderr.encode()}):
+        pytest.fail("the pool started")
+    assert info.value.stderr_tail == huge  # the lines before it no longer fit
+
+
 def test_a_worker_that_never_shakes_hands_fails_start_up_at_its_timeout(fake_python: Path) -> None:
     with pytest.raises(WorkerStartupError, match=r"no handshake within start_timeout=1s"), \
             fake_pool(fake_python, [], script={"before": [], "linger": True}, start_timeout=1.0):
