@@ -5,9 +5,11 @@ Every mutant of a module against the whole suite would take days on a small mach
 random sample of each module's mutants against the test subset that exercises it (mutation.toml), and gives
 the score with a 95% Wilson interval:
 
+    python scripts/mutation.py map                                   # once per test change: who covers what
     python scripts/mutation.py run shm --seed 1 --sample 60        # resumable: done mutants are kept
     python scripts/mutation.py run shm --seed 1 --only NAME ...      # re-run some (names from `show`)
     python scripts/mutation.py show shm --seed 1 [--all]              # the survivors' diffs
+    python scripts/mutation.py equivalent shm --seed 1 NAME "why"    # a survivor no test can kill
     python scripts/mutation.py report [--seed 1]                     # the per-module table
 
 cosmic-ray writes each mutant into the source file itself and puts the original back after its test run.
@@ -15,6 +17,12 @@ That is what makes it work with the editable install: its import finder maps llo
 these very files (a copy of the package elsewhere on sys.path would be ignored), for the parent and for
 the workers alike (`python -I -m lloyal_pool.worker` still reads site-packages' .pth). A mutant of shm.py
 therefore runs on both sides of the region, as a change to it would. No environment variable is involved.
+
+Which tests run against a mutant: with a map (``map`` runs the whole suite once under coverage, recording
+which test ran each line of the parent's side, and how long each test takes), the tests that ran the
+mutated line, files in order of their cost, up to --budget seconds of them; a line no test ran in the
+parent (code that runs only in a worker or a subprocess, or nowhere) gets the module's subset from
+mutation.toml instead. Without a map, always that subset.
 
 Sessions live in .mutation/ (cosmic-ray's sqlite work database, one per module and seed; the mutants not
 in the sample are recorded as skipped, so cosmic-ray's own `cr-report`/`cr-html` show the sample too).
@@ -58,6 +66,93 @@ def _session(module: str, seed: int) -> Path:
 def _name(mutation: Any) -> str:
     """A mutant's stable name: its operator and occurrence (cosmic-ray's job ids are random)."""
     return f"{mutation.operator_name}#{mutation.occurrence}"
+
+
+MAP = SESSIONS / "map.json"
+
+
+def cmd_map(args: argparse.Namespace) -> None:
+    """Runs the whole suite under coverage with a context per test, and keeps, per mutated module and line,
+    the tests that ran it, and each test's duration (setup and teardown included: the first test of a
+    module pays for its fixtures)."""
+    import subprocess
+    import xml.etree.ElementTree as ET
+
+    SESSIONS.mkdir(exist_ok=True)
+    data_file, junit = SESSIONS / "coverage.sqlite", SESSIONS / "junit.xml"
+    if not args.reuse:
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cov=lloyal_pool",
+                        "--cov-context=test", "--cov-report=", f"--junitxml={junit}", "tests"],
+                       cwd=ROOT, env={**__import__("os").environ, "COVERAGE_FILE": str(data_file)}, check=False)
+    from coverage import CoverageData
+
+    cov = CoverageData(basename=str(data_file))
+    cov.read()
+    lines: dict[str, dict[str, list[str]]] = {}
+    for module in _modules().values():
+        target = str((ROOT / module["path"]).resolve())
+        by_line: dict[str, set[str]] = {}
+        for line, contexts in cov.contexts_by_lineno(target).items():
+            for context in contexts:
+                if context:  # "" is import time, outside any test
+                    by_line.setdefault(str(line), set()).add(context.rsplit("|", 1)[0])
+        lines[module["path"]] = {line: sorted(ids) for line, ids in by_line.items()}
+    durations: dict[str, float] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        if any(child.tag in ("failure", "error", "skipped") for child in case):
+            continue  # only tests that pass unmutated can tell a mutant
+        path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+        durations[f"{path}::{case.get('name')}"] = float(case.get("time") or 0)
+    MAP.write_text(json.dumps({"lines": lines, "durations": durations}))
+    covered = {path: len(by_line) for path, by_line in lines.items()}
+    print(f"map: {len(durations)} tests; lines run per module: {covered}")
+
+
+def _covering_tests(module: dict[str, Any], mutation: Any, budget: float) -> tuple[list[str], str, float | None]:
+    """The tests to run against a mutant, how they were chosen, and their unmutated duration (None for
+    the subset)."""
+    if not MAP.exists():
+        return module["tests"], "subset", None
+    data = json.loads(MAP.read_text())
+    by_line = data["lines"].get(module["path"], {})
+    first, last = mutation.start_pos[0], mutation.end_pos[0]
+    cost = data["durations"]
+    ids = sorted({t for line in range(first, last + 1) for t in by_line.get(str(line), []) if t in cost})
+    if not ids:
+        # A default value or a decorator runs at import, outside every test: the tests that run the
+        # function's body are the ones that meet it.
+        body = _enclosing_body(ROOT / module["path"], first)
+        ids = sorted({t for line in body for t in by_line.get(str(line), []) if t in cost})
+    if not ids:
+        return module["tests"], "subset (no test ran the line in the parent)", None
+    files: dict[str, list[str]] = {}
+    for test in ids:
+        files.setdefault(test.split("::", 1)[0], []).append(test)
+    # A file's tests stay together (their module fixtures are built once); cheap files first, so that a
+    # mutant a cheap test kills costs little under -x.
+    ordered = sorted(files.values(), key=lambda tests: sum(cost.get(t, 1.0) for t in tests))
+    chosen: list[str] = []
+    spent = 0.0
+    for tests in ordered:
+        file_cost = sum(cost.get(t, 1.0) for t in tests)
+        if chosen and spent + file_cost > budget:
+            break
+        chosen += tests
+        spent += file_cost
+    left = len(ids) - len(chosen)
+    how = f"{len(chosen)} covering tests, {spent:.0f}s" + (f" ({left} over budget left out)" if left else "")
+    return chosen, how, spent
+
+
+def _enclosing_body(path: Path, line: int) -> range:
+    """The body lines of the innermost function whose signature or decorators hold ``line``."""
+    found = range(0)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            head = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if head <= line < node.body[0].lineno:
+                found = range(node.body[0].lineno, (node.end_lineno or node.lineno) + 1)
+    return found
 
 
 def _drop_bytecode(path: Path) -> None:
@@ -219,23 +314,27 @@ def cmd_run(args: argparse.Namespace) -> None:
     _stop_cleanly()
     timeout = args.timeout
     if timeout is None:
-        took = _baseline(path, tests)
-        timeout = 2 * took + 60
-        print(f"{args.module}: unmutated subset passes in {took:.0f}s; timeout per mutant {timeout:.0f}s", flush=True)
+        took = _baseline(path, tests) if args.tests or not MAP.exists() else 0.0
+        timeout = 2 * max(took, args.budget) + 60
+        print(f"{args.module}: timeout per mutant {timeout:.0f}s", flush=True)
     for i, item in enumerate(todo, 1):
         if args.pause_while:
             while Path(args.pause_while).exists():
                 time.sleep(30)
         mutation = item.mutations[0]
+        run_tests, how, expected = (tests, "given", None) if args.tests else _covering_tests(module, mutation,
+                                                                                             args.budget)
+        # A mutant that loops forever in one cheap test need not cost the subset's timeout.
+        limit = timeout if expected is None or args.timeout else min(timeout, 3 * expected + 60)
         _drop_bytecode(path)
         start = time.monotonic()
         try:
-            result = mutate_and_test(item.mutations, _test_command(tests), timeout)
+            result = mutate_and_test(item.mutations, _test_command(run_tests), limit)
         finally:
             _drop_bytecode(path)
         db.set_result(item.job_id, result)
         print(f"[{i}/{len(todo)}] {_name(mutation)} {mutation.definition_name} line {mutation.start_pos[0]}: "
-              f"{_outcome(result)} ({time.monotonic() - start:.0f}s)", flush=True)
+              f"{_outcome(result)} ({time.monotonic() - start:.0f}s; {how})", flush=True)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -249,6 +348,22 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def _equivalents_path(module: str, seed: int) -> Path:
+    return SESSIONS / f"{module}-seed{seed}.equivalent.json"
+
+
+def _equivalents(module: str, seed: int) -> dict[str, str]:
+    """Survivors judged equivalent (no test could tell them from the original), name -> why."""
+    path = _equivalents_path(module, seed)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def cmd_equivalent(args: argparse.Namespace) -> None:
+    marked = _equivalents(args.module, args.seed)
+    marked[args.name] = args.why
+    _equivalents_path(args.module, args.seed).write_text(json.dumps(marked, indent=1, sort_keys=True))
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from cosmic_ray.work_db import WorkDB
 
@@ -259,23 +374,30 @@ def cmd_report(args: argparse.Namespace) -> None:
             continue
         db = WorkDB(str(path), WorkDB.Mode.open)
         counts: dict[str, int] = {}
-        for _, result in db.results:
+        marked = _equivalents(module, int(seed))
+        names = {w.job_id: _name(w.mutations[0]) for w in db.work_items}
+        for job_id, result in db.results:
             outcome = _outcome(result)
+            if outcome == "survived" and names[job_id] in marked:
+                outcome = "equivalent"
             counts[outcome] = counts.get(outcome, 0) + 1
         db.close()
         counts.pop("skipped", None)
         meta = json.loads(path.with_suffix(".json").read_text())
         rows.append((module, int(seed), meta["mutants"] - meta["in_annotations"], counts))
+    # The score leaves out the equivalent mutants (they are no test's to kill); "raw" counts them as survivors.
     print(f"{'module':10} {'seed':>4} {'of':>5} {'run':>4} {'killed':>6} {'timeout':>7} {'survived':>8} "
-          f"{'other':>5} {'score':>6}  95% CI")
+          f"{'equiv':>5} {'other':>5} {'raw':>6} {'score':>6}  95% CI")
     for module, seed, population, c in rows:
         killed, timed_out, survived = c.get("killed", 0), c.get("timeout", 0), c.get("survived", 0)
-        other = sum(c.values()) - killed - timed_out - survived
+        equivalent = c.get("equivalent", 0)
+        other = sum(c.values()) - killed - timed_out - survived - equivalent
         n = killed + timed_out + survived
         lo, hi = wilson(killed + timed_out, n)
         score = (killed + timed_out) / n if n else 0.0
-        print(f"{module:10} {seed:>4} {population:>5} {n:>4} {killed:>6} {timed_out:>7} {survived:>8} "
-              f"{other:>5} {score:>6.1%}  {lo:.1%}-{hi:.1%}")
+        raw = (killed + timed_out) / (n + equivalent) if n + equivalent else 0.0
+        print(f"{module:10} {seed:>4} {population:>5} {n + equivalent:>4} {killed:>6} {timed_out:>7} {survived:>8} "
+              f"{equivalent:>5} {other:>5} {raw:>6.1%} {score:>6.1%}  {lo:.1%}-{hi:.1%}")
 
 
 def cmd_show(args: argparse.Namespace) -> None:
@@ -283,6 +405,7 @@ def cmd_show(args: argparse.Namespace) -> None:
 
     db = WorkDB(str(_session(args.module, args.seed)), WorkDB.Mode.open)
     results = dict(db.results)
+    equivalent = _equivalents(args.module, args.seed)
     for item in sorted(db.work_items, key=lambda w: w.mutations[0].start_pos):
         result = results.get(item.job_id)
         if result is None:
@@ -291,6 +414,9 @@ def cmd_show(args: argparse.Namespace) -> None:
         if outcome == "skipped" or (outcome in ("killed", "timeout") and not args.all):
             continue
         mutation = item.mutations[0]
+        why = equivalent.get(_name(mutation))
+        if why is not None:
+            outcome = f"equivalent ({why})"
         print(f"=== {_name(mutation)} {mutation.definition_name} line {mutation.start_pos[0]}: {outcome}")
         print(result.diff or "")
 
@@ -303,11 +429,23 @@ def main() -> None:
     run.add_argument("--seed", type=int, default=1)
     run.add_argument("--sample", type=int, default=60, help="mutants drawn (default 60)")
     run.add_argument("--tests", nargs="+", help="the test subset (default: the module's in mutation.toml)")
-    run.add_argument("--timeout", type=float, help="seconds per mutant (default: 2x the unmutated run + 60)")
+    run.add_argument("--timeout", type=float, help="seconds per mutant (default: 2x the budget or the "
+                     "unmutated subset's time, + 60)")
+    run.add_argument("--budget", type=float, default=150.0,
+                     help="seconds of covering tests (by the map's durations) a mutant runs at most (default 150)")
     run.add_argument("--only", nargs="+", help="run these mutants again (names as `show` prints them)")
     run.add_argument("--max", type=int, help="stop after this many mutants")
     run.add_argument("--pause-while", metavar="FILE", help="wait between mutants while FILE exists")
     run.set_defaults(func=cmd_run)
+    equiv = sub.add_parser("equivalent", help="mark a survivor as equivalent to the original, with why")
+    equiv.add_argument("module", choices=sorted(_modules()))
+    equiv.add_argument("--seed", type=int, default=1)
+    equiv.add_argument("name", help="as `show` prints it")
+    equiv.add_argument("why")
+    equiv.set_defaults(func=cmd_equivalent)
+    mapping = sub.add_parser("map", help="run the suite under coverage: which tests run each line")
+    mapping.add_argument("--reuse", action="store_true", help="rebuild the map from the last coverage run")
+    mapping.set_defaults(func=cmd_map)
     report = sub.add_parser("report", help="the per-module table")
     report.add_argument("--seed", type=int)
     report.set_defaults(func=cmd_report)
