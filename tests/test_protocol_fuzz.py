@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,6 +125,20 @@ def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_pyth
             fake_pool(fake_python, [], script={"before": [], "stderr": stderr.encode()}):
         pytest.fail("the pool started")
     assert info.value.stderr_tail == huge  # the lines before it no longer fit
+
+
+def test_the_stderr_tail_holds_as_many_bytes_as_it_may(fake_python: Path) -> None:
+    from lloyal_pool._process import STDERR_TAIL_BYTES
+
+    # Lines of 63 characters take 64 bytes with their newline: exactly STDERR_TAIL_BYTES // 64 fit.
+    lines = [f"{i:05d}" + "x" * 58 for i in range(STDERR_TAIL_BYTES // 64 + 100)]
+    with fake_pool(fake_python, [PONG], script={"stderr": ("\n".join(lines) + "\n").encode()}) as pool:
+        assert isinstance(outcome(ping(pool)), p.Pong)
+        proc = pool[0]._proc
+        deadline = time.monotonic() + PATIENCE
+        while not proc.stderr_tail(1).endswith(lines[-1]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the stderr thread is still reading
+        assert proc.stderr_tail(len(lines)).splitlines() == lines[-(STDERR_TAIL_BYTES // 64):]
 
 
 def test_a_worker_that_never_shakes_hands_fails_start_up_at_its_timeout(fake_python: Path) -> None:
