@@ -320,3 +320,27 @@ def test_lora_adapters_come_with_a_fork(snap_pool: Pool, tiny_model: Path, tmp_p
             instance.close()
     finally:
         probe.close()
+
+
+def test_a_fork_that_fails_leaves_no_descriptor_or_directory_behind(snap_pool: Pool, tiny_model: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def prepare(instance: Instance) -> dict[str, Model | Context]:
+        return {"model": instance.load_model(tiny_model)}
+
+    with snap_pool.snapshot(prepare, fork=True) as snapshot:
+        zygote = snapshot._zygote
+        assert zygote is not None
+        snapshot.fork().close()  # one that works first: whatever it opens once for good is open now
+
+        def refused(*args: object, **kwargs: object) -> None:
+            raise OSError("the zygote could not fork")  # as when it dies between the check and the fork
+
+        fds = set(os.listdir("/proc/self/fd"))
+        dirs = set(os.listdir(zygote._cwd))
+        monkeypatch.setattr(zygote, "fork_child", refused)
+        with pytest.raises(OSError, match="could not fork"):
+            snapshot.fork()
+        assert set(os.listdir("/proc/self/fd")) == fds
+        assert set(os.listdir(zygote._cwd)) == dirs
+        monkeypatch.undo()
+        snapshot.fork().close()  # the snapshot still serves
