@@ -364,6 +364,11 @@ struct grammar_parse {
     llama_grammar * parsed = nullptr;
     std::string captured;
     std::exception_ptr error;
+    // For a parse aside (parse_aside): its end, and whether its caller stopped waiting for it.
+    std::mutex mu;
+    std::condition_variable ended;
+    bool done = false;
+    bool abandoned = false;
 
     // capture_stderr: false once the text is known to parse (parses_alone), since only llama.cpp's GBNF
     // parser writes to stderr.
@@ -414,8 +419,8 @@ struct grammar_parse {
 constexpr size_t kParseAsideBytes = 4096;
 
 // Parses the caller stopped waiting for, still running: joined before their vocabulary can go (a
-// model's destructor) and before the process forks (a snapshot's zygote), where a thread would be lost
-// with the stderr lock it holds.
+// model's destructor) and before the process forks (a snapshot's zygote): a thread holding a lock (the
+// allocator's, the log's) at the fork would leave it held for good in the child.
 std::mutex g_aside_mu;
 std::vector<std::thread> g_aside;
 
@@ -429,29 +434,26 @@ void parse_aside(const std::shared_ptr<grammar_parse> & job, const stop_fn & sto
     if (!job->parses_alone()) {
         return;  // no grammar: the caller reports the reason captured
     }
-    auto state = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
-    auto done = std::make_shared<bool>(false);
-    auto abandoned = std::make_shared<bool>(false);
-    std::thread worker([job, state, done, abandoned] {
+    std::thread worker([job] {
         job->run(false);
-        std::lock_guard<std::mutex> lock(state->first);
-        *done = true;
-        if (*abandoned && job->parsed != nullptr) {
+        std::lock_guard<std::mutex> lock(job->mu);
+        job->done = true;
+        if (job->abandoned && job->parsed != nullptr) {
             llama_grammar_free_impl(job->parsed);
             job->parsed = nullptr;
         }
-        state->second.notify_all();
+        job->ended.notify_all();
     });
-    std::unique_lock<std::mutex> lock(state->first);
-    while (!*done) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    while (!job->done) {
         if (stop()) {
-            *abandoned = true;
+            job->abandoned = true;
             lock.unlock();
             std::lock_guard<std::mutex> aside(g_aside_mu);
             g_aside.push_back(std::move(worker));
             throw interrupted_error("interrupted while the grammar was parsed: nothing was changed");
         }
-        state->second.wait_for(lock, std::chrono::milliseconds(2));
+        job->ended.wait_for(lock, std::chrono::milliseconds(2));
     }
     lock.unlock();
     worker.join();
