@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 
 from . import metrics
+from ._aio import AsyncStream
 from ._link import PromptProgress
 from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
 from .chat import ChatMessage, ToolCall
@@ -82,6 +83,7 @@ logging.getLogger("lloyal_pool").addHandler(logging.NullHandler())
 
 __all__ = [
     "KV",
+    "AsyncStream",
     "Branch",
     "BranchError",
     "BranchInfo",

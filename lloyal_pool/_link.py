@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import msgspec
@@ -127,6 +128,20 @@ class ContextLink:
         self.lost: str | None = None
         self._lost_error: WorkerCrashedError | None = None
         self._alias: dict[int, int] = {}
+        self._sending = threading.local()  # .ids: where sending() collects this thread's decoding ids
+
+    @contextmanager
+    def sending(self) -> Iterator[list[int]]:
+        """Collects the ids of the decoding requests this thread sends on the link inside the block: the
+        asyncio face (_aio.py) interrupts them when the awaiting task is cancelled, whatever future (a
+        mapped one, a Branch's) carries their reply."""
+        outer = getattr(self._sending, "ids", None)
+        ids: list[int] = []
+        self._sending.ids = ids
+        try:
+            yield ids
+        finally:
+            self._sending.ids = outer
 
     def call(self, req: Request[R], on_event: EventHandler | None = None,
              on_id: Callable[[int], None] | None = None,
@@ -153,6 +168,9 @@ class ContextLink:
 
         def track(req_id: int) -> None:
             sent.append(req_id)
+            collect = getattr(self._sending, "ids", None)
+            if collect is not None:
+                collect.append(req_id)
             with self._lock:
                 self._decoding.append(req_id)
             if on_id is not None:

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import psutil
 
 from . import variants
+from ._futures import running
 from ._recovery import Ledger
 from .errors import (
     DeadWorkerError,
@@ -395,7 +396,7 @@ class WorkerProcess:
         on_id(id) runs just before the frame is written: the caller's bookkeeping of what is in flight,
         never I/O. The pipe write itself can block (a frame larger than the pipe buffer while the
         worker is busy), so nothing a caller holds across it may be needed to interrupt the worker."""
-        fut: Future[R] = Future()
+        fut: Future[R] = running()
         if self.salvage is not None and ledger is None:
             ledger = Ledger(on_event)
             on_event = ledger.deliver

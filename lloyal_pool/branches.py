@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -25,7 +25,8 @@ import numpy as np
 
 from . import metrics
 from . import protocol as p
-from ._futures import mapped
+from ._aio import awaited
+from ._futures import mapped, running
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from .errors import BadRequestError, BranchError, InvalidArgumentError, LloyalError, StaleHandleError
 from .params import (
@@ -215,6 +216,18 @@ class Branch:
         """produce(), then commit() unless the token is a stop: one round trip."""
         return self.store.step([self])[0]
 
+    async def acommit(self, token: int) -> float:
+        """commit() for asyncio; cancelling the awaiting task interrupts the decode (all or nothing)."""
+        return await self.store.acommit([(self, token)])
+
+    async def aprefill(self, tokens: Sequence[int] | str, *, progress: PromptProgress | None = None) -> float:
+        """prefill() for asyncio; cancelling the awaiting task interrupts it (all or nothing)."""
+        return await self.store.aprefill([(self, tokens)], progress=progress)
+
+    async def astep(self) -> Produced:
+        """step() for asyncio; cancelling the awaiting task interrupts its decode (all or nothing)."""
+        return (await self.store.astep([self]))[0]
+
     def iterate(self, max_tokens: int | None = None) -> Iterator[Produced]:
         """produce -> commit -> yield, until a stop token (not committed) or max_tokens. Stop at any point
         (break) and fork: everything yielded is committed. ``text`` joins multi-byte characters."""
@@ -229,6 +242,17 @@ class Branch:
 
     def __iter__(self) -> Iterator[Produced]:
         return self.iterate()
+
+    async def aiterate(self, max_tokens: int | None = None) -> AsyncIterator[Produced]:
+        """iterate() for asyncio: ``async for produced in branch.aiterate()``."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        n = 0
+        while max_tokens is None or n < max_tokens:
+            produced = await self.astep()
+            if produced.is_stop:
+                return
+            n += 1
+            yield produced._replace(text=decoder.decode(produced.piece))
 
     # -- sampler, grammar, bias -----------------------------------------------------------------------
     def set_sampler_params(self, params: SamplerParams | None = None, **overrides: object) -> None:
@@ -397,7 +421,7 @@ class BranchStore:
                     if sent:
                         self._link.interrupt_request(sent[0])
 
-        out: Future[Branch] = Future()
+        out: Future[Branch] = running()
 
         def created(fut: Future[p.BranchCreated]) -> None:
             exc = fut.exception()
@@ -463,6 +487,27 @@ class BranchStore:
     def step(self, branches: Sequence[Branch]) -> StepResult:
         """produce for every branch, then one batched commit of those whose token is not a stop."""
         return self.step_async(branches).result()
+
+    # -- asyncio: the same requests, awaited; cancelling the task interrupts the decode --------------
+    async def acreate(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
+                      grammar: GrammarLike = None, progress: PromptProgress | None = None,
+                      **overrides: object) -> Branch:
+        """create() for asyncio; cancelling the awaiting task interrupts the prompt's prefill."""
+        return await awaited(self._link, lambda: self.create_async(prompt, params, grammar=grammar,
+                                                                   progress=progress, **overrides))
+
+    async def acommit(self, pairs: Iterable[tuple[Branch, int]]) -> float:
+        """commit() for asyncio."""
+        return await awaited(self._link, lambda: self.commit_async(pairs))
+
+    async def aprefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
+                       progress: PromptProgress | None = None) -> float:
+        """prefill() for asyncio."""
+        return await awaited(self._link, lambda: self.prefill_async(items, progress=progress))
+
+    async def astep(self, branches: Sequence[Branch]) -> StepResult:
+        """step() for asyncio: every branch advances in one batched decode."""
+        return await awaited(self._link, lambda: self.step_async(branches))
 
     def step_async(self, branches: Sequence[Branch]) -> Future[StepResult]:
         """step() without waiting: a Future of the StepResult."""

@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from . import protocol as p
+from ._aio import AsyncStream, awaited, closed_in_thread, settle
 from ._files import irregular_path
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
@@ -76,7 +77,7 @@ MAX_THREADS = 512
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
 R = TypeVar("R")
-S = TypeVar("S", bound="Stream")
+S = TypeVar("S", bound="Stream | AsyncStream")
 
 
 class Instance:
@@ -207,6 +208,22 @@ class Instance:
 
         fut = self._live().call(req, events(progress=None if progress is None else guarded))
         return mapped(fut, loaded)
+
+    async def aload_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                          vocab_only: bool = False, progress: ProgressCallback | None = None) -> Model:
+        """load_model() for asyncio. A load cannot be interrupted: cancelling the awaiting task lets it
+        finish in the worker, which then frees the model again."""
+        fut = self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only,
+                                    progress=progress)
+
+        def free_when_loaded() -> None:
+            def free(f: Future[Model]) -> None:
+                if f.exception() is None:
+                    threading.Thread(target=_close_quietly, args=(f.result(),), daemon=True,
+                                     name="lloyal-free-model").start()
+            fut.add_done_callback(free)
+
+        return await settle(fut, free_when_loaded)
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
@@ -633,6 +650,24 @@ class Context:
                                   on_id=s._set_id))
         return s
 
+    async def agenerate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                        append: bool = False, on_piece: Callable[[str], None] | None = None,
+                        progress: PromptProgress | None = None, **overrides: Any) -> Result:
+        """generate() for asyncio: the same request, awaited. Cancelling the awaiting task (or an
+        ``asyncio.timeout`` around it) interrupts the generation in the worker. ``on_piece`` and
+        ``progress`` run on a client thread, as with generate(); astream() hands pieces to the loop."""
+        return await awaited(self._link, lambda: self.generate_async(prompt, params, append=append,
+                                                                     on_piece=on_piece, progress=progress,
+                                                                     **overrides))
+
+    def astream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                append: bool = False, progress: PromptProgress | None = None, **overrides: Any) -> AsyncStream:
+        """stream() for asyncio (call it inside a running event loop): ``async for piece in
+        ctx.astream(...)``, then ``await stream.result()``. Leaving early, ``aclose()`` or cancelling the
+        iterating task interrupts the generation."""
+        return self._start_stream(AsyncStream(self._link), prompt, GenerateParams.of(params, overrides),
+                                  append=append, progress=progress)
+
     def chat(self, system: str | None = None, *, template: str | None = None,
              tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
              params: GenerateParams | None = None, **defaults: Any) -> Session:
@@ -696,6 +731,16 @@ class Context:
                                   stream=on_piece is not None, append=bool(append), progress=progress is not None)
         return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
 
+    async def agenerate_with_draft(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                                   draft: str | Context = "ngram", n_draft: int = 8, ngram_min: int = 2,
+                                   ngram_max: int = 4, append: bool = False,
+                                   on_piece: Callable[[str], None] | None = None,
+                                   progress: PromptProgress | None = None, **overrides: Any) -> Result:
+        """generate_with_draft() for asyncio; cancelling the awaiting task interrupts it."""
+        return await awaited(self._link, lambda: self.generate_with_draft_async(
+            prompt, params, draft=draft, n_draft=n_draft, ngram_min=ngram_min, ngram_max=ngram_max,
+            append=append, on_piece=on_piece, progress=progress, **overrides))
+
     def _generate_request(self, prompt: str | Sequence[int], params: GenerateParams, stream: bool, append: bool,
                           progress: bool) -> p.Generate:
         return p.Generate(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab), params=params.to_wire(),
@@ -722,6 +767,12 @@ class Context:
         else:
             req = p.Eval(context=self.handle, tokens=wire, progress=progress is not None)
         return self._link.call(req, events(prompt_progress=spread_progress(progress)))
+
+    async def aeval(self, prompt: str | Sequence[int], *, add_special: bool | None = None,
+                    parse_special: bool = True, progress: PromptProgress | None = None) -> EvalResult:
+        """eval() for asyncio; cancelling the awaiting task interrupts it."""
+        return await awaited(self._link, lambda: self.eval_async(prompt, add_special=add_special,
+                                                                 parse_special=parse_special, progress=progress))
 
     def interrupt(self) -> None:
         """Stops the generation or prompt evaluation running on this context, from any thread, without a
@@ -905,6 +956,10 @@ class Context:
         wire = wire_prompt(text, self.model.n_vocab)
         return self._link.call(p.ScoreText(context=self.handle, text=wire))
 
+    async def ascore(self, text: str | Sequence[int]) -> Score:
+        """score() for asyncio; cancelling the awaiting task interrupts it."""
+        return await awaited(self._link, lambda: self.score_async(text))
+
     def score_choices(self, choices: Sequence[str | Sequence[int]], *,
                       timeout: float | None = None) -> list[Score]:
         """Scores each choice (text without BOS, or token ids) as the continuation of what the context
@@ -921,6 +976,10 @@ class Context:
             raise BadRequestError("choices must be a list of texts or token lists, not one str")
         wire = [wire_prompt(c, self.model.n_vocab) for c in choices]
         return self._link.call(p.ScoreChoices(context=self.handle, choices=wire))
+
+    async def ascore_choices(self, choices: Sequence[str | Sequence[int]]) -> list[Score]:
+        """score_choices() for asyncio; cancelling the awaiting task interrupts it."""
+        return await awaited(self._link, lambda: self.score_choices_async(choices))
 
     # -- branches -------------------------------------------------------------------------------------
     def branch(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
@@ -1262,6 +1321,16 @@ class Pool:
         self._closed = True
         _close_procs(self._all_procs, timeout, self._watch, self._temp)
         self._finalizer.detach()
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """close() for asyncio: workers end on a thread of the loop's executor while other tasks go on."""
+        await closed_in_thread(self.close, timeout)
+
+    async def __aenter__(self) -> Pool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     @property
     def closed(self) -> bool:

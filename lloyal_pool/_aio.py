@@ -1,0 +1,179 @@
+"""asyncio's view of the client: the calls the handles already make, awaited instead of blocked on.
+
+    await ctx.agenerate(...)  ─▶ ctx.generate_async(...) ─▶ concurrent Future ─▶ settle() ─▶ the task
+    async for piece in ctx.astream(...)  ─▶ the same request, its pieces handed to the event loop
+
+There is no second implementation of any call: each ``a``-method sends the request its ``*_async`` twin
+sends and awaits that future. The reply arrives on the worker's reader thread and is handed to the loop
+with call_soon_threadsafe. Cancelling the awaiting task (``task.cancel()``, ``asyncio.timeout``, a client
+that went away) interrupts the decoding request in its worker, now or as soon as it starts, so the
+context is free again instead of generating for nobody; the task sees CancelledError as usual.
+
+asyncio.wrap_future is not used: cancelling its wrapper cancels the concurrent future, which is the
+reader's to settle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ._link import ContextLink, check_timeout
+
+if TYPE_CHECKING:
+    from .params import Result
+
+T = TypeVar("T")
+
+
+def _hand_over(src: Future[Any], dst: asyncio.Future[Any]) -> None:
+    if dst.cancelled():
+        return
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+async def settle(fut: Future[T], stop: Callable[[], None] | None = None) -> T:
+    """fut's result, awaited on the running loop. When the awaiting task is cancelled before fut is done,
+    ``stop()`` runs (it interrupts the call) and CancelledError goes on."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[T] = loop.create_future()
+
+    def done(f: Future[Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(_hand_over, f, waiter)
+        except RuntimeError:  # the loop was closed: nobody awaits this any more
+            pass
+
+    fut.add_done_callback(done)
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        if stop is not None and not fut.done():
+            stop()
+        raise
+
+
+class _LoopQueue:
+    """The put() a Stream's request feeds from the reader thread, delivering to an asyncio.Queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.items: asyncio.Queue[object] = asyncio.Queue()
+
+    def put(self, item: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the loop was closed
+            pass
+
+
+class AsyncStream:
+    """A generation's text pieces for asyncio: ``async for piece in stream``, then ``await
+    stream.result()``. The pieces join to the Result's text, as a Stream's do.
+
+    Leaving early stops the generation: ``await stream.aclose()`` (or the end of an ``async with`` block),
+    cancelling the task that iterates it, or the stream being garbage-collected while it runs interrupts
+    the request in its worker. ``interrupt()`` works from any thread. Time limits are asyncio's
+    (``asyncio.timeout``), which cancel and so interrupt::
+
+        async with ctx.astream("Once upon a time", n_predict=400) as stream:
+            async for piece in stream:
+                if "dragon" in piece:
+                    break          # the worker stops generating here
+    """
+
+    _END = object()
+
+    def __init__(self, link: ContextLink) -> None:
+        self._link = link
+        self._q = _LoopQueue(asyncio.get_running_loop())
+        self._request_id = 0
+        self._ended = False
+        self.future: Future[Result]
+
+    # The attach protocol Context._start_stream speaks (Stream's).
+    def _attach(self, fut: Future[Result]) -> None:
+        self.future = fut
+        q, end = self._q, self._END  # not self: a running request must not keep its stream alive
+        fut.add_done_callback(lambda _: q.put(end))
+
+    def _set_id(self, request_id: int) -> None:
+        self._request_id = request_id
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            item = await self._q.items.get()
+        except asyncio.CancelledError:
+            self.interrupt()
+            raise
+        if item is self._END:
+            self._ended = True
+            self.future.result()  # raises the call's error, if any (the future is done: no wait)
+            raise StopAsyncIteration
+        assert isinstance(item, str)
+        return item
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        fut = getattr(self, "future", None)  # absent when the request could not even be sent
+        if self._request_id and fut is not None and not fut.done():
+            self._link.interrupt_request(self._request_id)
+
+    async def result(self) -> Result:
+        """The whole generation's Result, once it has ended (an interrupted one says ``interrupted``);
+        raises the call's error, if it failed. Cancelling the task awaiting it interrupts the generation."""
+        return await settle(self.future, self.interrupt)
+
+    @property
+    def done(self) -> bool:
+        """Whether the generation has ended."""
+        return self.future.done()
+
+    def interrupt(self) -> None:
+        """Stops this stream's generation, from any thread: now if it runs, or as soon as it starts if it
+        is still queued behind other calls on the context."""
+        self._link.interrupt_request(self._request_id)
+
+    async def aclose(self) -> None:
+        """Stops the generation unless it has ended. Does not wait for it to end: ``result()`` does."""
+        if not self.future.done():
+            self.interrupt()
+
+
+async def awaited(link: ContextLink, submit: Callable[[], Future[T]]) -> T:
+    """submit()'s future awaited; cancelling the task interrupts the decoding requests submit sent on
+    link."""
+    with link.sending() as sent:
+        fut = submit()
+
+    def stop() -> None:
+        for req_id in sent:
+            link.interrupt_request(req_id)
+
+    return await settle(fut, stop)
+
+
+async def closed_in_thread(close: Callable[[float], None], timeout: float) -> None:
+    """A blocking close() run off the loop, so other tasks go on while workers exit."""
+    check_timeout(timeout)
+    await asyncio.to_thread(close, timeout)
+
+
+__all__ = ["AsyncStream", "awaited", "settle"]
+
