@@ -90,8 +90,8 @@ class AsyncStream:
 
     _END = object()
 
-    def __init__(self, link: ContextLink) -> None:
-        self._link = link
+    def __init__(self, interrupt: Callable[[int], None]) -> None:
+        self._interrupt = interrupt  # of the request with this id (ContextLink.interrupt_request)
         self._q = _LoopQueue(asyncio.get_running_loop())
         self._request_id = 0
         self._ended = False
@@ -132,8 +132,8 @@ class AsyncStream:
 
     def __del__(self) -> None:
         fut = getattr(self, "future", None)  # absent when the request could not even be sent
-        if self._request_id and fut is not None and not fut.done():
-            self._link.interrupt_request(self._request_id)
+        if fut is not None and not fut.done():
+            self.interrupt()
 
     async def result(self) -> Result:
         """The whole generation's Result, once it has ended (an interrupted one says ``interrupted``);
@@ -148,7 +148,7 @@ class AsyncStream:
     def interrupt(self) -> None:
         """Stops this stream's generation, from any thread: now if it runs, or as soon as it starts if it
         is still queued behind other calls on the context."""
-        self._link.interrupt_request(self._request_id)
+        self._interrupt(self._request_id)
 
     async def aclose(self) -> None:
         """Stops the generation unless it has ended. Does not wait for it to end: ``result()`` does."""

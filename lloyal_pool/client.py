@@ -14,6 +14,7 @@ serving, and Pool.replace() starts a fresh one in its place.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from ._files import irregular_path
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
 from ._process import HangWatch, TempRoot, WorkerOptions, WorkerProcess
+from .batching import BatchedCalls, Batcher, route
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import ChatMessage
 from .errors import (
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
 
 _log = logging.getLogger("lloyal_pool")
+_model_serials = itertools.count()
 #: The most threads a context takes (ggml's GGML_MAX_N_THREADS).
 MAX_THREADS = 512
 ProgressCallback = Callable[[float], None]
@@ -80,13 +83,17 @@ R = TypeVar("R")
 S = TypeVar("S", bound="Stream | AsyncStream")
 
 
-class Instance:
-    """One worker process: an isolated engine that may hold several models and many contexts."""
+class Instance(BatchedCalls):
+    """One worker process: an isolated engine that may hold several models and many contexts.
+    ``generate``/``stream``/``submit`` (and ``agenerate``/``astream``) run independent requests on a
+    model's Batcher: continuous batching in this worker."""
 
     def __init__(self, proc: WorkerProcess) -> None:
         self._proc = proc
         self._prepared: dict[str, Model | Context | LoraAdapter] = {}
-        self._models: weakref.WeakSet[Model] = weakref.WeakSet()  # what crash recovery loads again
+        # The models loaded and not closed (a Model dropped without close() is still loaded): what crash
+        # recovery loads again, and what a batched request may name.
+        self._models: set[Model] = set()
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
@@ -138,6 +145,35 @@ class Instance:
         """In an instance forked from a Snapshot: the handles its prepare() returned, by name, bound to
         this instance (empty otherwise)."""
         return dict(self._prepared)
+
+    @property
+    def models(self) -> list[Model]:
+        """The models loaded in this worker and not closed, in the order they were loaded."""
+        return sorted((m for m in list(self._models) if not m._closed), key=lambda m: m._serial)
+
+    def _model(self, model: Model | str | None) -> Model:
+        """The loaded model a batched request names: a Model of this worker, a name (path, file name or
+        stem), or None for the only one."""
+        loaded = self.models
+        if isinstance(model, Model):
+            if model.instance is not self:
+                raise InvalidArgumentError(f"{model!r} is loaded in another worker")
+            return model
+        if model is None:
+            if len(loaded) != 1:
+                raise InvalidArgumentError(f"worker {self.worker_id} holds {len(loaded)} models: name one (model=)")
+            return loaded[0]
+        if not isinstance(model, str):
+            raise BadRequestError(f"model is a Model, a name or None, got {type(model).__name__}")
+        for m in loaded:
+            name = os.path.basename(m.path)
+            if model in (m.path, name, os.path.splitext(name)[0]):
+                return m
+        raise InvalidArgumentError(f"no model named {model!r} is loaded in worker {self.worker_id}")
+
+    def _route(self, model: Model | str | None, prompt: str | Sequence[int]) -> tuple[Batcher, list[int]]:
+        batcher = self._model(model).batcher()
+        return batcher, batcher.tokens(prompt)
 
     def _live(self) -> WorkerProcess:
         # A worker that crash recovery is replacing: wait for the replacement (Pool(recover=True)).
@@ -280,6 +316,9 @@ class Model:
         # such a branch must go stale with the model too (its logits block is freed).
         self._links: weakref.WeakSet[ContextLink] = weakref.WeakSet()
         self._loras: weakref.WeakSet[LoraAdapter] = weakref.WeakSet()  # freed with the model too
+        self._batcher: Batcher | None = None
+        self._serial = next(_model_serials)
+        self._batcher_lock = threading.Lock()
         instance._models.add(self)
 
     def _rebind(self, proc: WorkerProcess, handle: int) -> None:
@@ -376,6 +415,23 @@ class Model:
                                        tools=json.dumps(list(tools)) if tools else "",
                                        tool_choice=tool_choice))
 
+    def batcher(self, *, slots: int | None = None, n_ctx_slot: int | None = None, chunk: int | None = None,
+                n_threads: int | None = None) -> Batcher:
+        """The model's Batcher (batching.py): continuous batching of independent generations on one
+        context of ``slots`` sequences (default 8) with ``n_ctx_slot`` tokens of room each (default 2048).
+        The first call makes it with the options given; Instance.generate and Pool.generate use it. A
+        later call with other options raises InvalidArgumentError (close the model to start over)."""
+        asked = {k: v for k, v in {"slots": slots, "n_ctx_slot": n_ctx_slot, "chunk": chunk,
+                                   "n_threads": n_threads}.items() if v is not None}
+        with self._batcher_lock:
+            if self._closed:
+                raise StaleHandleError(f"Model handle {self._handle} was closed")
+            if self._batcher is None or self._batcher.closed:
+                self._batcher = Batcher(self, **asked)
+            elif any(getattr(self._batcher, k) != v for k, v in asked.items()):
+                raise InvalidArgumentError(f"this model's batcher already runs with other options: {self._batcher!r}")
+            return self._batcher
+
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
         ContextParams fields (``model.new_context(n_ctx=2048)``; BadRequestError for a name that is not
@@ -416,7 +472,10 @@ class Model:
         Idempotent; a dead worker has nothing to free."""
         if self._closed:
             return
+        if self._batcher is not None:
+            self._batcher.close(StaleHandleError(f"its model (handle {self._handle}) was closed"))
         self._closed = True
+        self.instance._models.discard(self)
         for ctx in list(self._contexts):
             ctx._forget()  # the worker frees them with the model: their handles go stale here too
         for link in list(self._links):
@@ -475,8 +534,8 @@ class Stream:
 
     _END = object()
 
-    def __init__(self, context: Context, timeout: float | None = None) -> None:
-        self._link = context._link
+    def __init__(self, interrupt: Callable[[int], None], timeout: float | None = None) -> None:
+        self._interrupt = interrupt  # of the request with this id (ContextLink.interrupt_request)
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._request_id = 0
         self.future: Future[Result]
@@ -519,8 +578,8 @@ class Stream:
 
     def __del__(self) -> None:
         fut = getattr(self, "future", None)  # absent when the request could not even be sent
-        if self._request_id and fut is not None and not fut.done():
-            self._link.interrupt_request(self._request_id)
+        if fut is not None and not fut.done():
+            self.interrupt()
 
     def _left(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -550,7 +609,7 @@ class Stream:
     def interrupt(self) -> None:
         """Stops this stream's generation, from any thread: now if it runs, or as soon as it starts if it
         is still queued behind other calls on the context. Its result says ``interrupted``."""
-        self._link.interrupt_request(self._request_id)
+        self._interrupt(self._request_id)
 
     def close(self) -> None:
         """Stops the generation unless it has ended; the pieces already received stay readable. Does not
@@ -640,8 +699,8 @@ class Context:
         ``result``. Close it (or use ``with``) to stop early. ``timeout``: seconds the whole generation
         may take; past it the stream is interrupted and iterating it (or reading ``result``) raises
         CallTimeoutError."""
-        return self._start_stream(Stream(self, timeout), prompt, GenerateParams.of(params, overrides),
-                                  append=append, progress=progress)
+        return self._start_stream(Stream(self._link.interrupt_request, timeout), prompt,
+                                  GenerateParams.of(params, overrides), append=append, progress=progress)
 
     def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
                       progress: PromptProgress | None) -> S:
@@ -665,8 +724,8 @@ class Context:
         """stream() for asyncio (call it inside a running event loop): ``async for piece in
         ctx.astream(...)``, then ``await stream.result()``. Leaving early, ``aclose()`` or cancelling the
         iterating task interrupts the generation."""
-        return self._start_stream(AsyncStream(self._link), prompt, GenerateParams.of(params, overrides),
-                                  append=append, progress=progress)
+        return self._start_stream(AsyncStream(self._link.interrupt_request), prompt,
+                                  GenerateParams.of(params, overrides), append=append, progress=progress)
 
     def chat(self, system: str | None = None, *, template: str | None = None,
              tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
@@ -1084,10 +1143,11 @@ def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, Worker
     return on_death
 
 
-class Pool:
+class Pool(BatchedCalls):
     """N worker processes, each an isolated engine instance. The constructor starts ``size`` workers and
     blocks until every one has completed its handshake (WorkerStartupError otherwise, after the others
-    are stopped). ``pool[i]`` is the i-th Instance.
+    are stopped). ``pool[i]`` is the i-th Instance. ``generate``/``stream``/``submit`` (and their asyncio
+    twins) route independent requests to the live workers that hold the model, batched in each.
 
     ``variant``: the native build ("cpu", "cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else
     "cpu"), falling back to CPU unless ``strict_variant``. ``shm_bytes``: each worker's shared-memory
@@ -1310,6 +1370,26 @@ class Pool:
             self._all_procs.remove(old)
         self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
         return fresh
+
+    def _route(self, model: Model | str | None, prompt: str | Sequence[int]) -> tuple[Batcher, list[int]]:
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+        if isinstance(model, Model):
+            return model.instance._route(model, prompt)
+        batchers: list[Batcher] = []
+        reasons: list[str] = []
+        for inst in self._instances:
+            if not inst.alive:
+                reasons.append(f"worker {inst.worker_id} is dead")
+                continue
+            try:
+                batchers.append(inst._model(model).batcher())
+            except LloyalError as exc:
+                reasons.append(str(exc))
+        if not batchers:
+            raise InvalidArgumentError("no live worker can take the request: " + "; ".join(reasons))
+        tokens = batchers[0].tokens(prompt)
+        return route(batchers, tokens), tokens
 
     def stats(self) -> list[dict[str, Any]]:
         """Instance.stats() of every worker, in index order."""

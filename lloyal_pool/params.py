@@ -390,6 +390,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     chat_template: str | None
     n_swa: int = 0
     eog_tokens: list[int] = []  # every end-of-generation token (eos, eot, ...)
+    # Tokens generate's text leaves out unless render_special (control tokens, markers such as <start_of_image>).
+    hidden_tokens: list[int] = []
     meta: dict[str, str] = {}
 
     def to_dict(self) -> dict[str, Any]:

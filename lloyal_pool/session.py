@@ -66,7 +66,7 @@ class ChatStream(Stream):
     ``interrupt()`` stops the reply where it is; what was generated so far is the turn."""
 
     def __init__(self, session: Session, turn: list[dict[str, Any]]) -> None:
-        super().__init__(session.context)
+        super().__init__(session.context._link.interrupt_request)
         self._session = session
         self._turn = turn
         self._reply: ChatReply | None = None

@@ -74,6 +74,7 @@ py::dict info(const Model & m) {
     const char * rerank = llama_model_chat_template(model, "rerank");
     d["rerank_template"] = rerank != nullptr ? py::object(py::str(rerank)) : py::object(py::none());
     d["eog_tokens"] = m.eog_tokens();
+    d["hidden_tokens"] = m.hidden_tokens();
     const char * tmpl = llama_model_chat_template(model, nullptr);
     d["chat_template"] = tmpl != nullptr ? py::object(py::str(tmpl)) : py::object(py::none());
     py::dict meta;

@@ -222,6 +222,13 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
             markers_.push_back(t);
         }
     }
+    for (llama_token t = 0; t < n_vocab_; ++t) {
+        // Only a token with some attribute besides NORMAL can render differently (this keeps a large
+        // vocabulary's load from rendering every piece twice).
+        if (llama_vocab_get_attr(vocab_, t) != LLAMA_TOKEN_ATTR_NORMAL && text_piece(t, false) != token_to_piece(t, true)) {
+            hidden_tokens_.push_back(t);
+        }
+    }
 }
 
 Model::~Model() {

@@ -27,6 +27,9 @@ class Model {
     const std::string & path() const { return path_; }
     // Every token llama_vocab_is_eog() is true for; ignore_eos bans them all, not only llama_vocab_eos().
     const std::vector<llama_token> & eog_tokens() const { return eog_tokens_; }
+    // Tokens whose text_piece without render_special differs from their raw piece (control tokens,
+    // markers): a client that renders sampled pieces itself needs them to show what generate shows.
+    const std::vector<llama_token> & hidden_tokens() const { return hidden_tokens_; }
 
     // Throws invalid_token_error unless 0 <= token < n_vocab.
     void check_token(int64_t token) const;
@@ -50,6 +53,7 @@ class Model {
     int32_t n_vocab_ = 0;
     bool vocab_only_ = false;
     std::vector<llama_token> eog_tokens_;
+    std::vector<llama_token> hidden_tokens_;
     std::vector<llama_token> markers_;  // sorted
 };
 

@@ -63,8 +63,8 @@ class Model:
     def info(self) -> dict[str, Any]:
         """desc, n_params, size, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, n_swa, n_vocab,
         has_encoder, has_decoder, bos, eos, add_bos, chat_template (str or None), meta (dict[str, str]).
-        Also: path, vocab_only, ftype, vocab_type, is_recurrent, is_hybrid, eot, add_eos, eog_tokens, sep,
-        add_sep, n_embd_out (the width of an embedding), rerank_template (the GGUF's
+        Also: path, vocab_only, ftype, vocab_type, is_recurrent, is_hybrid, eot, add_eos, eog_tokens,
+        hidden_tokens, sep, add_sep, n_embd_out (the width of an embedding), rerank_template (the GGUF's
         tokenizer.chat_template.rerank, or None).
         Token ids (bos, eos, eot) are -1 when the vocabulary has none. meta leaves out array values."""
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...

@@ -1,0 +1,537 @@
+"""Continuous batching: many independent generations on one context, one llama_decode per step for all.
+
+    instance.generate(...) ─┐
+    instance.stream(...)  ──┼─▶ Batcher (one per model, on a client thread)
+    pool.generate(...)    ──┘      │  admit: a free slot (its KV sequence), the cached prefix kept
+                                   │  prefill: chunks of new prompts, packed into one decode
+                                   └─ step: every generating request, one token each, one decode
+
+Each request gets a *slot*: one of the context's n_seq_max KV sequences, held between requests as a
+detached sequence, so a request whose prompt starts like what a slot last held reuses that prefix
+(the slot chosen is the free one sharing the longest prefix). In its slot a request is a root branch
+(branches.py): its own sampler chain, seed, grammar and logit bias. The loop drives the branches with
+the batched calls the Branch API already has (prefill, step) over the context's link, one round trip
+per decode, which costs well under a millisecond against a step of tens of milliseconds.
+
+Text is made here as generate makes it in the worker (native/generate.cpp): control tokens and
+markers are left out unless render_special, stop strings are matched across tokens on the bytes, and
+text that could still become a stop string or is an incomplete UTF-8 sequence is held back from the
+stream until it is known. So a request's Result is what Context.generate returns for the same prompt
+and params (at greedy the same tokens, within the batch invariance docs/BRANCHES.md describes), except
+that repetition penalties see only the generated tokens, not the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from ._futures import running
+from .branches import Branch
+from .errors import (
+    ContextOverflowError,
+    InvalidArgumentError,
+    LloyalError,
+    StaleHandleError,
+)
+from .params import GenerateParams, Result, SamplerParams, StopReason, whole, wire_prompt
+
+if TYPE_CHECKING:
+    from ._aio import AsyncStream
+    from .client import Context, Model, Stream
+
+_log = logging.getLogger("lloyal_pool.batching")
+_SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerParams))
+
+
+def _find_stop(text: bytes | bytearray, start: int, stops: Sequence[bytes]) -> int:
+    """Earliest start of a stop string in text[start:], or -1."""
+    found = [at for at in (text.find(s, start) for s in stops) if at >= 0]
+    return min(found) if found else -1
+
+
+def _stop_prefix_tail(text: bytes | bytearray, start: int, stops: Sequence[bytes]) -> int:
+    """Length of the longest suffix of text[start:] that is a proper prefix of a stop string."""
+    avail = len(text) - start
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, avail), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return hold
+
+
+def _incomplete_utf8_tail(text: bytes | bytearray, start: int) -> int:
+    """Length of a UTF-8 sequence cut short at the end of text[start:] (0 when there is none)."""
+    n = len(text)
+    for back in range(1, min(4, n - start) + 1):
+        lead = text[n - back]
+        if 0x80 <= lead <= 0xBF:
+            continue  # a continuation byte: look further back for the lead
+        need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+        return back if need > back else 0
+    return 0
+
+
+class _Output:
+    """One request's text as generate makes it: pieces in, final text and stream chunks out."""
+
+    def __init__(self, params: GenerateParams, hidden: frozenset[int],
+                 on_piece: Callable[[str], None] | None) -> None:
+        self._stops = [s.encode() for s in params.stop]
+        self._hidden = frozenset() if params.render_special else hidden
+        self._on_piece = on_piece
+        self.text = bytearray()
+        self.tokens: list[int] = []
+        self._emitted = 0
+        self._end = -1
+        self.callback_error: BaseException | None = None
+
+    def push(self, token: int, piece: bytes) -> bool:
+        """Adds a sampled token (committed); True when a stop string completed."""
+        self.tokens.append(token)
+        if token not in self._hidden:
+            self.text += piece
+        at = _find_stop(self.text, self._emitted, self._stops) if self._stops else -1
+        if at >= 0:
+            self._end = at
+            self._emit(at)
+            return True
+        hold = max(_stop_prefix_tail(self.text, self._emitted, self._stops) if self._stops else 0,
+                   _incomplete_utf8_tail(self.text, self._emitted))
+        self._emit(len(self.text) - hold)
+        return False
+
+    def _emit(self, end: int) -> None:
+        if end <= self._emitted:
+            return
+        chunk = bytes(self.text[self._emitted:end])
+        self._emitted = end
+        if self._on_piece is not None and self.callback_error is None:
+            try:
+                self._on_piece(chunk.decode("utf-8", "replace"))
+            except BaseException as exc:  # the caller's, when the request ends
+                self.callback_error = exc
+
+    def finish(self) -> str:
+        end = len(self.text) if self._end < 0 else self._end
+        self._emit(end)
+        return self.text[:end].decode("utf-8", "replace")
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: GenerateParams
+    output: _Output
+    future: Future[Result]
+    cancelled: bool = False
+    slot: _Slot | None = None
+    branch: Branch | None = None
+    todo: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    n_cached: int = 0
+    n_decoded: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    started: float = 0.0
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)  # what its KV sequence holds
+    request: _Request | None = None
+
+
+class BatchRequest:
+    """A handle on one request in a Batcher: its ``future`` (of the Result) and ``interrupt()``."""
+
+    def __init__(self, batcher: Batcher, request: _Request) -> None:
+        self._batcher = batcher
+        self._request = request
+        self.future = request.future
+
+    def interrupt(self) -> None:
+        """Ends the request at the next step (its Result says ``interrupted``); a no-op once it ended.
+        Any thread may call."""
+        self._batcher._cancel(self._request)
+
+
+class Batcher:
+    """Continuous batching of independent generations on one context of ``slots`` sequences of a model
+    (see the module's docstring). ``n_ctx_slot`` tokens are each request's room (prompt and generated
+    tokens: the context has slots x n_ctx_slot cells); ``chunk`` is the most prompt tokens one
+    iteration prefills, all new requests together, between two steps of the running ones.
+
+    Made by Model.batcher(); Instance.generate/stream and Pool.generate/stream use the default one."""
+
+    def __init__(self, model: Model, *, slots: int = 8, n_ctx_slot: int = 2048, chunk: int = 512,
+                 n_threads: int | None = None) -> None:
+        slots = whole(slots, "slots")
+        n_ctx_slot = whole(n_ctx_slot, "n_ctx_slot")
+        chunk = whole(chunk, "chunk")
+        if slots < 1 or n_ctx_slot < 8 or chunk < 1:
+            raise InvalidArgumentError(f"a batcher needs slots >= 1, n_ctx_slot >= 8 and chunk >= 1, got "
+                                       f"slots={slots}, n_ctx_slot={n_ctx_slot}, chunk={chunk}")
+        self.model = model
+        self.n_threads = n_threads
+        self.slots = slots
+        self.n_ctx_slot = n_ctx_slot
+        self.chunk = chunk
+        self._hidden = frozenset(model.info.hidden_tokens)
+        self._eog = list(model.info.eog_tokens)
+        self.context: Context = model.new_context(n_ctx=slots * n_ctx_slot, n_seq_max=slots,
+                                                  n_batch=max(chunk, slots), n_threads=n_threads)
+        self._slots: list[_Slot] = []
+        for _ in range(slots):
+            self._slots.append(_Slot(self.context.branches.create().detach()))
+        self._lock = threading.Lock()
+        self._waiting: list[_Request] = []
+        self._wake = threading.Event()
+        self._closed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lloyal-batcher", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<Batcher slots={self.slots} n_ctx_slot={self.n_ctx_slot} model={self.model!r}>"
+
+    # -- the caller's side -------------------------------------------------------------------------------
+    def tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        """prompt as the token ids a request decodes: text gets the model's BOS, as generate's does."""
+        wire = wire_prompt(prompt, self.model.n_vocab)
+        if not wire:
+            raise ValueError("empty prompt: a batched request starts from a prompt of its own")
+        if not isinstance(wire, str):
+            return wire
+        tokens = self.model.tokenize(wire, add_special=True, parse_special=True)
+        bos = self.model.info.bos
+        if len(tokens) >= 2 and bos >= 0 and tokens[0] == tokens[1] == bos:
+            tokens = tokens[1:]  # a template that writes the BOS itself: one, not two
+        return tokens
+
+    def submit(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+               on_piece: Callable[[str], None] | None = None, **overrides: Any) -> BatchRequest:
+        """Queues a generation; it starts when a slot is free. ``prompt`` is text (the model's BOS is
+        added, as generate does) or token ids."""
+        gen = GenerateParams.of(params, overrides)
+        tokens = self.tokens(prompt)
+        if len(tokens) >= self.n_ctx_slot:
+            raise ContextOverflowError(f"the prompt has {len(tokens)} tokens; a batched request has room for "
+                                       f"{self.n_ctx_slot} (n_ctx_slot), generated tokens included")
+        if on_piece is not None and not callable(on_piece):
+            raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
+        req = _Request(tokens, gen, _Output(gen, self._hidden, on_piece), running())
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed_error()
+            self._waiting.append(req)
+        self._wake.set()
+        return BatchRequest(self, req)
+
+    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                 on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
+        """submit() and wait for the Result."""
+        return self.submit(prompt, params, on_piece=on_piece, **overrides).future.result()
+
+    def _cancel(self, req: _Request) -> None:
+        req.cancelled = True
+        self._wake.set()
+
+    def close(self, error: LloyalError | None = None) -> None:
+        """Stops the loop and closes the context; requests not ended yet raise ``error`` (default:
+        StaleHandleError saying the batcher was closed). Idempotent."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = error or StaleHandleError("the batcher was closed")
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the batcher stopped: closed, or its worker died (a model's next batcher() makes a new one)."""
+        return self._closed is not None
+
+    def affinity(self, prompt: Sequence[int]) -> int:
+        """The longest prefix of prompt a free slot holds (0 when no slot is free): what a request would
+        not have to decode again here."""
+        return max((_common_prefix(s.tokens, prompt) for s in self._slots if s.request is None), default=0)
+
+    @property
+    def active(self) -> int:
+        """Requests in slots now."""
+        return sum(1 for s in self._slots if s.request is not None)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiting)
+
+    def _closed_error(self) -> BaseException:
+        err = self._closed
+        assert err is not None
+        return err if isinstance(err, LloyalError) else StaleHandleError(f"the batcher stopped: {err!r}")
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                if self._closed is not None:
+                    break
+                self._iterate_while_busy()
+        except BaseException as exc:  # the worker died, or a bug: every request learns why
+            _log.debug("batcher loop ended: %r", exc)
+            with self._lock:
+                if self._closed is None:
+                    self._closed = exc
+        self._fail_all(self._closed_error())
+        try:
+            if not self.context.closed:
+                self.context.close()
+        except LloyalError:
+            pass
+
+    def _iterate_while_busy(self) -> None:
+        while self._closed is None:
+            self._admit()
+            live = [s.request for s in self._slots if s.request is not None]
+            for req in live:
+                if req.cancelled:
+                    self._finish(req, StopReason.INTERRUPTED)
+            live = [r for r in live if not r.cancelled]
+            if not live:
+                return
+            prefilling = [r for r in live if r.todo]
+            if prefilling:
+                self._prefill(prefilling)
+            generating = [r for r in live if not r.todo and not r.future.done()]
+            if generating:
+                self._step(generating)
+
+    def _admit(self) -> None:
+        with self._lock:
+            for req in [r for r in self._waiting if r.cancelled]:  # interrupted before it had a slot
+                self._waiting.remove(req)
+                req.future.set_result(self._result(req, StopReason.INTERRUPTED, ""))
+            free = [s for s in self._slots if s.request is None]
+            taken: list[tuple[_Request, _Slot]] = []
+            while self._waiting and free:
+                req = self._waiting.pop(0)
+                slot = max(free, key=lambda s: _common_prefix(s.tokens, req.prompt))
+                free.remove(slot)
+                slot.request, req.slot = req, slot
+                taken.append((req, slot))
+        for req, slot in taken:
+            try:
+                self._place(req, slot)
+            except LloyalError as exc:  # this request's own fault (its grammar, say): the others go on
+                self._release(req)
+                req.future.set_exception(exc)
+
+    def _place(self, req: _Request, slot: _Slot) -> None:
+        req.started = time.perf_counter()
+        keep = _common_prefix(slot.tokens, req.prompt)
+        if keep == len(req.prompt):
+            keep -= 1  # decode the last prompt token again: its logits are this request's first choice
+        ctx = self.context
+        if keep < len(slot.tokens):
+            if not ctx.kv.remove(slot.seq, keep, -1):
+                keep = 0
+                ctx.kv.remove(slot.seq, 0, -1)
+            slot.tokens = slot.tokens[:keep]
+        gen = req.params
+        sampler = SamplerParams(**{name: getattr(gen, name) for name in _SAMPLER_FIELDS})
+        branch = ctx.branches.adopt(slot.seq, sampler, grammar=gen.grammar or None)
+        req.branch = branch
+        bias = dict(gen.logit_bias)
+        if gen.ignore_eos:
+            bias.update({t: float("-inf") for t in self._eog})
+        if bias:
+            branch.set_logit_bias(bias)
+        req.n_cached = keep
+        req.todo = req.prompt[keep:]
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        budget = self.chunk
+        items: list[tuple[_Request, list[int]]] = []
+        for req in reqs:
+            if budget <= 0:
+                break
+            part = req.todo[:budget]
+            budget -= len(part)
+            items.append((req, part))
+        try:
+            ms = self.context.branches.prefill([(r.branch, part) for r, part in items if r.branch is not None])
+        except LloyalError as exc:
+            for req, _ in items:
+                self._fail(req, exc)
+            return
+        for req, part in items:
+            req.todo = req.todo[len(part):]
+            req.prompt_ms += ms
+            assert req.slot is not None
+            req.slot.tokens.extend(part)
+
+    def _step(self, reqs: list[_Request]) -> None:
+        branches = [r.branch for r in reqs if r.branch is not None]
+        try:
+            produced = self.context.branches.step(branches)
+        except LloyalError as exc:
+            for req in reqs:
+                self._fail(req, exc)
+            return
+        ms = produced.decode_ms
+        for req, got in zip(reqs, produced, strict=True):
+            req.decode_ms += ms
+            if got.is_stop:
+                self._finish(req, StopReason.EOS)
+                continue
+            req.n_decoded += 1
+            assert req.slot is not None
+            req.slot.tokens.append(got.token)
+            stopped = req.output.push(got.token, got.piece)
+            gen = req.params
+            if req.output.callback_error is not None or stopped:
+                self._finish(req, StopReason.STOP)
+            elif (gen.n_predict > 0 and req.n_decoded >= gen.n_predict) or len(req.slot.tokens) >= self.n_ctx_slot:
+                self._finish(req, StopReason.LENGTH)
+
+    # -- ending a request --------------------------------------------------------------------------------
+    def _result(self, req: _Request, reason: StopReason, text: str) -> Result:
+        return Result(text=text, tokens=list(req.output.tokens), n_prompt=len(req.prompt), n_decoded=req.n_decoded,
+                      n_cached=req.n_cached, stop_reason=reason, prompt_ms=req.prompt_ms, decode_ms=req.decode_ms)
+
+    def _finish(self, req: _Request, reason: StopReason) -> None:
+        text = req.output.finish()
+        self._release(req)
+        if req.output.callback_error is not None:
+            req.future.set_exception(req.output.callback_error)
+        else:
+            req.future.set_result(self._result(req, reason, text))
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        self._release(req)
+        if not req.future.done():
+            req.future.set_exception(exc)
+
+    def _release(self, req: _Request) -> None:
+        slot, branch = req.slot, req.branch
+        req.slot = req.branch = None
+        if slot is None:
+            return
+        try:
+            if branch is not None and branch.alive:
+                branch.detach()  # the sequence keeps its cells: the next prompt may start the same way
+        except LloyalError:
+            slot.tokens = []
+        with self._lock:
+            slot.request = None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        for req in waiting + [s.request for s in self._slots if s.request is not None]:
+            if not req.future.done():
+                req.future.set_exception(exc)
+            req.slot = req.branch = None
+        for s in self._slots:
+            s.request = None
+
+
+#: A cached prefix shorter than this does not draw a request away from a less loaded worker.
+AFFINITY_TOKENS = 16
+
+
+def route(batchers: Sequence[Batcher], prompt: Sequence[int]) -> Batcher:
+    """The batcher a request goes to: one with a free slot before one without; among those, the one
+    whose free slot holds the longest prefix of the prompt (at least AFFINITY_TOKENS of it: a
+    conversation stays where its cache is), then the least loaded."""
+    def key(b: Batcher) -> tuple[bool, int, int]:
+        load = b.active + b.queued
+        reuse = b.affinity(prompt)
+        return (load >= b.slots, -(reuse if reuse >= AFFINITY_TOKENS else 0), load)
+
+    return min(batchers, key=key)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher", "route"]
+
+
+class BatchedCalls:
+    """generate, stream and their asyncio twins for independent requests, batched by a Batcher: what
+    Instance and Pool share. A subclass says which batcher takes a request (``_route``)."""
+
+    def _route(self, model: Model | str | None, prompt: str | Sequence[int]) -> tuple[Batcher, list[int]]:
+        raise NotImplementedError
+
+    def submit(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+               model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
+               **overrides: Any) -> BatchRequest:
+        """Queues an independent generation on a model's Batcher: its ``future`` is the Result's, its
+        ``interrupt()`` ends it. ``model``: a loaded Model, or a name (its path, file name or stem);
+        None: the only model loaded."""
+        gen = GenerateParams.of(params, overrides)  # refused before any round trip
+        batcher, tokens = self._route(model, prompt)
+        return batcher.submit(tokens, gen, on_piece=on_piece)
+
+    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                 model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
+                 timeout: float | None = None, **overrides: Any) -> Result:
+        """An independent generation, batched with the others running on the model (continuous
+        batching): the same Result as Context.generate on a fresh context. ``timeout`` interrupts it
+        (CallTimeoutError carrying the partial Result)."""
+        from ._link import check_timeout, wait
+
+        check_timeout(timeout)
+        handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
+        return wait(handle.future, timeout, handle.interrupt, "generate")
+
+    def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+               model: Model | str | None = None, timeout: float | None = None, **overrides: Any) -> Stream:
+        """generate() piece by piece: a Stream (closing it, or leaving its ``with`` block, interrupts)."""
+        from .client import Stream
+
+        box: list[BatchRequest] = []
+        stream = Stream(lambda _id: box[0].interrupt() if box else None, timeout)
+        handle = self.submit(prompt, params, model=model, on_piece=stream._q.put, **overrides)
+        box.append(handle)
+        stream._attach(handle.future)
+        return stream
+
+    async def agenerate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                        model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
+                        **overrides: Any) -> Result:
+        """generate() for asyncio; cancelling the awaiting task interrupts the request."""
+        from ._aio import settle
+
+        handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
+        return await settle(handle.future, handle.interrupt)
+
+    def astream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                model: Model | str | None = None, **overrides: Any) -> AsyncStream:
+        """stream() for asyncio (inside a running loop): ``async for piece in ...``."""
+        from ._aio import AsyncStream
+
+        box: list[BatchRequest] = []
+        stream = AsyncStream(lambda _id: box[0].interrupt() if box else None)
+        handle = self.submit(prompt, params, model=model, on_piece=stream._q.put, **overrides)
+        box.append(handle)
+        stream._attach(handle.future)
+        return stream
+
