@@ -40,6 +40,13 @@ class StopReason(str, enum.Enum):
     STOP = "stop"
     INTERRUPTED = "interrupted"
 
+    # "stop", not "StopReason.STOP", wherever it is printed (str(), f-strings, format()).
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
 
 #: Token ids are 32-bit (llama_token): no vocabulary reaches this, whatever the model.
 TOKEN_ID_LIMIT = 2**31

@@ -4,6 +4,8 @@ and the pool's router over the workers that hold the model. On Gemma 3 270M, in 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -334,3 +336,16 @@ def test_the_asyncio_face_of_batched_requests(bpool: Pool) -> None:
         assert sum(inst._model(None).batcher().active for inst in bpool) == 0
 
     asyncio.run(asyncio.wait_for(main(), PATIENCE))
+
+
+def test_the_readme_batching_example_runs_as_written() -> None:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Many requests at once"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("```\n", start)]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 10 and all(line.startswith(f"Question {i}:") for i, line in enumerate(lines[:8]))
+    assert lines[8].endswith("| stop") and ", 9" not in lines[8]
+    assert lines[9].startswith("interrupted after ")

@@ -204,3 +204,10 @@ def test_a_crash_message_has_a_stderr_section_only_when_there_is_stderr(fresh_po
     err = info.value
     assert err.stderr_tail.strip() == ""  # a quiet worker, killed: it wrote nothing
     assert "stderr" not in str(err), str(err)
+
+
+def test_a_stop_reason_prints_as_its_value() -> None:
+    from lloyal_pool import StopReason
+
+    assert str(StopReason.EOS) == "eos" and f"{StopReason.LENGTH}" == "length"
+    assert f"{StopReason.STOP:>5}" == " stop" and StopReason.INTERRUPTED == "interrupted"
