@@ -90,9 +90,10 @@ class AsyncStream:
 
     _END = object()
 
-    def __init__(self, interrupt: Callable[[int], None]) -> None:
+    def __init__(self, interrupt: Callable[[int], None], loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._interrupt = interrupt  # of the request with this id (ContextLink.interrupt_request)
-        self._q = _LoopQueue(asyncio.get_running_loop())
+        # The loop that iterates it: the running one, unless it is made on another thread for a loop.
+        self._q = _LoopQueue(loop or asyncio.get_running_loop())
         self._request_id = 0
         self._ended = False
         self.future: Future[Result]

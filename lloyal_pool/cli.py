@@ -1,5 +1,5 @@
-"""Command line: ``lloyal-pool generate PROMPT``, ``lloyal-pool chat`` and ``lloyal-pool info`` (also
-``python -m lloyal_pool``).
+"""Command line: ``lloyal-pool generate PROMPT``, ``lloyal-pool chat``, ``lloyal-pool serve`` and
+``lloyal-pool info`` (also ``python -m lloyal_pool``).
 
 generate prints only the generated text on stdout, streamed as it is decoded; the load progress bar and
 diagnostics go to stderr, so the output can be piped. chat reads one user turn per line from stdin and
@@ -155,6 +155,31 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .serve import create_app
+    except ImportError as exc:
+        raise SystemExit(f"lloyal-pool serve needs the serve extra: pip install 'lloyal_pool[serve]' ({exc})") from None
+    path = _model_path(args.model)
+    with Pool(args.workers, variant=args.variant, threads_per_worker=args.threads) as pool:
+        for inst in pool:
+            model = inst.load_model(path)
+            model.batcher(slots=args.slots, n_ctx_slot=args.n_ctx_slot)
+        template = args.template
+        if template is None and model.info.chat_template is None:
+            template = "gemma" if len(model.tokenize("<end_of_turn>", add_special=False, parse_special=True)) == 1 \
+                else "chatml"
+            print(f"lloyal-pool serve: {path.name} has no chat template: chats use the {template} format "
+                  "(--template to choose another)", file=sys.stderr)
+        app = create_app(pool, model_name=args.name, chat_template=template, api_key=args.api_key)
+        print(f"lloyal-pool serve: {path.name} on {args.workers} worker(s), http://{args.host}:{args.port}/",
+              file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     """What generate and chat both take: sampling, stop strings, context size, threads."""
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -197,6 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="no model loading bar")
     c.add_argument("-v", "--verbose", action="store_true", help="tokens and timings of each reply on stderr")
     c.set_defaults(fn=_cmd_chat)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP endpoint (needs lloyal_pool[serve])")
+    s.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")
+    s.add_argument("--workers", type=int, default=1, help="worker processes, each serving the model")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: localhost only)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1 routes")
+    s.add_argument("--name", default=None, help="the model id /v1/models shows (default: the file's stem)")
+    s.add_argument("--template", help="chat format or Jinja source for a model without a chat template")
+    s.add_argument("--slots", type=int, default=8, help="requests each worker runs at once")
+    s.add_argument("--n-ctx-slot", type=int, default=2048, help="tokens of room per request")
+    s.add_argument("-t", "--threads", type=int, default=None, help="threads per worker")
+    s.set_defaults(fn=_cmd_serve)
 
     i = sub.add_parser("info", help="model info as JSON")
     i.add_argument("-m", "--model", help="GGUF file (default: Gemma 3 270M Q4_K_M)")

@@ -59,6 +59,26 @@ class ChatReply:
         return self.text
 
 
+def formatted_params(fmt: p.ChatPrompt, gen: GenerateParams) -> GenerateParams:
+    """gen with what a formatted conversation needs to generate its next turn: the format's extra stops,
+    its tool-call grammar and the rendering of its markers."""
+    changes: dict[str, Any] = {}
+    if fmt.additional_stops:
+        changes["stop"] = tuple(dict.fromkeys([*gen.stop, *fmt.additional_stops]))
+    if fmt.grammar:
+        if gen.grammar:
+            raise InvalidArgumentError("a grammar= cannot apply together with the tool-call grammar of tools=")
+        # Lazy (tool_choice "auto"): free text until the format's tool-call marker. Otherwise the grammar
+        # starts with the generation prompt, which the prompt already holds: the grammar accepts it first.
+        changes["grammar"] = Grammar(gbnf=fmt.grammar, lazy=fmt.grammar_lazy, trigger_words=fmt.trigger_words,
+                                     trigger_patterns=fmt.trigger_patterns, trigger_tokens=fmt.trigger_tokens,
+                                     prefill="" if fmt.grammar_lazy else fmt.generation_prompt)
+    if fmt.preserved_tokens:
+        # The format's markers (<tool_call>, ...) may be control tokens: the parser needs to see them.
+        changes["render_special"] = True
+    return replace(gen, **changes) if changes else gen
+
+
 class ChatStream(Stream):
     """A Session turn as a Stream: iterate it for the raw pieces of the reply as they are decoded, then
     read ``reply``, the parsed turn, which joins the conversation when the generation ends (at the end of
@@ -175,21 +195,7 @@ class Session:
                  overrides: Mapping[str, Any]) -> tuple[str, GenerateParams]:
         gen = GenerateParams.of(params if params is not None else self.defaults, overrides)
         fmt = self._format(turn)
-        changes: dict[str, Any] = {}
-        if fmt.additional_stops:
-            changes["stop"] = tuple(dict.fromkeys([*gen.stop, *fmt.additional_stops]))
-        if fmt.grammar:
-            if gen.grammar:
-                raise InvalidArgumentError("a grammar= cannot apply together with the tool-call grammar of tools=")
-            # Lazy (tool_choice "auto"): free text until the format's tool-call marker. Otherwise the grammar
-            # starts with the generation prompt, which the prompt already holds: the grammar accepts it first.
-            changes["grammar"] = Grammar(gbnf=fmt.grammar, lazy=fmt.grammar_lazy, trigger_words=fmt.trigger_words,
-                                         trigger_patterns=fmt.trigger_patterns, trigger_tokens=fmt.trigger_tokens,
-                                         prefill="" if fmt.grammar_lazy else fmt.generation_prompt)
-        if fmt.preserved_tokens:
-            # The format's markers (<tool_call>, ...) may be control tokens: the parser needs to see them.
-            changes["render_special"] = True
-        return fmt.prompt, replace(gen, **changes) if changes else gen
+        return fmt.prompt, formatted_params(fmt, gen)
 
     def _finish(self, stream: ChatStream | None, turn: list[dict[str, Any]], result: Result) -> ChatReply:
         if stream is not None and self._pending is stream:
@@ -211,4 +217,4 @@ class Session:
                 self._pending = None  # that turn failed and is not recorded; its reader got the error
 
 
-__all__ = ["ChatReply", "ChatStream", "Session"]
+__all__ = ["ChatReply", "ChatStream", "Session", "formatted_params"]
