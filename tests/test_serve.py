@@ -270,5 +270,5 @@ def test_the_serve_command(gemma_path: Path) -> None:
         assert reply.choices[0].message.role == "assistant" and reply.usage and reply.usage.completion_tokens >= 1
     finally:
         proc.terminate()
-        out, err = proc.communicate(timeout=PATIENCE)
+        _out, err = proc.communicate(timeout=PATIENCE)
     assert "has no chat template: chats use the gemma format" in err and f"127.0.0.1:{port}" in err
