@@ -8,8 +8,9 @@
 
 Each request gets a *slot*: one of the context's n_seq_max KV sequences, held between requests as a
 detached sequence, so a request whose prompt starts like what a slot last held reuses that prefix
-(the slot chosen is the free one sharing the longest prefix). In its slot a request is a root branch
-(branches.py): its own sampler chain, seed, grammar and logit bias. The loop drives the branches with
+(the slot chosen is the free one sharing the longest prefix). New prompts are prefilled ``chunk``
+tokens at a time between steps while other requests generate, all at once when none does. In its slot
+a request is a root branch (branches.py): its own sampler chain, seed, grammar and logit bias. The loop drives the branches with
 the batched calls the Branch API already has (prefill, step) over the context's link, one round trip
 per decode, which costs well under a millisecond against a step of tens of milliseconds.
 
@@ -311,7 +312,9 @@ class Batcher:
                 return
             prefilling = [r for r in live if r.todo]
             if prefilling:
-                self._prefill(prefilling)
+                # A chunk at a time while others generate (they wait for it); all at once when none does.
+                waiting_on_it = any(not r.todo for r in live)
+                self._prefill(prefilling, self.chunk if waiting_on_it else sum(len(r.todo) for r in prefilling))
             generating = [r for r in live if not r.todo and not r.future.done()]
             if generating:
                 self._step(generating)
@@ -359,8 +362,7 @@ class Batcher:
         req.n_cached = keep
         req.todo = req.prompt[keep:]
 
-    def _prefill(self, reqs: list[_Request]) -> None:
-        budget = self.chunk
+    def _prefill(self, reqs: list[_Request], budget: int) -> None:
         items: list[tuple[_Request, list[int]]] = []
         for req in reqs:
             if budget <= 0:
@@ -381,28 +383,42 @@ class Batcher:
             req.slot.tokens.extend(part)
 
     def _step(self, reqs: list[_Request]) -> None:
-        branches = [r.branch for r in reqs if r.branch is not None]
+        # Sample (no decode), hand the pieces out, then decode the tokens of the requests that go on in one
+        # batch: a token reaches its client a decode sooner than if it were sent after its own decode,
+        # and a request that ends on it spends no decode on it.
         try:
-            produced = self.context.branches.step(branches)
+            produced = self.context.branches.produce([r.branch for r in reqs if r.branch is not None])
         except LloyalError as exc:
             for req in reqs:
                 self._fail(req, exc)
             return
-        ms = produced.decode_ms
+        going: list[tuple[_Request, int]] = []
         for req, got in zip(reqs, produced, strict=True):
-            req.decode_ms += ms
             if got.is_stop:
                 self._finish(req, StopReason.EOS)
                 continue
             req.n_decoded += 1
-            assert req.slot is not None
-            req.slot.tokens.append(got.token)
             stopped = req.output.push(got.token, got.piece)
             gen = req.params
+            assert req.slot is not None
             if req.output.callback_error is not None or stopped:
                 self._finish(req, StopReason.STOP)
             elif (gen.n_predict > 0 and req.n_decoded >= gen.n_predict) or len(req.slot.tokens) >= self.n_ctx_slot:
                 self._finish(req, StopReason.LENGTH)
+            else:
+                going.append((req, got.token))
+        if not going:
+            return
+        try:
+            ms = self.context.branches.commit([(r.branch, token) for r, token in going if r.branch is not None])
+        except LloyalError as exc:
+            for req, _ in going:
+                self._fail(req, exc)
+            return
+        for req, token in going:
+            req.decode_ms += ms
+            assert req.slot is not None
+            req.slot.tokens.append(token)
 
     # -- ending a request --------------------------------------------------------------------------------
     def _result(self, req: _Request, reason: StopReason, text: str) -> Result:
