@@ -10,9 +10,13 @@ Each request gets a *slot*: one of the context's n_seq_max KV sequences, held be
 detached sequence, so a request whose prompt starts like what a slot last held reuses that prefix
 (the slot chosen is the free one sharing the longest prefix). New prompts are prefilled ``chunk``
 tokens at a time between steps while other requests generate, all at once when none does. In its slot
-a request is a root branch (branches.py): its own sampler chain, seed, grammar and logit bias. The loop drives the branches with
-the batched calls the Branch API already has (prefill, step) over the context's link, one round trip
-per decode, which costs well under a millisecond against a step of tens of milliseconds.
+a request is a root branch (branches.py): its own sampler chain, seed, grammar and logit bias. The loop
+drives the branches with the batched calls the Branch API already has (produce, commit, prefill) over
+the context's link, one round trip each, which costs well under a millisecond against a decode of tens
+of milliseconds.
+
+When the worker dies, requests that have not produced a token yet go to the model's next batcher (on
+the replacement worker, with Pool(recover=True)); the others fail with WorkerCrashedError.
 
 Text is made here as generate makes it in the worker (native/generate.cpp): control tokens and
 markers are left out unless render_special, stop strings are matched across tokens on the bytes, and
@@ -36,9 +40,12 @@ from ._futures import running
 from .branches import Branch
 from .errors import (
     ContextOverflowError,
+    DeadWorkerError,
     InvalidArgumentError,
     LloyalError,
+    PoolClosedError,
     StaleHandleError,
+    WorkerError,
 )
 from .params import GenerateParams, Result, SamplerParams, StopReason, whole, wire_prompt
 
@@ -48,6 +55,9 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("lloyal_pool.batching")
 _SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerParams))
+# Errors that mean the batcher's context is gone (its worker died, its model or the pool was closed): the
+# batcher stops and every request it holds gets the error. Any other error is one request's own.
+_GONE = (WorkerError, StaleHandleError, PoolClosedError)
 
 
 def _find_stop(text: bytes | bytearray, start: int, stops: Sequence[bytes]) -> int:
@@ -141,6 +151,12 @@ class _Request:
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     started: float = 0.0
+    wake: threading.Event | None = None  # the loop of the batcher that holds it
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.wake is not None:
+            self.wake.set()
 
 
 @dataclass(eq=False)
@@ -154,14 +170,13 @@ class BatchRequest:
     """A handle on one request in a Batcher: its ``future`` (of the Result) and ``interrupt()``."""
 
     def __init__(self, batcher: Batcher, request: _Request) -> None:
-        self._batcher = batcher
         self._request = request
         self.future = request.future
 
     def interrupt(self) -> None:
         """Ends the request at the next step (its Result says ``interrupted``); a no-op once it ended.
         Any thread may call."""
-        self._batcher._cancel(self._request)
+        self._request.cancel()
 
 
 class Batcher:
@@ -199,6 +214,11 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="lloyal-batcher", daemon=True)
         self._thread.start()
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options it was made with (Model.batcher's keywords)."""
+        return {"slots": self.slots, "n_ctx_slot": self.n_ctx_slot, "chunk": self.chunk, "n_threads": self.n_threads}
+
     def __repr__(self) -> str:
         return f"<Batcher slots={self.slots} n_ctx_slot={self.n_ctx_slot} model={self.model!r}>"
 
@@ -228,11 +248,7 @@ class Batcher:
         if on_piece is not None and not callable(on_piece):
             raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
         req = _Request(tokens, gen, _Output(gen, self._hidden, on_piece), running())
-        with self._lock:
-            if self._closed is not None:
-                raise self._closed_error()
-            self._waiting.append(req)
-        self._wake.set()
+        self._enqueue(req)
         return BatchRequest(self, req)
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
@@ -240,24 +256,22 @@ class Batcher:
         """submit() and wait for the Result."""
         return self.submit(prompt, params, on_piece=on_piece, **overrides).future.result()
 
-    def _cancel(self, req: _Request) -> None:
-        req.cancelled = True
-        self._wake.set()
-
-    def close(self, error: LloyalError | None = None) -> None:
+    def close(self, error: LloyalError | None = None, *, wait: bool = True) -> None:
         """Stops the loop and closes the context; requests not ended yet raise ``error`` (default:
-        StaleHandleError saying the batcher was closed). Idempotent."""
+        StaleHandleError saying the batcher was closed). ``wait``: until the loop has ended. Idempotent."""
         with self._lock:
             if self._closed is None:
                 self._closed = error or StaleHandleError("the batcher was closed")
         self._wake.set()
-        if threading.current_thread() is not self._thread:
+        if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
     @property
     def closed(self) -> bool:
-        """Whether the batcher stopped: closed, or its worker died (a model's next batcher() makes a new one)."""
-        return self._closed is not None
+        """Whether the batcher stopped (closed, or its worker died) or its context is gone (crash
+        recovery does not restore a batcher's context): a model's next batcher() makes a new one."""
+        link = self.context._link
+        return self._closed is not None or self.context.closed or link.lost is not None
 
     def affinity(self, prompt: Sequence[int]) -> int:
         """The longest prefix of prompt a free slot holds (0 when no slot is free): what a request would
@@ -293,6 +307,8 @@ class Batcher:
             with self._lock:
                 if self._closed is None:
                     self._closed = exc
+        if isinstance(self._closed, (WorkerError, DeadWorkerError)):
+            self._hand_over()
         self._fail_all(self._closed_error())
         try:
             if not self.context.closed:
@@ -336,6 +352,8 @@ class Batcher:
             try:
                 self._place(req, slot)
             except LloyalError as exc:  # this request's own fault (its grammar, say): the others go on
+                if isinstance(exc, _GONE):
+                    raise
                 self._release(req)
                 req.future.set_exception(exc)
 
@@ -373,6 +391,8 @@ class Batcher:
         try:
             ms = self.context.branches.prefill([(r.branch, part) for r, part in items if r.branch is not None])
         except LloyalError as exc:
+            if isinstance(exc, _GONE):
+                raise
             for req, _ in items:
                 self._fail(req, exc)
             return
@@ -389,6 +409,8 @@ class Batcher:
         try:
             produced = self.context.branches.produce([r.branch for r in reqs if r.branch is not None])
         except LloyalError as exc:
+            if isinstance(exc, _GONE):
+                raise
             for req in reqs:
                 self._fail(req, exc)
             return
@@ -412,6 +434,8 @@ class Batcher:
         try:
             ms = self.context.branches.commit([(r.branch, token) for r, token in going if r.branch is not None])
         except LloyalError as exc:
+            if isinstance(exc, _GONE):
+                raise
             for req, _ in going:
                 self._fail(req, exc)
             return
@@ -450,6 +474,39 @@ class Batcher:
             slot.tokens = []
         with self._lock:
             slot.request = None
+
+    def _hand_over(self) -> None:
+        """The worker died: requests that had not produced a token yet go to the model's next batcher,
+        which crash recovery's replacement worker serves (Pool(recover=True)); without a replacement
+        they fail with the death, as the others do."""
+        with self._lock:
+            unstarted = [r for r in self._waiting + [s.request for s in self._slots if s.request is not None]
+                         if not r.output.tokens and not r.future.done()]
+            self._waiting = [r for r in self._waiting if r not in unstarted]
+        for s in self._slots:
+            if s.request in unstarted:
+                s.request = None
+        if not unstarted:
+            return
+        try:
+            successor = self.model.batcher()
+        except LloyalError:
+            successor = None
+        for req in unstarted:
+            req.slot = req.branch = None
+            req.todo, req.n_cached, req.prompt_ms = [], 0, 0.0
+            if successor is None or successor is self:
+                req.future.set_exception(self._closed_error())
+            else:
+                successor._enqueue(req)
+
+    def _enqueue(self, req: _Request) -> None:
+        req.wake = self._wake
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed_error()
+            self._waiting.append(req)
+        self._wake.set()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -420,13 +420,19 @@ class Model:
         """The model's Batcher (batching.py): continuous batching of independent generations on one
         context of ``slots`` sequences (default 8) with ``n_ctx_slot`` tokens of room each (default 2048).
         The first call makes it with the options given; Instance.generate and Pool.generate use it. A
-        later call with other options raises InvalidArgumentError (close the model to start over)."""
+        later call with other options raises InvalidArgumentError (close the model to start over). When
+        its worker died and crash recovery replaced it, the next call makes a new one with the same
+        options."""
         asked = {k: v for k, v in {"slots": slots, "n_ctx_slot": n_ctx_slot, "chunk": chunk,
                                    "n_threads": n_threads}.items() if v is not None}
         with self._batcher_lock:
             if self._closed:
                 raise StaleHandleError(f"Model handle {self._handle} was closed")
             if self._batcher is None or self._batcher.closed:
+                if self._batcher is not None:  # its context is gone: end its loop (which may be the caller)
+                    self._batcher.close(wait=False)
+                    # A batcher made again (after a crash) keeps the options the first was made with.
+                    asked = {**self._batcher.options, **asked}
                 self._batcher = Batcher(self, **asked)
             elif any(getattr(self._batcher, k) != v for k, v in asked.items()):
                 raise InvalidArgumentError(f"this model's batcher already runs with other options: {self._batcher!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -349,3 +350,38 @@ def test_the_readme_batching_example_runs_as_written() -> None:
     assert len(lines) == 10 and all(line.startswith(f"Question {i}:") for i, line in enumerate(lines[:8]))
     assert lines[8].endswith("| stop") and ", 9" not in lines[8]
     assert lines[9].startswith("interrupted after ")
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_with_recover_a_dead_worker_serves_batched_requests_again(gemma_path: Path, busy: bool) -> None:
+    with Pool(2, recover=True) as pool:
+        for inst in pool:
+            inst.load_model(gemma_path)
+        first = pool[0].generate("Hi", n_predict=2, ignore_eos=True)
+        assert first.n_decoded == 2
+        started = threading.Event()
+        h = pool[0].submit("Tell me a story.", n_predict=0, ignore_eos=True,
+                           on_piece=lambda _: started.set()) if busy else None
+        if h is not None:
+            assert started.wait(PATIENCE)
+        pool[0].kill()
+        if h is not None:  # it had produced tokens: it cannot go on elsewhere
+            with pytest.raises(WorkerCrashedError):
+                h.future.result(PATIENCE)
+        # The replacement has the model again, and a fresh batcher serves on it.
+        assert pool[0].generate("Hi", n_predict=3, ignore_eos=True, timeout=PATIENCE).n_decoded == 3
+        assert all(pool.generate("Hi", n_predict=2, ignore_eos=True).n_decoded == 2 for _ in range(4))
+
+
+def test_requests_that_had_not_started_when_the_worker_died_run_on_its_replacement(gemma_path: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        pool[0].load_model(gemma_path).batcher(slots=1)
+        started = threading.Event()
+        running = pool[0].submit("Tell me a story.", n_predict=0, ignore_eos=True, on_piece=lambda _: started.set())
+        queued = [pool[0].submit(f"Item {i}:", n_predict=4, ignore_eos=True) for i in range(3)]
+        assert started.wait(PATIENCE)
+        pool[0].kill()
+        with pytest.raises(WorkerCrashedError):
+            running.future.result(PATIENCE)
+        assert [q.future.result(PATIENCE).n_decoded for q in queued] == [4, 4, 4]
+        assert pool[0].models[0].batcher().slots == 1  # made again with the options of the first
