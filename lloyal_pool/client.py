@@ -517,7 +517,6 @@ class LoraAdapter:
         """Frees the adapter. LoraError while a context still applies it (set_lora([]) there first).
         Idempotent; the model's close frees it too."""
         if self.closed:
-            self._closed = True
             return
         if self.model._proc.alive:
             self.model._proc.call(p.FreeLora(lora=self._handle)).result()

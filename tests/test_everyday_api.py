@@ -211,3 +211,15 @@ def test_a_stop_reason_prints_as_its_value() -> None:
 
     assert str(StopReason.EOS) == "eos" and f"{StopReason.LENGTH}" == "length"
     assert f"{StopReason.STOP:>5}" == " stop" and StopReason.INTERRUPTED == "interrupted"
+
+
+def test_eval_parses_special_tokens_in_text_unless_told_not_to(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=256)
+    try:
+        assert ctx.eval("<start_of_turn>", add_special=False).n_tokens == 1  # the default: parsed
+        ctx.reset()
+        assert ctx.eval_async("<start_of_turn>", add_special=False).result().n_tokens == 1
+        ctx.reset()
+        assert ctx.eval("<start_of_turn>", add_special=False, parse_special=False).n_tokens > 1
+    finally:
+        ctx.close()

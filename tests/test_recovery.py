@@ -239,3 +239,14 @@ def test_lora_adapters_come_back_and_a_lora_context_is_lost(tiny_model: Path, tm
         assert fresh.set_lora([(adapter, 1.0)])  # the adapter was loaded again in the replacement
         assert fresh.generate("Hello", n_predict=4).n_decoded == 4
         assert not adapter.closed and isinstance(old_handle, int)
+
+
+def test_a_worker_started_by_replace_is_recovered_too(tiny_model: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        fresh = pool.replace(0)
+        model = fresh.load_model(tiny_model)
+        recovered = threading.Event()
+        pool.subscribe(lambda e: recovered.set() if e.kind == "recovered" else None)
+        _kill(pool)
+        assert model.tokenize("Hello world")  # the replacement's replacement has it again
+        assert recovered.wait(30)

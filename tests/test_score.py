@@ -208,3 +208,12 @@ def test_score_choices_on_a_sliding_window_cache_without_swa_full(gemma: Model) 
     assert got[0].nll < got[1].nll
     assert ctx.tokens() == tokens
     assert np.array_equal(ctx.logits(), logits)
+
+
+def test_score_choices_takes_its_arguments_by_name(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=256)
+    try:
+        ctx.eval("The capital of France is")
+        assert ctx.score_choices(choices=[" Paris"], timeout=60) == ctx.score_choices([" Paris"])
+    finally:
+        ctx.close()

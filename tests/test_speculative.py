@@ -226,3 +226,24 @@ def test_bad_drafts_are_refused_and_the_worker_serves_on(gemma: Model, tiny: Mod
         other_worker.close()
         tctx.close()
         tiny_here.close()
+
+
+@pytest.mark.gemma
+def test_the_ngram_drafter_defaults_are_the_documented_ones(gemma: Model) -> None:
+    """n_draft 8, ngram_min 2, ngram_max 4 unless given: the defaults behave as those values do, and these
+    texts tell each of them apart from its neighbours (drafted and accepted counts)."""
+    ctx = gemma.new_context(n_ctx=1024)
+    texts = [REPEATS, "1 2 3 1 2 3 1 2 3 1 2 4 1 2 3", "a b c d a b c e a b c d a b c"]
+
+    def drafted(**options: int) -> list[tuple[int, int]]:
+        runs = [ctx.generate_with_draft(t, n_predict=64, cache_prompt=False, **options) for t in texts]
+        return [(r.n_drafted, r.n_accepted) for r in runs]
+
+    try:
+        default = drafted()
+        assert default == drafted(n_draft=8, ngram_min=2, ngram_max=4)
+        for options in ({"n_draft": 7}, {"n_draft": 9}, {"ngram_min": 1}, {"ngram_min": 3}, {"ngram_max": 3},
+                        {"ngram_max": 5}):
+            assert drafted(**options) != default, options
+    finally:
+        ctx.close()
