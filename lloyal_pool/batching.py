@@ -9,7 +9,8 @@
 Each request gets a *slot*: one of the context's n_seq_max KV sequences, held between requests as a
 detached sequence, so a request whose prompt starts like what a slot last held reuses that prefix
 (the slot chosen is the free one sharing the longest prefix). New prompts are prefilled ``chunk``
-tokens at a time between steps while other requests generate, all at once when none does. In its slot
+tokens at a time between steps while more requests generate than wait for their prompt, all at once
+otherwise. In its slot
 a request is a root branch (branches.py): its own sampler chain, seed, grammar and logit bias. The loop
 drives the branches with the batched calls the Branch API already has (produce, commit, prefill) over
 the context's link, one round trip each, which costs well under a millisecond against a decode of tens
@@ -55,6 +56,9 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("lloyal_pool.batching")
 _SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerParams))
+#: Seconds an idle batcher waits after the first request arrives before admitting, so that a burst is
+#: admitted as one: a fraction of one prompt's prefill.
+ADMIT_WINDOW = 0.005
 # Errors that mean the batcher's context is gone (its worker died, its model or the pool was closed): the
 # batcher stops and every request it holds gets the error. Any other error is one request's own.
 _GONE = (WorkerError, StaleHandleError, PoolClosedError)
@@ -187,7 +191,7 @@ class Batcher:
 
     Made by Model.batcher(); Instance.generate/stream and Pool.generate/stream use the default one."""
 
-    def __init__(self, model: Model, *, slots: int = 8, n_ctx_slot: int = 2048, chunk: int = 512,
+    def __init__(self, model: Model, *, slots: int = 8, n_ctx_slot: int = 2048, chunk: int = 128,
                  n_threads: int | None = None) -> None:
         slots = whole(slots, "slots")
         n_ctx_slot = whole(n_ctx_slot, "n_ctx_slot")
@@ -203,7 +207,7 @@ class Batcher:
         self._hidden = frozenset(model.info.hidden_tokens)
         self._eog = list(model.info.eog_tokens)
         self.context: Context = model.new_context(n_ctx=slots * n_ctx_slot, n_seq_max=slots,
-                                                  n_batch=max(chunk, slots), n_threads=n_threads)
+                                                  n_batch=max(512, chunk, slots), n_threads=n_threads)
         self._slots: list[_Slot] = []
         for _ in range(slots):
             self._slots.append(_Slot(self.context.branches.create().detach()))
@@ -298,6 +302,9 @@ class Batcher:
         try:
             while True:
                 self._wake.wait()
+                # Woken from idle: requests that arrive together (a burst of clients) are admitted
+                # together, so their prompts share one prefill instead of the first going alone.
+                time.sleep(ADMIT_WINDOW)
                 self._wake.clear()
                 if self._closed is not None:
                     break
@@ -328,9 +335,11 @@ class Batcher:
                 return
             prefilling = [r for r in live if r.todo]
             if prefilling:
-                # A chunk at a time while others generate (they wait for it); all at once when none does.
-                waiting_on_it = any(not r.todo for r in live)
-                self._prefill(prefilling, self.chunk if waiting_on_it else sum(len(r.todo) for r in prefilling))
+                # A chunk at a time while more requests generate (and wait for it) than wait for their
+                # prompt; all at once otherwise: the fewer requests are kept waiting, the better.
+                n_generating = len(live) - len(prefilling)
+                budget = self.chunk if n_generating > len(prefilling) else sum(len(r.todo) for r in prefilling)
+                self._prefill(prefilling, budget)
             generating = [r for r in live if not r.todo and not r.future.done()]
             if generating:
                 self._step(generating)

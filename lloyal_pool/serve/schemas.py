@@ -130,10 +130,13 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
             grammar = Grammar(json_schema={"type": "object"})
         elif kind != "text":
             raise APIError(400, "response_format.type is text, json_object or json_schema", param="response_format")
+    ignore_eos = body.get("ignore_eos", False)  # llama-server's extension, for benchmarks
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, "ignore_eos is true or false", param="ignore_eos")
     try:
         return GenerateParams(n_predict=max_tokens, temperature=temperature, top_p=top_p if top_p < 1.0 else 0.0,
                               seed=seed if seed is not None else secrets.randbits(31), stop=stops, logit_bias=bias,
-                              grammar=grammar)
+                              grammar=grammar, ignore_eos=ignore_eos)
     except LloyalError as exc:
         raise api_error(exc) from exc
 
