@@ -41,7 +41,6 @@ from ._futures import running
 from .branches import Branch
 from .errors import (
     ContextOverflowError,
-    DeadWorkerError,
     InvalidArgumentError,
     LloyalError,
     PoolClosedError,
@@ -154,7 +153,6 @@ class _Request:
     n_decoded: int = 0
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
-    started: float = 0.0
     wake: threading.Event | None = None  # the loop of the batcher that holds it
 
     def cancel(self) -> None:
@@ -173,7 +171,7 @@ class _Slot:
 class BatchRequest:
     """A handle on one request in a Batcher: its ``future`` (of the Result) and ``interrupt()``."""
 
-    def __init__(self, batcher: Batcher, request: _Request) -> None:
+    def __init__(self, request: _Request) -> None:
         self._request = request
         self.future = request.future
 
@@ -253,7 +251,7 @@ class Batcher:
             raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
         req = _Request(tokens, gen, _Output(gen, self._hidden, on_piece), running())
         self._enqueue(req)
-        return BatchRequest(self, req)
+        return BatchRequest(req)
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
@@ -314,7 +312,7 @@ class Batcher:
             with self._lock:
                 if self._closed is None:
                     self._closed = exc
-        if isinstance(self._closed, (WorkerError, DeadWorkerError)):
+        if isinstance(self._closed, WorkerError):
             self._hand_over()
         self._fail_all(self._closed_error())
         try:
@@ -367,7 +365,6 @@ class Batcher:
                 req.future.set_exception(exc)
 
     def _place(self, req: _Request, slot: _Slot) -> None:
-        req.started = time.perf_counter()
         keep = _common_prefix(slot.tokens, req.prompt)
         if keep == len(req.prompt):
             keep -= 1  # decode the last prompt token again: its logits are this request's first choice

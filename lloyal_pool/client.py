@@ -185,7 +185,15 @@ class Instance(BatchedCalls):
         """Ends this worker (shutdown, then kill after ``timeout``); its handles go stale. For a forked
         instance this is how it ends before its pool does; a pool's own instance can be started again
         with Pool.replace(). Idempotent."""
+        self._stop_batchers(PoolClosedError(f"worker {self.worker_id} was closed while the request ran"))
         self._proc.close(timeout)
+
+    def _stop_batchers(self, error: LloyalError) -> None:
+        """Ends the loops of this worker's batchers (without waiting: a loop ends at its next call, which
+        fails once the worker is closed), so that no idle loop thread outlives the worker."""
+        for model in list(self._models):
+            if model._batcher is not None:
+                model._batcher.close(error, wait=False)
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time in seconds; CallTimeoutError when there is no answer within ``timeout``."""
@@ -1404,6 +1412,8 @@ class Pool(BatchedCalls):
         """Ends every worker (shutdown, then kill after timeout), reaps every process and frees every
         shared-memory region. Idempotent; also runs at interpreter exit."""
         self._closed = True
+        for inst in list(self._instances):
+            inst._stop_batchers(PoolClosedError("the pool was closed while the request ran"))
         _close_procs(self._all_procs, timeout, self._watch, self._temp)
         self._finalizer.detach()
 

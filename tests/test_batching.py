@@ -385,3 +385,15 @@ def test_requests_that_had_not_started_when_the_worker_died_run_on_its_replaceme
             running.future.result(PATIENCE)
         assert [q.future.result(PATIENCE).n_decoded for q in queued] == [4, 4, 4]
         assert pool[0].models[0].batcher().slots == 1  # made again with the options of the first
+
+
+def test_closing_the_pool_ends_every_batcher_loop(gemma_path: Path) -> None:
+    before = {t for t in threading.enumerate() if t.name == "lloyal-batcher"}
+    with Pool(2) as pool:
+        for inst in pool:
+            inst.load_model(gemma_path)
+            assert inst.generate("Hi", n_predict=1).n_decoded == 1  # an idle batcher per worker now
+    deadline = time.monotonic() + PATIENCE
+    while {t for t in threading.enumerate() if t.name == "lloyal-batcher"} - before:
+        assert time.monotonic() < deadline, "a batcher loop outlived its pool"
+        time.sleep(0.01)
