@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._link import ContextLink, check_timeout
+from ._pieces import PieceStream
 
 if TYPE_CHECKING:
     from .params import Result
@@ -73,7 +74,7 @@ class _LoopQueue:
             pass
 
 
-class AsyncStream:
+class AsyncStream(PieceStream):
     """A generation's text pieces for asyncio: ``async for piece in stream``, then ``await
     stream.result()``. The pieces join to the Result's text, as a Stream's do.
 
@@ -88,24 +89,11 @@ class AsyncStream:
                     break          # the worker stops generating here
     """
 
-    _END = object()
-
     def __init__(self, interrupt: Callable[[int], None], loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._interrupt = interrupt  # of the request with this id (ContextLink.interrupt_request)
+        super().__init__(interrupt)
         # The loop that iterates it: the running one, unless it is made on another thread for a loop.
-        self._q = _LoopQueue(loop or asyncio.get_running_loop())
-        self._request_id = 0
+        self._q: _LoopQueue = _LoopQueue(loop or asyncio.get_running_loop())
         self._ended = False
-        self.future: Future[Result]
-
-    # The attach protocol Context._start_stream speaks (Stream's).
-    def _attach(self, fut: Future[Result]) -> None:
-        self.future = fut
-        q, end = self._q, self._END  # not self: a running request must not keep its stream alive
-        fut.add_done_callback(lambda _: q.put(end))
-
-    def _set_id(self, request_id: int) -> None:
-        self._request_id = request_id
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self
@@ -131,25 +119,10 @@ class AsyncStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __del__(self) -> None:
-        fut = getattr(self, "future", None)  # absent when the request could not even be sent
-        if fut is not None and not fut.done():
-            self.interrupt()
-
     async def result(self) -> Result:
         """The whole generation's Result, once it has ended (an interrupted one says ``interrupted``);
         raises the call's error, if it failed. Cancelling the task awaiting it interrupts the generation."""
         return await settle(self.future, self.interrupt)
-
-    @property
-    def done(self) -> bool:
-        """Whether the generation has ended."""
-        return self.future.done()
-
-    def interrupt(self) -> None:
-        """Stops this stream's generation, from any thread: now if it runs, or as soon as it starts if it
-        is still queued behind other calls on the context."""
-        self._interrupt(self._request_id)
 
     async def aclose(self) -> None:
         """Stops the generation unless it has ended. Does not wait for it to end: ``result()`` does."""

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._futures import running
 from .branches import Branch
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .client import Context, Model, Stream
 
 _log = logging.getLogger("lloyal_pool.batching")
+T = TypeVar("T")
 _SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerParams))
 #: Seconds an idle batcher waits after the first request arrives before admitting, so that a burst is
 #: admitted as one: a fraction of one prompt's prefill.
@@ -386,6 +387,18 @@ class Batcher:
         req.n_cached = keep
         req.todo = req.prompt[keep:]
 
+    def _batched(self, reqs: Sequence[_Request], call: Callable[[], T]) -> T | None:
+        """call(), one request to the worker on behalf of reqs. An error of theirs (a decode that
+        failed) fails them and gives None; one that means the context is gone goes on to the loop."""
+        try:
+            return call()
+        except LloyalError as exc:
+            if isinstance(exc, _GONE):
+                raise
+            for req in reqs:
+                self._fail(req, exc)
+            return None
+
     def _prefill(self, reqs: list[_Request], budget: int) -> None:
         items: list[tuple[_Request, list[int]]] = []
         for req in reqs:
@@ -394,13 +407,9 @@ class Batcher:
             part = req.todo[:budget]
             budget -= len(part)
             items.append((req, part))
-        try:
-            ms = self.context.branches.prefill([(r.branch, part) for r, part in items if r.branch is not None])
-        except LloyalError as exc:
-            if isinstance(exc, _GONE):
-                raise
-            for req, _ in items:
-                self._fail(req, exc)
+        ms = self._batched([r for r, _ in items], lambda: self.context.branches.prefill(
+            [(r.branch, part) for r, part in items if r.branch is not None]))
+        if ms is None:
             return
         for req, part in items:
             req.todo = req.todo[len(part):]
@@ -412,13 +421,9 @@ class Batcher:
         # Sample (no decode), hand the pieces out, then decode the tokens of the requests that go on in one
         # batch: a token reaches its client a decode sooner than if it were sent after its own decode,
         # and a request that ends on it spends no decode on it.
-        try:
-            produced = self.context.branches.produce([r.branch for r in reqs if r.branch is not None])
-        except LloyalError as exc:
-            if isinstance(exc, _GONE):
-                raise
-            for req in reqs:
-                self._fail(req, exc)
+        produced = self._batched(reqs, lambda: self.context.branches.produce(
+            [r.branch for r in reqs if r.branch is not None]))
+        if produced is None:
             return
         going: list[tuple[_Request, int]] = []
         for req, got in zip(reqs, produced, strict=True):
@@ -437,13 +442,9 @@ class Batcher:
                 going.append((req, got.token))
         if not going:
             return
-        try:
-            ms = self.context.branches.commit([(r.branch, token) for r, token in going if r.branch is not None])
-        except LloyalError as exc:
-            if isinstance(exc, _GONE):
-                raise
-            for req, _ in going:
-                self._fail(req, exc)
+        ms = self._batched([r for r, _ in going], lambda: self.context.branches.commit(
+            [(r.branch, token) for r, token in going if r.branch is not None]))
+        if ms is None:
             return
         for req, token in going:
             req.decode_ms += ms

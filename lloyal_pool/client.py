@@ -35,6 +35,7 @@ from ._aio import AsyncStream, awaited, closed_in_thread, settle
 from ._files import irregular_path
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
+from ._pieces import PieceStream
 from ._process import HangWatch, TempRoot, WorkerOptions, WorkerProcess
 from .batching import BatchedCalls, Batcher, route
 from .branches import KV, Branch, BranchStore, GrammarLike
@@ -80,7 +81,7 @@ MAX_THREADS = 512
 ProgressCallback = Callable[[float], None]
 """Model loading progress: the fraction loaded, 0.0 to 1.0."""
 R = TypeVar("R")
-S = TypeVar("S", bound="Stream | AsyncStream")
+S = TypeVar("S", bound=PieceStream)
 
 
 class Instance(BatchedCalls):
@@ -531,7 +532,7 @@ class LoraAdapter:
         self._closed = True
 
 
-class Stream:
+class Stream(PieceStream):
     """Text pieces as they are decoded: iterate, then read ``result``. The pieces always join to
     ``result.text`` (text that could be the start of a stop string is held back until it is not).
 
@@ -545,25 +546,13 @@ class Stream:
                     break          # the worker stops generating here
     """
 
-    _END = object()
-
     def __init__(self, interrupt: Callable[[int], None], timeout: float | None = None) -> None:
-        self._interrupt = interrupt  # of the request with this id (ContextLink.interrupt_request)
+        super().__init__(interrupt)
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._request_id = 0
-        self.future: Future[Result]
         check_timeout(timeout)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
         self._timed_out: CallTimeoutError | None = None
-
-    def _attach(self, fut: Future[Result]) -> None:
-        self.future = fut
-        q, end = self._q, self._END  # not self: a running request must not keep its Stream alive
-        fut.add_done_callback(lambda _: q.put(end))
-
-    def _set_id(self, request_id: int) -> None:
-        self._request_id = request_id
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -589,11 +578,6 @@ class Stream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        fut = getattr(self, "future", None)  # absent when the request could not even be sent
-        if fut is not None and not fut.done():
-            self.interrupt()
-
     def _left(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
@@ -613,16 +597,6 @@ class Stream:
         instead of iterating); raises the call's error, if it failed, and CallTimeoutError once the
         stream's timeout has passed."""
         return self._wait_result()
-
-    @property
-    def done(self) -> bool:
-        """Whether the generation has ended (result is ready)."""
-        return self.future.done()
-
-    def interrupt(self) -> None:
-        """Stops this stream's generation, from any thread: now if it runs, or as soon as it starts if it
-        is still queued behind other calls on the context. Its result says ``interrupted``."""
-        self._interrupt(self._request_id)
 
     def close(self) -> None:
         """Stops the generation unless it has ended; the pieces already received stay readable. Does not

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Iterator
@@ -15,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from readme import run_section
 
 from lloyal_pool import (
     AsyncStream,
@@ -387,11 +386,7 @@ def test_a_future_cancel_takes_nothing_back(tctx: Context) -> None:
 
 
 def test_the_readme_asyncio_example_runs_as_written(gemma_path: Path) -> None:
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## asyncio"):]
-    start = section.index("```python\n") + len("```python\n")
-    code = section[start:section.index("```\n", start)]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = run_section("## asyncio")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert "France" in lines[0] and " | " in lines[0] and "Ital" in lines[0]

@@ -4,8 +4,6 @@ and the pool's router over the workers that hold the model. On Gemma 3 270M, in 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from readme import run_section
 
 from lloyal_pool import (
     CallTimeoutError,
@@ -340,11 +339,7 @@ def test_the_asyncio_face_of_batched_requests(bpool: Pool) -> None:
 
 
 def test_the_readme_batching_example_runs_as_written() -> None:
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## Many requests at once"):]
-    start = section.index("```python\n") + len("```python\n")
-    code = section[start:section.index("```\n", start)]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = run_section("## Many requests at once")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert len(lines) == 10 and all(line.startswith(f"Question {i}:") for i, line in enumerate(lines[:8]))
