@@ -189,6 +189,12 @@ def test_native_log_level_is_the_least_severe_llama_cpp_line_passed_on(
             pool[0].load_model(truncated)
     levels = {m[len("[llama.cpp ")] for m in (r.getMessage() for r in records) if m.startswith("[llama.cpp ")}
     assert "".join(sorted(levels, key="DIWE".index)) == seen
+    # Each at the Python level of its llama.cpp level (info and debug lines are DEBUG records).
+    python_level = {"D": logging.DEBUG, "I": logging.DEBUG, "W": logging.WARNING, "E": logging.ERROR}
+    for r in records:
+        m = r.getMessage()
+        if m.startswith("[llama.cpp "):
+            assert r.levelno == python_level[m[len("[llama.cpp ")]], (m, r.levelname)
 
 
 def test_a_crash_message_has_a_stderr_section_only_when_there_is_stderr(fresh_pool: Pool,

@@ -375,3 +375,23 @@ def test_a_process_gone_before_its_kill_is_no_error(monkeypatch: pytest.MonkeyPa
         monkeypatch.undo()
         with pytest.raises(WorkerCrashedError):
             pool[0].ping(timeout=30)
+
+
+def test_close_keeps_its_timeout_when_a_request_is_stuck_in_the_pipe(gemma_path: Path) -> None:
+    # A frame larger than the pipe's buffer, sent while a generate runs, blocks its sender; close() waits
+    # half its timeout for that write, then kills the worker. The bound below is 2.5 timeouts, a promise
+    # of close() (kill after timeout), not a speed figure.
+    with Pool(1) as pool:
+        model = pool[0].load_model(gemma_path)
+        ctx = model.new_context(n_ctx=4096)
+        stream = ctx.stream("Count from one to one thousand:", n_predict=0, ignore_eos=True)
+        next(iter(stream))
+        big = [model.info.bos] * (6 << 20)
+        sender = threading.Thread(target=lambda: ctx.eval_async(big), daemon=True)
+        sender.start()
+        time.sleep(0.5)
+        assert sender.is_alive()  # stuck in the pipe
+        t0 = time.monotonic()
+        pool[0].close(timeout=4.0)
+        assert time.monotonic() - t0 < 10.0
+        assert not pool[0].alive
