@@ -86,6 +86,7 @@ class Server:
         raise APIError(503, "no live worker holds a model", "server_error")
 
     def check_key(self, request: Request) -> None:
+        """APIError 401 unless the request carries the API key (when one is set)."""
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
