@@ -167,6 +167,20 @@ def test_a_client_that_disconnects_frees_its_slot(served: Served, spool: Pool) -
     assert longest < batchers[0].n_ctx_slot // 2  # cut short, not run on until the slot was full
 
 
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(served: Served, spool: Pool) -> None:
+    batchers = [inst.models[0].batcher() for inst in spool]
+    with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
+        httpx.post(served.url + "/v1/completions", timeout=1.5,
+                   json={"prompt": "Tell me a very long story.", "max_tokens": 0, "ignore_eos": True})
+    deadline = time.monotonic() + PATIENCE
+    while any(b.active for b in batchers):
+        assert time.monotonic() < deadline, "the slot was never freed"
+        time.sleep(0.01)
+    longest = max(len(s.tokens) for b in batchers for s in b._slots)
+    assert longest < batchers[0].n_ctx_slot // 2  # cut short, not run on until the slot was full
+    assert 'lloyal_client_disconnects_total 0' not in httpx.get(served.url + "/metrics").text
+
+
 def test_response_format_json_schema_makes_json(served: Served) -> None:
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
