@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from lloyal_pool import Model, Pool
+from lloyal_pool.batching import Batcher
 from lloyal_pool.serve import create_app
 
 PATIENCE = 120.0  # a guard against hanging forever, never a timing assertion
@@ -146,6 +147,16 @@ def test_sixteen_concurrent_streaming_clients_all_complete(served: Served) -> No
     assert all(finish == "length" and text for text, finish in results)
 
 
+def assert_cut_short(batchers: list[Batcher]) -> None:
+    """Every slot comes free, and no request ran on until its slot was full: it was interrupted."""
+    deadline = time.monotonic() + PATIENCE
+    while any(b.active for b in batchers):
+        assert time.monotonic() < deadline, "the slot was never freed"
+        time.sleep(0.01)
+    longest = max(len(s.tokens) for b in batchers for s in b._slots)
+    assert longest < batchers[0].n_ctx_slot // 2
+
+
 def test_a_client_that_disconnects_frees_its_slot(served: Served, spool: Pool) -> None:
     batchers = [inst.models[0].batcher() for inst in spool]
     with httpx.stream("POST", served.url + "/v1/completions", timeout=PATIENCE,
@@ -159,12 +170,7 @@ def test_a_client_that_disconnects_frees_its_slot(served: Served, spool: Pool) -
                 if got == 3:
                     break
     # The response is closed: the server notices at its next piece and interrupts the generation.
-    deadline = time.monotonic() + PATIENCE
-    while any(b.active for b in batchers):
-        assert time.monotonic() < deadline, "the slot was never freed"
-        time.sleep(0.01)
-    longest = max(len(s.tokens) for b in batchers for s in b._slots)
-    assert longest < batchers[0].n_ctx_slot // 2  # cut short, not run on until the slot was full
+    assert_cut_short(batchers)
 
 
 def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(served: Served, spool: Pool) -> None:
@@ -172,12 +178,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(served: Served
     with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
         httpx.post(served.url + "/v1/completions", timeout=1.5,
                    json={"prompt": "Tell me a very long story.", "max_tokens": 0, "ignore_eos": True})
-    deadline = time.monotonic() + PATIENCE
-    while any(b.active for b in batchers):
-        assert time.monotonic() < deadline, "the slot was never freed"
-        time.sleep(0.01)
-    longest = max(len(s.tokens) for b in batchers for s in b._slots)
-    assert longest < batchers[0].n_ctx_slot // 2  # cut short, not run on until the slot was full
+    assert_cut_short(batchers)
     assert 'lloyal_client_disconnects_total 0' not in httpx.get(served.url + "/metrics").text
 
 
