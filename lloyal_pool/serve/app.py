@@ -19,7 +19,7 @@ import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
@@ -36,7 +36,6 @@ from ..session import formatted_params
 from . import schemas
 from .schemas import APIError, api_error
 
-T = TypeVar("T")
 DISCONNECT_POLL = 0.25  # seconds between checks that the client of a plain (not streamed) request is there
 
 
@@ -95,10 +94,6 @@ class Server:
                            code="invalid_api_key")
 
 
-async def _thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    return await asyncio.to_thread(fn, *args, **kwargs)
-
-
 async def _body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -111,7 +106,8 @@ async def _body(request: Request) -> dict[str, Any]:
 
 async def _submit(server: Server, prompt: str | list[int], gen: GenerateParams,
                   stream: AsyncStream | None) -> BatchRequest:
-    handle = await _thread(server.pool.submit, prompt, gen, on_piece=None if stream is None else stream._q.put)
+    on_piece = None if stream is None else stream._q.put
+    handle = await asyncio.to_thread(server.pool.submit, prompt, gen, on_piece=on_piece)
     if stream is not None:
         stream._interrupt = lambda _id: handle.interrupt()
         stream._attach(handle.future)
@@ -179,14 +175,14 @@ async def chat_completions(request: Request, server: Server) -> Response:
     messages = schemas.messages_of(body)
     tools, tool_choice = schemas.tools_of(body)
     model = server.any_model()
-    fmt = await _thread(model._format_chat, messages, template=server.chat_template, tools=tools,
+    fmt = await asyncio.to_thread(model._format_chat, messages, template=server.chat_template, tools=tools,
                         tool_choice=tool_choice)
     gen = formatted_params(fmt, gen)
     id_ = schemas.new_id("chatcmpl")
 
     async def parse(result: Result) -> Any:
         partial = result.stop_reason in ("length", "interrupted")
-        return await _thread(model._parse_chat, result.text, template=server.chat_template, tools=tools,
+        return await asyncio.to_thread(model._parse_chat, result.text, template=server.chat_template, tools=tools,
                              messages=messages, tool_choice=tool_choice, partial=partial)
 
     if not body.get("stream"):
@@ -236,17 +232,17 @@ async def embeddings(request: Request, server: Server) -> Response:
     model = server.any_model()
     entry = server._embedders.get(id(model))
     if entry is None or entry[0].closed:
-        ctx = await _thread(model.new_context, ContextParams(n_ctx=2048, embeddings=True, pooling="mean"))
+        ctx = await asyncio.to_thread(model.new_context, ContextParams(n_ctx=2048, embeddings=True, pooling="mean"))
         entry = server._embedders[id(model)] = (ctx, asyncio.Lock())
     ctx, lock = entry
     async with lock:  # one embed at a time per context (its rows share one block of the region)
-        vectors = await _thread(ctx.embed, inputs)
+        vectors = await asyncio.to_thread(ctx.embed, inputs)
     n_tokens = 0
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() if encoding == "base64"
              else [float(x) for x in v]} for i, v in enumerate(vectors)]
     for text in inputs:
-        n_tokens += len(text) if isinstance(text, list) else len(await _thread(model.tokenize, text))
+        n_tokens += len(text) if isinstance(text, list) else len(await asyncio.to_thread(model.tokenize, text))
     return JSONResponse({"object": "list", "data": data, "model": server.model_name,
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
