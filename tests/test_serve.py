@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from browser import Browser, find_chromium
 
 from lloyal_pool import Model, Pool
 from lloyal_pool.batching import Batcher
@@ -257,6 +258,40 @@ def test_the_chat_page_is_served(served: Served) -> None:
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/v1/chat/completions" in page.text and "<script" in page.text
     assert 'src="http' not in page.text and 'href="http' not in page.text  # no external assets
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_the_chat_page_streams_a_reply_in_a_browser(served: Served, tmp_path: Path) -> None:
+    binary = find_chromium()
+    if binary is None:  # scripts/test installs it wherever it may run apt-get
+        pytest.skip("no headless Chromium (Debian: apt-get install chromium-headless-shell)")
+    browser = Browser(binary, width=900, height=900, timeout=PATIENCE)
+    try:
+        browser.navigate(served.url + "/")
+        # Count the reply's updates as they land: more than one means the page showed it streaming.
+        browser.evaluate("""window.updates = 0;
+            new MutationObserver(() => { window.updates++; }).observe(document.getElementById("log"),
+                {childList: true, characterData: true, subtree: true}); true""")
+        browser.evaluate("""document.getElementById("input").value = "Name three colors.";
+            document.getElementById("form").requestSubmit(); true""")
+        browser.wait_for("document.querySelector('.msg.assistant[data-done], .msg.error') !== null")
+        reply = browser.evaluate("""(() => { const m = document.querySelectorAll(".msg");
+            return {user: m[0].textContent, cls: m[1].className, text: m[1].textContent, updates: window.updates,
+                    bottom: m[1].getBoundingClientRect().bottom, sendable: !document.getElementById("send").disabled};
+            })()""")
+        shot = browser.screenshot()
+    finally:
+        browser.close()
+    (tmp_path / "chat_page.png").write_bytes(shot)
+    assert reply["cls"] == "msg assistant", reply["text"]
+    assert reply["user"] == "Name three colors." and reply["text"].strip() and reply["sendable"]
+    assert reply["updates"] >= 4  # the two bubbles, then the reply piece by piece
+    assert png_size(shot) == (900, 900) and reply["bottom"] <= 900  # the reply is in the picture
+    assert len(shot) > 5000  # text and colours, not a blank page
 
 
 def test_the_serve_command(gemma_path: Path) -> None:
