@@ -170,16 +170,17 @@ class _Slot:
 
 
 class BatchRequest:
-    """A handle on one request in a Batcher: its ``future`` (of the Result) and ``interrupt()``."""
+    """A handle on one independent request (in a Batcher, or on a RayPool's actor): its ``future`` (of
+    the Result) and ``interrupt()``."""
 
-    def __init__(self, request: _Request) -> None:
-        self._request = request
-        self.future = request.future
+    def __init__(self, future: Future[Result], interrupt: Callable[[], None]) -> None:
+        self.future = future
+        self._interrupt = interrupt
 
     def interrupt(self) -> None:
         """Ends the request at the next step (its Result says ``interrupted``); a no-op once it ended.
         Any thread may call."""
-        self._request.cancel()
+        self._interrupt()
 
 
 class Batcher:
@@ -252,7 +253,7 @@ class Batcher:
             raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
         req = _Request(tokens, gen, _Output(gen, self._hidden, on_piece), running())
         self._enqueue(req)
-        return BatchRequest(req)
+        return BatchRequest(req.future, req.cancel)
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
@@ -542,7 +543,7 @@ def route(batchers: Sequence[Batcher], prompt: Sequence[int]) -> Batcher:
     return min(batchers, key=key)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -37,12 +37,25 @@ from __future__ import annotations
 
 import builtins
 import signal
+from typing import Any
 
 
 class LloyalError(Exception):
     """Base of every error lloyal_pool raises on purpose."""
 
     remote_traceback: str | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (a RayPool's actors send errors to the driver) without calling __init__ again:
+        # some take arguments that differ from the ``args`` they keep.
+        return _unpickled, (type(self), self.args, self.__dict__)
+
+
+def _unpickled(cls: type[LloyalError], args: tuple[Any, ...], state: dict[str, Any]) -> LloyalError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class RemoteError(LloyalError):

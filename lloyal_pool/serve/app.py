@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP endpoint: a Starlette app over a Pool whose workers hold one model.
+"""The OpenAI-compatible HTTP endpoint: a Starlette app over a Pool (or a RayPool) whose workers hold
+one model, reached through a Backend (backend.py).
 
-    POST /v1/completions, /v1/chat/completions ─▶ pool.submit (continuous batching, routed per request)
+    POST /v1/completions, /v1/chat/completions ─▶ backend.submit (continuous batching, routed per request)
     POST /v1/embeddings                         ─▶ an embedding context per worker
     GET  /v1/models, /health, /metrics, /        (the last: a chat page, no build step, no external assets)
 
@@ -29,11 +30,12 @@ from starlette.routing import Route
 
 from .._aio import AsyncStream, settle
 from ..batching import BatchRequest
-from ..client import Context, Model, Pool
+from ..client import Pool
 from ..errors import LloyalError
-from ..params import ContextParams, GenerateParams, Result
+from ..params import GenerateParams, Result
 from ..session import formatted_params
 from . import schemas
+from .backend import backend_of
 from .schemas import APIError, api_error
 
 DISCONNECT_POLL = 0.25  # seconds between checks that the client of a plain (not streamed) request is there
@@ -63,26 +65,17 @@ class _Metrics:
 
 
 class Server:
-    """The app's state: the pool, the model's name and chat template, the API key, the metrics."""
+    """The app's state: the backend (a Pool or a RayPool), the model's name and chat template, the API key,
+    the metrics."""
 
-    def __init__(self, pool: Pool, *, model_name: str | None = None, chat_template: str | None = None,
+    def __init__(self, pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
                  api_key: str | None = None) -> None:
         self.pool = pool
-        model = self.any_model()
-        self.model_name = model_name or model.path.rsplit("/", 1)[-1].removesuffix(".gguf")
+        self.backend = backend_of(pool)
+        self.model_name = model_name or self.backend.model_path().rsplit("/", 1)[-1].removesuffix(".gguf")
         self.chat_template = chat_template
         self.api_key = api_key
         self.metrics = _Metrics()
-        self._embedders: dict[int, tuple[Context, asyncio.Lock]] = {}
-
-    def any_model(self) -> Model:
-        """The model of a live worker (for tokenizing and chat formats: every worker holds the same)."""
-        for inst in self.pool:
-            if inst.alive:
-                models = inst.models
-                if len(models) == 1:
-                    return models[0]
-        raise APIError(503, "no live worker holds a model", "server_error")
 
     def check_key(self, request: Request) -> None:
         """APIError 401 unless the request carries the API key (when one is set)."""
@@ -107,7 +100,7 @@ async def _body(request: Request) -> dict[str, Any]:
 async def _submit(server: Server, prompt: str | list[int], gen: GenerateParams,
                   stream: AsyncStream | None) -> BatchRequest:
     on_piece = None if stream is None else stream._q.put
-    handle = await asyncio.to_thread(server.pool.submit, prompt, gen, on_piece=on_piece)
+    handle = await asyncio.to_thread(server.backend.submit, prompt, gen, on_piece)
     if stream is not None:
         stream._interrupt = lambda _id: handle.interrupt()
         stream._attach(handle.future)
@@ -174,16 +167,15 @@ async def chat_completions(request: Request, server: Server) -> Response:
     gen = schemas.generate_params(body, chat=True)
     messages = schemas.messages_of(body)
     tools, tool_choice = schemas.tools_of(body)
-    model = server.any_model()
-    fmt = await asyncio.to_thread(model._format_chat, messages, template=server.chat_template, tools=tools,
-                        tool_choice=tool_choice)
+    fmt = await asyncio.to_thread(server.backend.format_chat, messages, template=server.chat_template, tools=tools,
+                                  tool_choice=tool_choice)
     gen = formatted_params(fmt, gen)
     id_ = schemas.new_id("chatcmpl")
 
     async def parse(result: Result) -> Any:
         partial = result.stop_reason in ("length", "interrupted")
-        return await asyncio.to_thread(model._parse_chat, result.text, template=server.chat_template, tools=tools,
-                             messages=messages, tool_choice=tool_choice, partial=partial)
+        return await asyncio.to_thread(server.backend.parse_chat, result.text, template=server.chat_template,
+                                       tools=tools, messages=messages, tool_choice=tool_choice, partial=partial)
 
     if not body.get("stream"):
         result = await _unless_gone(request, await _submit(server, fmt.prompt, gen, None), server)
@@ -229,20 +221,10 @@ async def embeddings(request: Request, server: Server) -> Response:
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):  # the openai package asks for base64 (float32, little-endian)
         raise APIError(400, 'encoding_format is "float" or "base64"', param="encoding_format")
-    model = server.any_model()
-    entry = server._embedders.get(id(model))
-    if entry is None or entry[0].closed:
-        ctx = await asyncio.to_thread(model.new_context, ContextParams(n_ctx=2048, embeddings=True, pooling="mean"))
-        entry = server._embedders[id(model)] = (ctx, asyncio.Lock())
-    ctx, lock = entry
-    async with lock:  # one embed at a time per context (its rows share one block of the region)
-        vectors = await asyncio.to_thread(ctx.embed, inputs)
-    n_tokens = 0
+    vectors, n_tokens = await asyncio.to_thread(server.backend.embed, inputs)
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() if encoding == "base64"
              else [float(x) for x in v]} for i, v in enumerate(vectors)]
-    for text in inputs:
-        n_tokens += len(text) if isinstance(text, list) else len(await asyncio.to_thread(model.tokenize, text))
     return JSONResponse({"object": "list", "data": data, "model": server.model_name,
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
@@ -253,9 +235,10 @@ async def models(request: Request, server: Server) -> Response:
 
 
 async def health(request: Request, server: Server) -> Response:
-    alive = sum(1 for inst in server.pool if inst.alive)
+    gauges = await asyncio.to_thread(server.backend.gauges)
+    alive = sum(1 for g in gauges if g.alive)
     status = 200 if alive else 503
-    return JSONResponse({"status": "ok" if alive else "unavailable", "workers": len(server.pool),
+    return JSONResponse({"status": "ok" if alive else "unavailable", "workers": len(gauges),
                          "workers_alive": alive}, status_code=status)
 
 
@@ -272,14 +255,11 @@ async def metrics(request: Request, server: Server) -> Response:
                   "# TYPE lloyal_client_disconnects_total counter", f"lloyal_client_disconnects_total {m.disconnects}"]
     lines += ["# TYPE lloyal_worker_alive gauge", "# TYPE lloyal_slots_active gauge",
               "# TYPE lloyal_requests_queued gauge"]
-    for inst in server.pool:
-        wid = inst.worker_id
-        lines.append(f'lloyal_worker_alive{{worker="{wid}"}} {int(inst.alive)}')
-        for model in inst.models if inst.alive else []:
-            b = model._batcher
-            if b is not None and not b.closed:
-                lines.append(f'lloyal_slots_active{{worker="{wid}"}} {b.active}')
-                lines.append(f'lloyal_requests_queued{{worker="{wid}"}} {b.queued}')
+    for g in await asyncio.to_thread(server.backend.gauges):
+        lines.append(f'lloyal_worker_alive{{worker="{g.worker}"}} {int(g.alive)}')
+        if g.alive:
+            lines.append(f'lloyal_slots_active{{worker="{g.worker}"}} {g.active}')
+            lines.append(f'lloyal_requests_queued{{worker="{g.worker}"}} {g.queued}')
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
@@ -303,9 +283,10 @@ def _route(path: str, fn: Callable[[Request, Server], Awaitable[Response]], serv
     return Route(path, endpoint, methods=methods, name=name)
 
 
-def create_app(pool: Pool, *, model_name: str | None = None, chat_template: str | None = None,
+def create_app(pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
                api_key: str | None = None) -> Starlette:
-    """The ASGI app serving ``pool``, whose workers each hold the one model it serves (any ``model`` a
+    """The ASGI app serving ``pool`` (a Pool, or a lloyal_pool.ray.RayPool), whose workers each hold the
+    one model it serves (any ``model`` a
     request names maps to it; ``model_name`` is the id /v1/models shows, default the file's stem).
     ``chat_template``: a chat format name or Jinja source for models without one. ``api_key``: every
     /v1 route then needs ``Authorization: Bearer <api_key>``."""

@@ -1,0 +1,41 @@
+"""An app of lloyal_pool.serve on uvicorn, on a free localhost port, in a thread of the test process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import openai
+import uvicorn
+
+from lloyal_pool.serve import create_app
+
+PATIENCE = 120.0  # a guard against hanging forever, never a timing assertion
+TEMPLATE = "gemma"  # Gemma 3 270M's file has no chat template
+
+
+class Served:
+    def __init__(self, pool: Any, **options: Any) -> None:  # a Pool or a RayPool
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = create_app(pool, chat_template=TEMPLATE, **options)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + PATIENCE
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=PATIENCE)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(PATIENCE)
+
+
