@@ -12,7 +12,9 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .client import Pool
 from .errors import LloyalError
@@ -162,22 +164,56 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .serve import create_app
     except ImportError as exc:
         raise SystemExit(f"lloyal-pool serve needs the serve extra: pip install 'lloyal_pool[serve]' ({exc})") from None
+    if args.ray is not None:
+        return _serve_on_ray(args, uvicorn.run, create_app)
     path = _model_path(args.model)
     with Pool(args.workers, variant=args.variant, threads_per_worker=args.threads) as pool:
         for inst in pool:
             model = inst.load_model(path)
             model.batcher(slots=args.slots, n_ctx_slot=args.n_ctx_slot)
-        template = args.template
-        if template is None and model.info.chat_template is None:
-            template = "gemma" if len(model.tokenize("<end_of_turn>", add_special=False, parse_special=True)) == 1 \
-                else "chatml"
-            print(f"lloyal-pool serve: {path.name} has no chat template: chats use the {template} format "
-                  "(--template to choose another)", file=sys.stderr)
+        template = _serve_template(args, path.name, model.info.chat_template is not None,
+                                   lambda text: model.tokenize(text, add_special=False, parse_special=True))
         app = create_app(pool, model_name=args.name, chat_template=template, api_key=args.api_key)
         print(f"lloyal-pool serve: {path.name} on {args.workers} worker(s), http://{args.host}:{args.port}/",
               file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, run: Any, create_app: Any) -> int:
+    """serve --ray: the workers are actors of a Ray cluster (lloyal_pool.ray); -m is found on each node."""
+    try:
+        import ray
+
+        from .ray import RayPool
+    except ImportError as exc:
+        raise SystemExit(f"lloyal-pool serve --ray needs the ray extra: pip install 'lloyal_pool[ray]' ({exc})") \
+            from None
+    ray.init(address=args.ray or None, log_to_driver=False)
+    threads = args.threads or 1
+    with RayPool(args.workers, args.model, num_cpus=threads, threads_per_worker=threads, slots=args.slots,
+                 n_ctx_slot=args.n_ctx_slot, pool_options={"variant": args.variant} if args.variant else None) as pool:
+        first = pool[0]
+        name = first.model_path.rsplit("/", 1)[-1]
+        template = _serve_template(args, name, first.has_chat_template,
+                                   lambda text: ray.get(first.actor.tokenize.remote(text, False, True)))
+        app = create_app(pool, model_name=args.name, chat_template=template, api_key=args.api_key)
+        nodes = len({w.node_id for w in pool})
+        print(f"lloyal-pool serve: {name} on {args.workers} Ray actor(s) on {nodes} node(s), "
+              f"http://{args.host}:{args.port}/", file=sys.stderr)
+        run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _serve_template(args: argparse.Namespace, name: str, has_template: bool,
+                    tokenize: Callable[[str], list[int]]) -> str | None:
+    """--template, or for a model without a chat template of its own the format its tokens suggest."""
+    if args.template is not None or has_template:
+        return str(args.template) if args.template is not None else None
+    template = "gemma" if len(tokenize("<end_of_turn>")) == 1 else "chatml"
+    print(f"lloyal-pool serve: {name} has no chat template: chats use the {template} format "
+          "(--template to choose another)", file=sys.stderr)
+    return template
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -234,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=8, help="requests each worker runs at once")
     s.add_argument("--n-ctx-slot", type=int, default=2048, help="tokens of room per request")
     s.add_argument("-t", "--threads", type=int, default=None, help="threads per worker")
+    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the workers as actors of a Ray cluster (needs lloyal_pool[ray]): its address, or none "
+                   "for Ray's default (RAY_ADDRESS, a cluster running here, else a new local one); -m is then "
+                   "a path on each node")
     s.set_defaults(fn=_cmd_serve)
 
     i = sub.add_parser("info", help="model info as JSON")

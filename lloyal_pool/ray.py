@@ -118,7 +118,7 @@ class ModelActor:
         pool = self._ready()
         return {"node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
                 "pid": os.getpid(), "worker_pid": pool[0].pid, "model_path": self._model.path,
-                "slots": self._model.batcher().slots}
+                "slots": self._model.batcher().slots, "has_chat_template": self._model.info.chat_template is not None}
 
     def run(self, rid: str, prompt: str | list[int], gen: GenerateParams, pieces: bool) -> Iterator[str | Result]:
         """One request, as a Ray streaming generator: its pieces (when asked for), then its Result."""
@@ -171,9 +171,9 @@ class ModelActor:
         return self._model._parse_chat(text, template=template, tools=tools, messages=messages,
                                        tool_choice=tool_choice, partial=partial)
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         self._ready()
-        return self._model.tokenize(text)
+        return self._model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def embed(self, inputs: Sequence[str | list[int]]) -> tuple[list[np.ndarray], int]:
         self._ready()
@@ -203,6 +203,7 @@ class RayWorker:
         self.worker_pid: int = info["worker_pid"]
         self.model_path: str = info["model_path"]
         self.slots: int = info["slots"]
+        self.has_chat_template: bool = info["has_chat_template"]
         self.alive = True
         self.load = 0
         self._recent: collections.deque[str | tuple[int, ...]] = collections.deque(maxlen=RECENT_PROMPTS)
@@ -313,7 +314,7 @@ class RayPool(BatchedCalls):
 
     def _ready(self, index: int, worker_id: int, actor: Any) -> RayWorker:
         probe = RayWorker(index, worker_id, actor, {"node_id": "", "hostname": "?", "pid": 0, "worker_pid": 0,
-                                                    "model_path": "", "slots": 0})
+                                                    "model_path": "", "slots": 0, "has_chat_template": False})
         try:
             info = _get(probe, actor.describe.remote(), self.start_timeout)
         except BaseException:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
+import httpx
 import openai
 import uvicorn
 
@@ -39,3 +42,32 @@ class Served:
         self.thread.join(PATIENCE)
 
 
+
+
+def chat_with_the_serve_command(args: list[str]) -> str:
+    """Starts ``lloyal-pool serve`` with ``args`` (and a free port, an API key), waits for /health, has
+    a short greedy chat with it, stops it; returns what it printed on stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "lloyal_pool", "serve", *args, "--port", str(port),
+                             "--api-key", "k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + PATIENCE
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the server never answered"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=PATIENCE)
+        reply = client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=4, temperature=0)
+        assert reply.choices[0].message.role == "assistant" and reply.usage and reply.usage.completion_tokens >= 1
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=PATIENCE)
+    assert f"127.0.0.1:{port}" in err
+    return err

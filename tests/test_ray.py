@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from served import PATIENCE, Served
+from served import PATIENCE, Served, chat_with_the_serve_command
 
 from lloyal_pool import InvalidArgumentError, ModelLoadError, Pool, PoolClosedError, WorkerCrashedError
 from lloyal_pool.client import WorkerEvent
@@ -226,3 +226,10 @@ def test_the_http_endpoint_serves_from_a_ray_pool(rpool: RayPool, local: Pool) -
         assert 'lloyal_worker_alive{worker="0@' in httpx.get(served.url + "/metrics").text
     finally:
         served.close()
+
+
+def test_the_serve_command_on_a_ray_cluster(rpool: RayPool, gemma_path: Path) -> None:
+    address = ray.get_runtime_context().gcs_address  # an existing cluster, as a multi-node deployment has
+    err = chat_with_the_serve_command(["--ray", address, "-m", str(gemma_path), "--workers", "1", "-t", "1",
+                                       "--slots", "2", "--n-ctx-slot", "512"])
+    assert "has no chat template: chats use the gemma format" in err and "on 1 Ray actor(s) on 1 node(s)" in err

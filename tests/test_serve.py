@@ -4,7 +4,6 @@ the official ``openai`` package, as an application would."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 from browser import Browser, find_chromium
-from served import PATIENCE, TEMPLATE, Served
+from served import PATIENCE, TEMPLATE, Served, chat_with_the_serve_command
 
 from lloyal_pool import Model, Pool
 from lloyal_pool.batching import Batcher
@@ -267,30 +266,5 @@ def test_the_chat_page_streams_a_reply_in_a_browser(served: Served, tmp_path: Pa
 
 
 def test_the_serve_command(gemma_path: Path) -> None:
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "lloyal_pool", "serve", "-m", str(gemma_path), "--port", str(port),
-                             "--workers", "1", "--slots", "2", "--n-ctx-slot", "512", "--api-key", "k"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + PATIENCE
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "the server never answered"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=PATIENCE)
-        reply = client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=4, temperature=0)
-        assert reply.choices[0].message.role == "assistant" and reply.usage and reply.usage.completion_tokens >= 1
-    finally:
-        proc.terminate()
-        _out, err = proc.communicate(timeout=PATIENCE)
-    assert "has no chat template: chats use the gemma format" in err and f"127.0.0.1:{port}" in err
+    err = chat_with_the_serve_command(["-m", str(gemma_path), "--workers", "1", "--slots", "2", "--n-ctx-slot", "512"])
+    assert "has no chat template: chats use the gemma format" in err and "on 1 worker(s)" in err
