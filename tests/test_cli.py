@@ -99,12 +99,14 @@ def test_chat_streams_each_reply_on_a_line_in_the_gemma_format(gemma: Model) -> 
 
 def test_chat_ctrl_c_stops_the_reply_not_the_program(tiny_model: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "lloyal_pool", "chat", "-m", str(tiny_model), "--template",
-                             "chatml", "-q", "-v", "-n", "300", "-c", "1024"], stdin=subprocess.PIPE,
+                             "chatml", "-q", "-v", "-n", "3000", "-c", "4096"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(b"Tell me a long story.\n")
-        first = os.read(proc.stdout.fileno(), 1)  # the reply has started streaming
+        # The reply has started streaming. It is long (3000 tokens, seconds), so that the signal comes
+        # before its end even on a busy machine (300 tokens took 0.3 s: a descheduled test missed them).
+        first = os.read(proc.stdout.fileno(), 1)
         assert first
         proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends (the workers are in their own session)
         # A second turn, then the end of input: the program ends after that turn.
