@@ -100,7 +100,9 @@ class ModelActor:
         self._pool: Pool | None = None
         try:
             path = resolve_model(model)
-            self._pool = Pool(1, **pool)
+            # The GPUs Ray gave this actor are its worker's (a worker's environment is otherwise empty).
+            env = {"CUDA_VISIBLE_DEVICES": None, **(pool.get("env") or {})}
+            self._pool = Pool(1, **{**pool, "env": env})
             self._model: Model = self._pool[0].load_model(path, **load)
             self._model.batcher(**batcher)
         except LloyalError as exc:
@@ -114,6 +116,7 @@ class ModelActor:
         assert self._pool is not None
         return self._pool
 
+    @ray.method(concurrency_group="control")
     def describe(self) -> dict[str, Any]:
         pool = self._ready()
         return {"node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
@@ -140,6 +143,7 @@ class ModelActor:
                 self._live.pop(rid, None)
             handle.interrupt()  # a no-op once it ended; otherwise the driver has gone
 
+    @ray.method(concurrency_group="control")
     def interrupt(self, rid: str) -> None:
         with self._lock:
             handle = self._live.get(rid)
@@ -150,6 +154,7 @@ class ModelActor:
                 return
         handle.interrupt()
 
+    @ray.method(concurrency_group="control")
     def gauge(self) -> tuple[bool, int, int]:
         """Whether its worker is alive, and its batcher's active and queued requests."""
         pool = self._ready()
@@ -183,6 +188,7 @@ class ModelActor:
             vectors = [np.array(v) for v in self._embedder.embed(inputs)]
         return vectors, sum(len(t) if isinstance(t, list) else len(self._model.tokenize(t)) for t in inputs)
 
+    @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.close()
@@ -285,8 +291,10 @@ class RayPool(BatchedCalls):
                       {"slots": slots, "n_ctx_slot": n_ctx_slot, "chunk": chunk},
                       {"threads_per_worker": threads, **(pool_options or {})})
         self._actor_options = {"num_cpus": num_cpus, "num_gpus": num_gpus,
-                               # threads: every request, and an interrupt while they run
-                               "max_concurrency": 4 * slots + 8, **(actor_options or {})}
+                               # Threads for the requests (more wait in Ray's queue, as they would for a
+                               # slot); interrupts and gauges have threads of their own, so that a full
+                               # actor still hears them.
+                               "max_concurrency": 4 * slots, **(actor_options or {})}
         self._lock = threading.Lock()
         self._closed = False
         self._next_worker_id = 0
@@ -560,7 +568,7 @@ _REMOTE: Any = None
 def _remote_actor() -> Any:
     global _REMOTE
     if _REMOTE is None:
-        _REMOTE = ray.remote(ModelActor)
+        _REMOTE = ray.remote(concurrency_groups={"control": 2})(ModelActor)  # type: ignore[call-overload]
     return _REMOTE
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+from readme import run_section
 from served import PATIENCE, Served, chat_with_the_serve_command
 
 from lloyal_pool import InvalidArgumentError, ModelLoadError, Pool, PoolClosedError, WorkerCrashedError
@@ -26,6 +27,14 @@ pytestmark = pytest.mark.gemma
 LONG: dict[str, Any] = {"n_predict": 0, "temperature": 0}  # until its slot is full: runs until interrupted
 # Two actors of half a CPU each leave room on the two-CPU cluster for the ones a test starts of its own.
 OPTIONS: dict[str, Any] = {"num_cpus": 0.5, "threads_per_worker": 1, "slots": 4, "n_ctx_slot": 512}
+
+
+def test_the_readme_section_runs() -> None:
+    """First in the file: the section starts its own local cluster, before the tests' one exists."""
+    out = run_section("## More machines: Ray")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("[(") and lines[1].strip() and lines[2].strip()
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +108,15 @@ def test_interrupting_one_request_leaves_the_others_running(rpool: RayPool) -> N
     wait_until(lambda: sum(w.load for w in rpool) == 0, "the loads came back to zero")
 
 
+def test_interrupts_reach_an_actor_whose_threads_are_all_busy(cluster: None, gemma_path: Path) -> None:
+    with RayPool(1, gemma_path, **{**OPTIONS, "slots": 1}) as pool:  # threads for 4 requests
+        requests = [pool.submit("Tell me a story.", **LONG) for _ in range(6)]
+        time.sleep(1.0)
+        for r in requests:
+            r.interrupt()
+        assert [r.future.result(PATIENCE).stop_reason for r in requests] == ["interrupted"] * 6
+
+
 def test_cancelling_an_asyncio_task_interrupts_its_request(rpool: RayPool) -> None:
     async def main() -> None:
         task = asyncio.create_task(rpool.agenerate("Tell me a story.", **LONG))
@@ -158,6 +176,13 @@ def test_the_model_path_is_resolved_on_the_node(cluster: None, gemma_path: Path)
         RayPool(1, "/nowhere/model.gguf", **OPTIONS)
     with RayPool(1, lambda: str(gemma_path), **OPTIONS) as pool:
         assert pool[0].model_path == str(gemma_path)
+
+
+def test_the_gpus_ray_gives_an_actor_are_its_workers(cluster: None, gemma_path: Path) -> None:
+    env = {"runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": "7"}}}  # as Ray sets it for num_gpus
+    with RayPool(1, gemma_path, actor_options=env, **OPTIONS) as pool:
+        environ = Path(f"/proc/{pool[0].worker_pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=7" in environ
 
 
 def test_a_dead_actor_is_reported_and_replaced(cluster: None, gemma_path: Path) -> None:
