@@ -55,7 +55,7 @@ from .errors import (
     WorkerStartupError,
 )
 from .models import default_model_path
-from .params import ContextParams, GenerateParams, Result
+from .params import ContextParams, GenerateParams, Result, whole
 
 __all__ = ["ModelActor", "RayPool", "RayWorker"]
 
@@ -96,7 +96,7 @@ class ModelActor:
         self._lock = threading.Lock()
         self._embed_lock = threading.Lock()
         self._embedder: Any = None
-        self._error: LloyalError | None = None
+        self._error: Exception | None = None
         self._pool: Pool | None = None
         try:
             path = resolve_model(model)
@@ -105,7 +105,7 @@ class ModelActor:
             self._pool = Pool(1, **{**pool, "env": env})
             self._model: Model = self._pool[0].load_model(path, **load)
             self._model.batcher(**batcher)
-        except LloyalError as exc:
+        except Exception as exc:  # kept for describe(): the driver then sees it with its type
             self._error = exc
             if self._pool is not None:
                 self._pool.close()
@@ -284,6 +284,9 @@ class RayPool(BatchedCalls):
             raise InvalidArgumentError(f"a RayPool needs an int of at least one worker, got size={size!r}")
         if not num_cpus > 0 or num_gpus < 0:
             raise InvalidArgumentError(f"num_cpus must be > 0 and num_gpus >= 0, got {num_cpus}, {num_gpus}")
+        slots = whole(slots, "slots")
+        if slots < 1:
+            raise InvalidArgumentError(f"a worker needs slots >= 1, got {slots}")
         self.replace_dead = bool(replace_dead)
         self.start_timeout = float(start_timeout)
         threads = threads_per_worker or max(1, int(num_cpus))
@@ -304,7 +307,7 @@ class RayPool(BatchedCalls):
         self._finalizer = weakref.finalize(self, _kill_all, self._actors)
         try:
             started = [self._start() for _ in range(size)]  # all at once: the loads overlap
-            self._members = [self._ready(i, *s) for i, s in enumerate(started)]
+            self._members = [self._started(i, *s) for i, s in enumerate(started)]
         except BaseException:
             self.close()
             raise
@@ -320,7 +323,8 @@ class RayPool(BatchedCalls):
             self._actors.append(actor)
         return worker_id, actor
 
-    def _ready(self, index: int, worker_id: int, actor: Any) -> RayWorker:
+    def _started(self, index: int, worker_id: int, actor: Any) -> RayWorker:
+        """The actor, once it holds the model (its start-up error otherwise, and it is stopped)."""
         probe = RayWorker(index, worker_id, actor, {"node_id": "", "hostname": "?", "pid": 0, "worker_pid": 0,
                                                     "model_path": "", "slots": 0, "has_chat_template": False})
         try:
@@ -387,7 +391,7 @@ class RayPool(BatchedCalls):
         old = self._members[i]
         old.alive = False
         _kill_all([old.actor])
-        fresh = self._ready(i, *self._start())
+        fresh = self._started(i, *self._start())
         with self._lock:
             if self._closed:
                 _kill_all([fresh.actor])
@@ -499,6 +503,11 @@ class RayPool(BatchedCalls):
                 member, exc)
             if not future.done():
                 future.set_exception(error)
+            if error is exc:  # not the actor's: on_piece raised, say; the request must not run on
+                try:
+                    member.actor.interrupt.remote(rid)
+                except Exception:
+                    pass
             if isinstance(error, WorkerCrashedError):
                 self._died(member, error)
         finally:

@@ -20,7 +20,7 @@ from served import PATIENCE, Served, chat_with_the_serve_command
 
 from lloyal_pool import InvalidArgumentError, ModelLoadError, Pool, PoolClosedError, WorkerCrashedError
 from lloyal_pool.client import WorkerEvent
-from lloyal_pool.errors import BadRequestError, InvalidTokenError
+from lloyal_pool.errors import BadRequestError, InvalidTokenError, RemoteError
 from lloyal_pool.ray import RayPool
 
 pytestmark = pytest.mark.gemma
@@ -158,6 +158,15 @@ def test_bad_requests_are_refused_in_the_driver(rpool: RayPool, local: Pool) -> 
         rpool.generate("x", nonsense=1)
     with pytest.raises(InvalidArgumentError):
         RayPool(0, "x")
+    with pytest.raises(InvalidArgumentError, match="slots"):
+        RayPool(1, "x", slots=0)
+
+
+def test_an_actor_that_cannot_start_says_why(cluster: None, gemma_path: Path) -> None:
+    with pytest.raises(RemoteError, match=r"TypeError.*nonsense"):
+        RayPool(1, gemma_path, pool_options={"nonsense": 1}, **OPTIONS)
+    with pytest.raises(InvalidArgumentError, match="n_ctx_slot"):  # the worker's own check, with its type
+        RayPool(1, gemma_path, **{**OPTIONS, "n_ctx_slot": 2})
 
 
 def test_an_error_in_the_worker_keeps_its_type(rpool: RayPool) -> None:
