@@ -118,6 +118,7 @@ class ModelActor:
 
     @ray.method(concurrency_group="control")
     def describe(self) -> dict[str, Any]:
+        """Where it runs and what it holds (RayWorker's attributes); its start-up error, if it had one."""
         pool = self._ready()
         return {"node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
                 "pid": os.getpid(), "worker_pid": pool[0].pid, "model_path": self._model.path,
@@ -145,6 +146,7 @@ class ModelActor:
 
     @ray.method(concurrency_group="control")
     def interrupt(self, rid: str) -> None:
+        """Ends request ``rid`` at its next step (one that has not arrived yet, as soon as it does)."""
         with self._lock:
             handle = self._live.get(rid)
             if handle is None:
@@ -163,24 +165,30 @@ class ModelActor:
         return alive, (b.active if alive and b is not None else 0), (b.queued if alive and b is not None else 0)
 
     def stats(self) -> dict[str, Any]:
+        """Its worker's Instance.stats()."""
         return self._ready()[0].stats()
 
     def format_chat(self, messages: Sequence[Mapping[str, Any]], template: str | None,
                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str) -> p.ChatPrompt:
+        """The model's chat format applied to ``messages`` (what the HTTP endpoint generates from)."""
         self._ready()
         return self._model._format_chat(messages, template=template, tools=tools, tool_choice=tool_choice)
 
     def parse_chat(self, text: str, template: str | None, tools: Sequence[Mapping[str, Any]] | None,
                    messages: Sequence[Mapping[str, Any]], tool_choice: str, partial: bool) -> ChatMessage:
+        """A generated assistant turn parsed by the chat format (content, reasoning, tool calls)."""
         self._ready()
         return self._model._parse_chat(text, template=template, tools=tools, messages=messages,
                                        tool_choice=tool_choice, partial=partial)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Model.tokenize on its worker."""
         self._ready()
         return self._model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def embed(self, inputs: Sequence[str | list[int]]) -> tuple[list[np.ndarray], int]:
+        """Mean-pooled embeddings of ``inputs`` (an embedding context made at the first call), and the
+        number of tokens they hold."""
         self._ready()
         with self._embed_lock:
             if self._embedder is None or self._embedder.closed:
@@ -190,6 +198,7 @@ class ModelActor:
 
     @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
+        """Closes its Pool (the worker ends); the driver kills the actor after."""
         if self._pool is not None:
             self._pool.close()
 
@@ -358,6 +367,7 @@ class RayPool(BatchedCalls):
 
     @property
     def closed(self) -> bool:
+        """Whether close() was called."""
         return self._closed
 
     def subscribe(self, callback: Callable[[WorkerEvent], None]) -> Callable[[], None]:
@@ -440,6 +450,7 @@ class RayPool(BatchedCalls):
         self._finalizer.detach()
 
     async def aclose(self, timeout: float = 5.0) -> None:
+        """close() for asyncio, on a thread of the loop's executor."""
         await closed_in_thread(self.close, timeout)
 
     # -- requests ------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import lloyal_pool
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC_MODULES = ("lloyal_pool", "lloyal_pool.client", "lloyal_pool.branches", "lloyal_pool.params",
                   "lloyal_pool.errors", "lloyal_pool.metrics", "lloyal_pool.chat", "lloyal_pool.session",
-                  "lloyal_pool.snapshot", "lloyal_pool.batching", "lloyal_pool.serve")
+                  "lloyal_pool.snapshot", "lloyal_pool.batching", "lloyal_pool.serve", "lloyal_pool.ray")
 
 
 def _has_doc(obj: object) -> bool:
@@ -204,8 +204,8 @@ def test_the_api_reference_builds_from_the_docstrings(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     pages = sorted(str(p.relative_to(out)) for p in out.rglob("*.html"))
     assert pages == ["index.html", "lloyal_pool.html", "lloyal_pool/batching.html", "lloyal_pool/branches.html",
-                     "lloyal_pool/chat.html", "lloyal_pool/client.html",
-                     "lloyal_pool/errors.html", "lloyal_pool/metrics.html", "lloyal_pool/params.html",
+                     "lloyal_pool/chat.html", "lloyal_pool/client.html", "lloyal_pool/errors.html",
+                     "lloyal_pool/metrics.html", "lloyal_pool/params.html", "lloyal_pool/ray.html",
                      "lloyal_pool/serve.html", "lloyal_pool/session.html", "lloyal_pool/snapshot.html"]
     package = (out / "lloyal_pool.html").read_text()
     client = (out / "lloyal_pool" / "client.html").read_text()
