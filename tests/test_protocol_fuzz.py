@@ -183,6 +183,8 @@ def test_a_fallback_to_another_variant_is_a_warning(fake_python: Path, caplog: p
     ([{"kind": 5, "id": 99, "payload": {}}], "request 99, which is not in flight"),
     ([{"kind": 3, "id": None, "payload": "not a Pong"}], "does not match its declaration"),
     ([{"kind": 4, "id": None, "payload": ["not", "a", "map"]}], "malformed ERROR payload"),
+    ([{"kind": 4, "id": None, "payload": {"type": "ValueError", "message": 5}}], "malformed ERROR payload"),
+    ([{"kind": 4, "id": None, "payload": {"type": 3, "message": "m"}}], "malformed ERROR payload"),
     ([{"kind": 5, "id": None, "payload": [1, 2]}], "EVENT payload"),
     ([{"kind": 1, "id": 0, "payload": {}}], "unexpected HELLO frame"),
     ([{"kind": 3, "id": "1", "payload": {"pid": 1}}], "must be integers"),
