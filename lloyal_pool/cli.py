@@ -9,14 +9,17 @@ streams each reply to stdout, one line per reply; Ctrl-C stops a reply, Ctrl-D (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .client import Pool
+from .client import Pool, Stream
 from .errors import LloyalError
 from .models import default_model_path
 from .params import ContextParams, GenerateParams
@@ -67,13 +70,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SystemExit("lloyal-pool generate: give a PROMPT or --file")
         bar = None if args.quiet else _ProgressBar("prompt").tokens
         stream = ctx.stream(prompt, params, progress=bar)
-        try:
+        with _ctrl_c_interrupts(stream):
             for piece in stream:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-        except KeyboardInterrupt:
-            stream.interrupt()
-            stream.future.result()
         result = stream.result
         sys.stdout.write("\n")
         if args.verbose:
@@ -127,12 +127,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if not text:
                 continue
             stream = session.stream(text)
-            try:
+            with _ctrl_c_interrupts(stream):  # the reply stops where it is and stays in the conversation
                 for piece in stream:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
-            except KeyboardInterrupt:
-                stream.interrupt()  # the reply stops where it is and stays in the conversation
             result = stream.reply.result
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -142,6 +140,23 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 print(f"[{result.n_prompt} prompt tokens, {result.n_cached} reused; {result.n_decoded} tokens in "
                       f"{result.decode_ms:.0f} ms; stop: {result.stop_reason.value}]", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_interrupts(stream: Stream) -> Iterator[None]:
+    """While the block runs, Ctrl-C (SIGINT) interrupts ``stream`` and the program goes on. A handler
+    rather than catching KeyboardInterrupt: that exception is raised wherever the main thread happens to
+    be, which may be a __del__ or a callback where Python swallows it, and the Ctrl-C is then lost. The
+    handler itself runs at such a place too, perhaps inside a lock that interrupt() takes: it hands the
+    interrupt to a thread."""
+    def handler(signum: int, frame: object) -> None:
+        threading.Thread(target=stream.interrupt, name="lloyal-ctrl-c", daemon=True).start()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
