@@ -223,8 +223,10 @@ def _serve_on_ray(args: argparse.Namespace, run: Any, create_app: Any) -> int:
 def _serve_template(args: argparse.Namespace, name: str, has_template: bool,
                     tokenize: Callable[[str], list[int]]) -> str | None:
     """--template, or for a model without a chat template of its own the format its tokens suggest."""
-    if args.template is not None or has_template:
-        return str(args.template) if args.template is not None else None
+    if args.template is not None:
+        return str(args.template)
+    if has_template:
+        return None
     template = "gemma" if len(tokenize("<end_of_turn>")) == 1 else "chatml"
     print(f"lloyal-pool serve: {name} has no chat template: chats use the {template} format "
           "(--template to choose another)", file=sys.stderr)

@@ -1108,6 +1108,39 @@ class WorkerEvent:
     index: int | None = None
 
 
+class Subscribers:
+    """subscribe() and the events it delivers: what Pool and lloyal_pool.ray.RayPool share. A subclass
+    sets ``_subscribers`` (a list) and ``_subscribers_lock`` in its constructor."""
+
+    _subscribers: list[Callable[[WorkerEvent], None]]
+    _subscribers_lock: threading.Lock
+
+    def subscribe(self, callback: Callable[[WorkerEvent], None]) -> Callable[[], None]:
+        """Calls ``callback(event)`` (a WorkerEvent) when a worker of this pool dies (crash, kill, hang;
+        also a snapshot's fork) and when replace() has started a replacement, so an application need not
+        poll ``alive``. It runs on a lloyal_pool thread (the dead worker's reader, or the thread that
+        replaces it) and must return promptly; what it raises is logged, never propagated. Returns a
+        function that unsubscribes it."""
+        with self._subscribers_lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._subscribers_lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _emit(self, event: WorkerEvent) -> None:
+        with self._subscribers_lock:
+            callbacks = list(self._subscribers)
+        for callback in callbacks:
+            try:
+                callback(event)
+            except Exception:  # a subscriber's bug must not stop the pool's bookkeeping
+                _log.exception("a subscribe() callback raised on %s", event.kind)
+
+
 def _salvage_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, WorkerCrashedError, list[Any]], list[Any]]:
     def salvage(proc: WorkerProcess, error: WorkerCrashedError, pending: list[Any]) -> list[Any]:
         pool = pool_ref()
@@ -1130,7 +1163,7 @@ def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, Worker
     return on_death
 
 
-class Pool(BatchedCalls):
+class Pool(BatchedCalls, Subscribers):
     """N worker processes, each an isolated engine instance. The constructor starts ``size`` workers and
     blocks until every one has completed its handshake (WorkerStartupError otherwise, after the others
     are stopped). ``pool[i]`` is the i-th Instance. ``generate``/``stream``/``submit`` (and their asyncio
@@ -1206,6 +1239,7 @@ class Pool(BatchedCalls):
         self._closed = False
         self._next_worker_id = 0
         self._subscribers: list[Callable[[WorkerEvent], None]] = []
+        self._subscribers_lock = threading.Lock()
         self._temp = TempRoot()
         self._options = dataclasses.replace(self._options, temp_root=self._temp.path)
         self.hang_timeout = hang_timeout
@@ -1236,22 +1270,6 @@ class Pool(BatchedCalls):
         with self._lock:
             self._all_procs.append(proc)
         return proc
-
-    def subscribe(self, callback: Callable[[WorkerEvent], None]) -> Callable[[], None]:
-        """Calls ``callback(event)`` (a WorkerEvent) when a worker of this pool dies (crash, kill, hang;
-        also a snapshot's fork) and when replace() has started a replacement, so an application need not
-        poll ``Instance.alive``. It runs on a lloyal_pool thread (the dead worker's reader, or the thread
-        that called replace()) and must return promptly; what it raises is logged, never propagated.
-        Returns a function that unsubscribes it."""
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-
-        return unsubscribe
 
     # -- crash recovery (_recovery.py) ----------------------------------------------------------------
     def _salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[Any]) -> list[Any]:
@@ -1285,15 +1303,6 @@ class Pool(BatchedCalls):
 
     def _index_of(self, instance: Instance) -> int | None:
         return next((i for i, x in enumerate(self._instances) if x is instance), None)
-
-    def _emit(self, event: WorkerEvent) -> None:
-        with self._lock:
-            callbacks = list(self._subscribers)
-        for callback in callbacks:
-            try:
-                callback(event)
-            except Exception:
-                _log.exception("a Pool.subscribe() callback raised on %s", event.kind)
 
     def _release(self, proc: WorkerProcess, timeout: float = 5.0) -> None:
         proc.close(timeout)

@@ -21,6 +21,7 @@ is reported to subscribe() callbacks and is replaced by a fresh actor, which Ray
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
 import socket
@@ -41,10 +42,11 @@ except ImportError as exc:  # pragma: no cover - the extra is part of the test e
 
 from . import protocol as p
 from ._aio import closed_in_thread
+from ._embedder import Embedder
 from ._futures import running
 from .batching import AFFINITY_TOKENS, BatchedCalls, BatchRequest, _common_prefix
 from .chat import ChatMessage
-from .client import Model, Pool, WorkerEvent
+from .client import Model, Pool, Subscribers, WorkerEvent
 from .errors import (
     InvalidArgumentError,
     LloyalError,
@@ -55,7 +57,7 @@ from .errors import (
     WorkerStartupError,
 )
 from .models import default_model_path
-from .params import ContextParams, GenerateParams, Result, whole
+from .params import GenerateParams, Result, whole
 
 __all__ = ["ModelActor", "RayPool", "RayWorker"]
 
@@ -63,8 +65,8 @@ __all__ = ["ModelActor", "RayPool", "RayWorker"]
 #: slot: AFFINITY_TOKENS for a prompt of token ids, these many characters for text (about four a token).
 AFFINITY_CHARS = 64
 RECENT_PROMPTS = 32  # per actor, for affinity
-EMBEDDING_CONTEXT = ContextParams(n_ctx=2048, embeddings=True, pooling="mean")
 _END = object()
+_log = logging.getLogger(__name__)
 
 ModelSource = str | os.PathLike[str] | Callable[[], str | os.PathLike[str]] | None
 
@@ -94,8 +96,6 @@ class ModelActor:
         # Interrupts that arrived before their request did (kept bounded: one may come after its end).
         self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._embed_lock = threading.Lock()
-        self._embedder: Any = None
         self._error: Exception | None = None
         self._pool: Pool | None = None
         try:
@@ -105,6 +105,7 @@ class ModelActor:
             self._pool = Pool(1, **{**pool, "env": env})
             self._model: Model = self._pool[0].load_model(path, **load)
             self._model.batcher(**batcher)
+            self._embedder = Embedder(self._model)
         except Exception as exc:  # kept for describe(): the driver then sees it with its type
             self._error = exc
             if self._pool is not None:
@@ -190,11 +191,7 @@ class ModelActor:
         """Mean-pooled embeddings of ``inputs`` (an embedding context made at the first call), and the
         number of tokens they hold."""
         self._ready()
-        with self._embed_lock:
-            if self._embedder is None or self._embedder.closed:
-                self._embedder = self._model.new_context(EMBEDDING_CONTEXT)
-            vectors = [np.array(v) for v in self._embedder.embed(inputs)]
-        return vectors, sum(len(t) if isinstance(t, list) else len(self._model.tokenize(t)) for t in inputs)
+        return self._embedder.embed(inputs)
 
     @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
@@ -261,7 +258,7 @@ def _translated(member: RayWorker, exc: BaseException) -> BaseException:
     return exc
 
 
-class RayPool(BatchedCalls):
+class RayPool(BatchedCalls, Subscribers):
     """``size`` ModelActors on a Ray cluster, each a Pool of one worker holding ``model`` with its Batcher
     (``slots`` x ``n_ctx_slot``, ``chunk``): ``generate``/``stream``/``submit`` and their asyncio twins
     route independent requests among them as Pool's do. Connects to the cluster Ray is initialized with
@@ -312,6 +309,7 @@ class RayPool(BatchedCalls):
         self._next_worker_id = 0
         self._members: list[RayWorker] = []
         self._subscribers: list[Callable[[WorkerEvent], None]] = []
+        self._subscribers_lock = threading.Lock()
         self._actors: list[Any] = []  # everything started, for the finalizer
         self._finalizer = weakref.finalize(self, _kill_all, self._actors)
         try:
@@ -370,28 +368,6 @@ class RayPool(BatchedCalls):
         """Whether close() was called."""
         return self._closed
 
-    def subscribe(self, callback: Callable[[WorkerEvent], None]) -> Callable[[], None]:
-        """Calls ``callback(WorkerEvent)`` when an actor dies ("died", with the WorkerCrashedError) and when
-        a fresh one takes its place ("replaced", with its ``index``); returns the function that stops it."""
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-
-        return unsubscribe
-
-    def _emit(self, event: WorkerEvent) -> None:
-        for callback in list(self._subscribers):
-            try:
-                callback(event)
-            except Exception:  # a subscriber's bug must not stop the pool's bookkeeping
-                import logging
-
-                logging.getLogger("lloyal_pool.ray").exception("a subscribe() callback raised")
-
     def replace(self, index: int | RayWorker) -> RayWorker:
         """Starts a fresh actor in the place of ``pool[index]`` (dead or alive: a live one is stopped) and
         waits until it holds the model."""
@@ -428,9 +404,7 @@ class RayPool(BatchedCalls):
             self.replace(index)
         except LloyalError as exc:
             if not self._closed:
-                import logging
-
-                logging.getLogger("lloyal_pool.ray").error("could not replace worker %d: %s", index, exc)
+                _log.error("could not replace worker %d: %s", index, exc)
 
     def stats(self) -> list[dict[str, Any]]:
         """Instance.stats() of every actor's worker, in index order."""

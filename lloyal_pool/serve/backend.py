@@ -12,14 +12,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import protocol as p
+from .._embedder import Embedder
 from ..batching import BatchRequest
 from ..chat import ChatMessage
-from ..client import Context, Model, Pool
-from ..params import ContextParams, GenerateParams
+from ..client import Model, Pool
+from ..params import GenerateParams
 from .schemas import APIError
-
-#: The context the embeddings route embeds with, one per worker, made at its first embedding request.
-EMBEDDING_CONTEXT = ContextParams(n_ctx=2048, embeddings=True, pooling="mean")
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class PoolBackend:
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self._embedders: dict[int, tuple[Context, threading.Lock]] = {}
+        self._embedders: dict[int, Embedder] = {}  # one per worker's model, made at its first request
         self._lock = threading.Lock()
 
     def any_model(self) -> Model:
@@ -86,13 +84,10 @@ class PoolBackend:
     def embed(self, inputs: Sequence[str | list[int]]) -> tuple[list[np.ndarray], int]:
         model = self.any_model()
         with self._lock:
-            entry = self._embedders.get(id(model))
-            if entry is None or entry[0].closed:
-                entry = self._embedders[id(model)] = (model.new_context(EMBEDDING_CONTEXT), threading.Lock())
-        ctx, lock = entry
-        with lock:  # one embed at a time per context (its rows share one block of the region)
-            vectors = [np.array(v) for v in ctx.embed(inputs)]
-        return vectors, sum(len(t) if isinstance(t, list) else len(model.tokenize(t)) for t in inputs)
+            embedder = self._embedders.get(id(model))
+            if embedder is None or embedder.model is not model:
+                embedder = self._embedders[id(model)] = Embedder(model)
+        return embedder.embed(inputs)
 
     def gauges(self) -> list[WorkerGauge]:
         out = []
