@@ -10,7 +10,8 @@ tree with the same threads:
 
     .venv/bin/python bench/bench_serving.py [-m MODEL] [-t THREADS] [-r ROUNDS] [--json-out FILE]
 
-Runners take turns round after round, and each figure is a median over rounds. llama-server is built on
+Runners take turns round after round (ours and llama-server swap places each round), each figure is a
+median over rounds, and the report's per_round lists each round's ratios. llama-server is built on
 first use (scripts/reference_tools.py; several minutes).
 """
 
@@ -32,6 +33,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import common_args, emit_report, model_path, tool
+
+from lloyal_pool import Pool
 
 N_PROMPT, N_GEN, N_REQ = 128, 64, 8
 N_CTX_SLOT = 256  # room per request: prompt + generation, as llama-server's -c / -np gives each slot
@@ -55,8 +58,6 @@ def load_figures(ttft: list[float], wall: float, n_tokens: int) -> dict[str, flo
 # -- lloyal_pool -----------------------------------------------------------------------------------------
 class PoolRunner:
     def __init__(self, model: Path, threads: int) -> None:
-        from lloyal_pool import Pool
-
         self.pool = Pool(1, threads_per_worker=threads)
         self.model = self.pool[0].load_model(model)
         self.batcher = self.model.batcher(slots=N_REQ, n_ctx_slot=N_CTX_SLOT)
@@ -175,16 +176,29 @@ def main() -> int:
     ours: list[dict[str, float]] = []
     bench: list[dict[str, float]] = []
     server: list[dict[str, float]] = []
-    # One runner at a time holds the cores: llama.cpp's threads spin while they wait.
-    for i in range(args.rounds):
+    with Pool(1) as probe:
+        m = probe[0].load_model(model)
+        n_vocab, bos = m.n_vocab, m.info.bos
+
+    def run_ours(load: list[list[int]]) -> None:
         runner = PoolRunner(model, args.threads)
-        n_vocab, bos = runner.model.n_vocab, runner.model.info.bos
-        ours.append(runner.run(prompts(n_vocab, bos, seed=100 + i)))
+        ours.append(runner.run(load))
         runner.close()
-        bench.append(batched_bench(model, args.threads))
+
+    def run_server(load: list[list[int]]) -> None:
         srv = ServerRunner(model, args.threads, n_vocab, bos)
-        server.append(srv.run(prompts(n_vocab, bos, seed=100 + i)))
+        server.append(srv.run(load))
         srv.close()
+
+    # One runner at a time holds the cores: llama.cpp's threads spin while they wait. The order turns
+    # round after round, so that neither side always runs first (a slow drift of the machine's speed
+    # would otherwise favour one).
+    for i in range(args.rounds):
+        load = prompts(n_vocab, bos, seed=100 + i)
+        first, last = (run_ours, run_server) if i % 2 == 0 else (run_server, run_ours)
+        first(load)
+        bench.append(batched_bench(model, args.threads))
+        last(load)
 
     def med(rows: list[dict[str, float]]) -> dict[str, float]:
         return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -197,6 +211,9 @@ def main() -> int:
                    "ttft_p99_vs_server": o["ttft_p99_ms"] / s["ttft_p99_ms"],
                    "ttft_p50_vs_server": o["ttft_p50_ms"] / s["ttft_p50_ms"]},
         "targets": {"tps_vs_batched_bench": 0.85, "tps_vs_server": 1.0, "ttft_p99_vs_server": "<= 1.0"},
+        "per_round": [{"tps_vs_server": a["tps"] / c["tps"], "ttft_p99_vs_server": a["ttft_p99_ms"] / c["ttft_p99_ms"],
+                       "tps_vs_batched_bench": a["tps"] / b_["tps"]}
+                      for a, b_, c in zip(ours, bench, server, strict=True)],
     }
     emit_report(report, args.json_out)
     r = report["ratios"]

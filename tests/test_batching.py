@@ -27,7 +27,7 @@ from lloyal_pool import (
     StopReason,
     WorkerCrashedError,
 )
-from lloyal_pool.batching import AFFINITY_TOKENS, route
+from lloyal_pool.batching import AFFINITY_TOKENS, _common_prefix, route
 
 PATIENCE = 120.0  # a guard against hanging forever, never a timing assertion
 # llama.cpp's CPU kernels are not batch-invariant: a row's logits move by up to ~0.75 with the rows
@@ -178,6 +178,22 @@ def test_a_prompt_that_starts_like_a_slots_last_one_reuses_its_cache(gemma_path:
         assert second.n_cached >= prefix - 1
         again = b.generate(story + " Question: how many floors?", n_predict=4)
         assert again.n_cached == again.n_prompt - 1 and again.tokens == second.tokens
+
+
+def test_a_prefix_shorter_than_the_affinity_is_decoded_again_not_kept(gemma_path: Path) -> None:
+    # Every text prompt shares its BOS: keeping that one cell left it wherever the slot's last request had
+    # put it, and a burst's prefill attended to the cache up to there (2.5% slower, bench_serving).
+    with Pool(1) as pool:
+        m = pool[0].load_model(gemma_path)
+        b = m.batcher(slots=1)
+        b.generate("Apples are red.", n_predict=2)
+        short = b.generate("Apples grow on trees in the orchard.", n_predict=2)
+        shared = _common_prefix(m.tokenize("Apples are red.", add_special=True),
+                                m.tokenize("Apples grow on trees in the orchard.", add_special=True))
+        assert 1 <= shared < AFFINITY_TOKENS and short.n_cached == 0
+        b.generate("ok", n_predict=1)
+        again = b.generate("ok", n_predict=1)  # a whole short prompt seen before: decoded again too
+        assert again.n_cached == 0
 
 
 def test_each_request_keeps_its_own_grammar_params_and_limits(bpool: Pool) -> None:
