@@ -3,17 +3,18 @@
     instance.generate(...) ─┐
     instance.stream(...)  ──┼─▶ Batcher (one per model, on a client thread)
     pool.generate(...)    ──┘      │  admit: a free slot (its KV sequence), the cached prefix kept
-                                   │  prefill: chunks of new prompts, packed into one decode
-                                   └─ step: every generating request, one token each, one decode
+                                   │  sample: every generating request, one token each (no decode)
+                                   └─ decode: those tokens and a chunk of new prompts, one llama_decode
 
 Each request gets a *slot*: one of the context's n_seq_max KV sequences, held between requests as a
 detached sequence, so a request whose prompt starts like what a slot last held reuses that prefix
 when it is AFFINITY_TOKENS or more (the slot chosen is the free one sharing the longest prefix). New
 prompts are prefilled ``chunk`` tokens at a time between steps while more requests generate than wait
-for their prompt, all at once otherwise. In its slot a request is a root branch (branches.py): its own
-sampler chain, seed, grammar and logit bias. The loop drives the branches with the batched calls the
-Branch API already has (produce, commit, prefill) over the context's link, one round trip each, which
-costs well under a millisecond against a decode of tens of milliseconds.
+for their prompt, all at once otherwise, in the same decode as the running requests' tokens. In its
+slot a request is a root branch (branches.py): its own sampler chain, seed, grammar and logit bias. The
+loop drives the branches with the batched calls the Branch API already has (produce, then prefill with
+commits) over the context's link, one round trip each, which costs well under a millisecond against a
+decode of tens of milliseconds.
 
 When the worker dies, requests that have not produced a token yet go to the model's next batcher (on
 the replacement worker, with Pool(recover=True)); the others fail with WorkerCrashedError.
@@ -333,15 +334,20 @@ class Batcher:
             if not live:
                 return
             prefilling = [r for r in live if r.todo]
+            generating = [r for r in live if not r.todo]
+            # Sample (no decode) and hand the pieces out first: a token reaches its client a decode
+            # sooner than if it were sent after its own decode, and a request that ends on it spends no
+            # decode on it. Then ONE decode takes the tokens of the requests that go on and the next part
+            # of the new prompts, as llama-server's batches do: a running request waits one decode per
+            # token whether or not a prompt is coming in.
+            going = self._sample(generating) if generating else []
             if prefilling:
                 # A chunk at a time while more requests generate (and wait for it) than wait for their
                 # prompt; all at once otherwise: the fewer requests are kept waiting, the better.
-                n_generating = len(live) - len(prefilling)
-                budget = self.chunk if n_generating > len(prefilling) else sum(len(r.todo) for r in prefilling)
-                self._prefill(prefilling, budget)
-            generating = [r for r in live if not r.todo and not r.future.done()]
-            if generating:
-                self._step(generating)
+                budget = self.chunk if len(generating) > len(prefilling) else sum(len(r.todo) for r in prefilling)
+                self._decode(going, prefilling, budget)
+            elif going:
+                self._decode(going, [], 0)
 
     def _admit(self) -> None:
         with self._lock:
@@ -404,16 +410,19 @@ class Batcher:
                 self._fail(req, exc)
             return None
 
-    def _prefill(self, reqs: list[_Request], budget: int) -> None:
+    def _decode(self, going: list[tuple[_Request, int]], prefilling: list[_Request], budget: int) -> None:
+        """One prefill call: the going requests' tokens committed in its first decode, beside up to
+        budget tokens of the prompts still to prefill."""
         items: list[tuple[_Request, list[int]]] = []
-        for req in reqs:
+        for req in prefilling:
             if budget <= 0:
                 break
             part = req.todo[:budget]
             budget -= len(part)
             items.append((req, part))
-        ms = self._batched([r for r, _ in items], lambda: self.context.branches.prefill(
-            [(r.branch, part) for r, part in items if r.branch is not None]))
+        ms = self._batched([r for r, _ in going] + [r for r, _ in items], lambda: self.context.branches.prefill(
+            [(r.branch, part) for r, part in items if r.branch is not None],
+            commits=[(r.branch, token) for r, token in going if r.branch is not None]))
         if ms is None:
             return
         for req, part in items:
@@ -421,15 +430,18 @@ class Batcher:
             req.prompt_ms += ms
             assert req.slot is not None
             req.slot.tokens.extend(part)
+        for req, token in going:
+            req.decode_ms += ms
+            assert req.slot is not None
+            req.slot.tokens.append(token)
 
-    def _step(self, reqs: list[_Request]) -> None:
-        # Sample (no decode), hand the pieces out, then decode the tokens of the requests that go on in one
-        # batch: a token reaches its client a decode sooner than if it were sent after its own decode,
-        # and a request that ends on it spends no decode on it.
+    def _sample(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
+        """Samples every generating request and hands its piece out; the requests that go on, with
+        their tokens (to commit). A request that ends here is finished."""
         produced = self._batched(reqs, lambda: self.context.branches.produce(
             [r.branch for r in reqs if r.branch is not None]))
         if produced is None:
-            return
+            return []
         going: list[tuple[_Request, int]] = []
         for req, got in zip(reqs, produced, strict=True):
             if got.is_stop:
@@ -445,16 +457,7 @@ class Batcher:
                 self._finish(req, StopReason.LENGTH)
             else:
                 going.append((req, got.token))
-        if not going:
-            return
-        ms = self._batched([r for r, _ in going], lambda: self.context.branches.commit(
-            [(r.branch, token) for r, token in going if r.branch is not None]))
-        if ms is None:
-            return
-        for req, token in going:
-            req.decode_ms += ms
-            assert req.slot is not None
-            req.slot.tokens.append(token)
+        return going
 
     # -- ending a request --------------------------------------------------------------------------------
     def _result(self, req: _Request, reason: StopReason, text: str) -> Result:

@@ -472,16 +472,21 @@ class BranchStore:
         return mapped(self._link.call(req), self._decoded)
 
     def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
-                progress: PromptProgress | None = None) -> float:
+                commits: Iterable[tuple[Branch, int]] = (), progress: PromptProgress | None = None) -> float:
         """Decodes a token run into each branch, packed into n_batch chunks. All or nothing.
-        ``progress(done, total)`` is called after each chunk. Returns the ms spent inside llama_decode."""
-        return self.prefill_async(items, progress=progress).result()
+        ``commits``: (branch, token) pairs committed as commit() does, in the first decode beside the
+        items (a running generation's next token and a new prompt in one llama_decode); at most n_batch,
+        and a branch appears once in the whole call. ``progress(done, total)`` is called after each
+        chunk. Returns the ms spent inside llama_decode."""
+        return self.prefill_async(items, commits=commits, progress=progress).result()
 
     def prefill_async(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
+                      commits: Iterable[tuple[Branch, int]] = (),
                       progress: PromptProgress | None = None) -> Future[float]:
         """prefill() without waiting: a Future of the ms spent decoding."""
         req = p.Prefill(context=self._link.handle, items=[(self._own(b), self._wire_prompt(t)) for b, t in items],
-                        progress=progress is not None)
+                        progress=progress is not None,
+                        commits=[(self._own(b), token_id(t, self.n_vocab)) for b, t in commits])
         return mapped(self._link.call(req, events(prompt_progress=spread_progress(progress))), self._decoded)
 
     def step(self, branches: Sequence[Branch]) -> StepResult:
@@ -501,9 +506,9 @@ class BranchStore:
         return await awaited(self._link, lambda: self.commit_async(pairs))
 
     async def aprefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
-                       progress: PromptProgress | None = None) -> float:
+                       commits: Iterable[tuple[Branch, int]] = (), progress: PromptProgress | None = None) -> float:
         """prefill() for asyncio."""
-        return await awaited(self._link, lambda: self.prefill_async(items, progress=progress))
+        return await awaited(self._link, lambda: self.prefill_async(items, commits=commits, progress=progress))
 
     async def astep(self, branches: Sequence[Branch]) -> StepResult:
         """step() for asyncio: every branch advances in one batched decode."""

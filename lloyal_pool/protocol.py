@@ -37,7 +37,7 @@ from .chat import ChatMessage
 from .errors import BadRequestError, ProtocolError
 from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
@@ -531,6 +531,7 @@ class Prefill(ContextRequest[Decoded]):
     decodes = True
     items: list[tuple[int, str | list[int]]]  # (branch, tokens or text without BOS)
     progress: bool = False
+    commits: list[tuple[int, int]] = []  # (branch, token), committed in the first decode beside the items
 
 
 class Step(ContextRequest[Stepped]):

@@ -39,6 +39,16 @@ llama_pos pos_arg(py::handle v, const char * what) {
     return static_cast<llama_pos>(x);
 }
 
+// (branch, token) pairs: commit's, and the commits that ride in a prefill.
+std::vector<std::pair<uint32_t, llama_token>> commit_pairs(py::handle pairs, const Model & model) {
+    std::vector<std::pair<uint32_t, llama_token>> out;
+    for (const py::object & item : sequence_items(pairs, "commit pairs")) {
+        auto [h, t] = pair_items(item, "commit pairs");
+        out.emplace_back(handle_arg(h), token_from_py(t, model));
+    }
+    return out;
+}
+
 // Runs fn on the driver without the GIL.
 template <class F> auto nogil(F && fn) {
     gil_release release;
@@ -180,26 +190,25 @@ void register_branch_methods(context_class & cls) {
         .def(
             "commit",
             [](py_context & c, py::handle pairs, uint64_t request_id) {
-                std::vector<std::pair<uint32_t, llama_token>> ps;
-                for (const py::object & item : sequence_items(pairs, "commit pairs")) {
-                    auto [h, t] = pair_items(item, "commit pairs");
-                    ps.emplace_back(handle_arg(h), token_from_py(t, c.core->model()));
-                }
+                const std::vector<std::pair<uint32_t, llama_token>> ps = commit_pairs(pairs, c.core->model());
                 nogil([&] { c.branches->commit(ps, request_id); });
             },
             py::arg("pairs"), py::arg("request_id") = 0)
         .def(
             "prefill",
-            [](py_context & c, py::handle items, uint64_t request_id, const py::object & on_progress) {
+            [](py_context & c, py::handle items, uint64_t request_id, const py::object & on_progress,
+               py::handle commits) {
                 std::vector<std::pair<uint32_t, std::vector<llama_token>>> its;
                 for (const py::object & item : sequence_items(items, "prefill items")) {
                     auto [h, t] = pair_items(item, "prefill items");
                     its.emplace_back(handle_arg(h), tokens_from_py(t, c.core->model()));
                 }
+                const std::vector<std::pair<uint32_t, llama_token>> cs = commit_pairs(commits, c.core->model());
                 const context_core::progress_fn progress = progress_arg(on_progress);
-                nogil([&] { c.branches->prefill(its, request_id, progress); });
+                nogil([&] { c.branches->prefill(its, cs, request_id, progress); });
             },
-            py::arg("items"), py::arg("request_id") = 0, py::arg("on_progress") = py::none())
+            py::arg("items"), py::arg("request_id") = 0, py::arg("on_progress") = py::none(),
+            py::arg("commits") = py::tuple())
         .def(
             "step",
             [](py_context & c, py::handle handles, uint64_t request_id) {

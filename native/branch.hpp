@@ -216,7 +216,9 @@ class branch_driver {
 
     // branch_decode.cpp
     void commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id);
-    void prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items, uint64_t request_id,
+    // items' tokens into their branches and, in the first decode, one committed token per commit pair.
+    void prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items,
+                 const std::vector<std::pair<uint32_t, llama_token>> & commits, uint64_t request_id,
                  const context_core::progress_fn & on_progress = nullptr);
     std::vector<produced_token> step(const std::vector<uint32_t> & handles, uint64_t request_id);
     void clear_and_reseed(std::vector<llama_token> sinks, const std::vector<llama_token> & tail, uint64_t request_id);
@@ -259,6 +261,11 @@ class branch_driver {
     std::vector<llama_token> produce_tokens(const std::vector<branch *> & bs);
     std::vector<produced_token> produced(const std::vector<llama_token> & toks) const;
     void commit_tokens(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
+    // commit's arguments checked (distinct, valid tokens, branches with logits) into bs and toks.
+    void commit_args(const std::vector<std::pair<uint32_t, llama_token>> & pairs, std::unordered_set<branch *> & seen,
+                     const char * call, std::vector<branch *> & bs, std::vector<llama_token> & toks);
+    // What a committed token changes in its branch once its decode went through.
+    void apply_commit(branch & b, llama_token t, sampler_ptr grammar, const float * row);
     llama_seq_id seq_arg(int64_t seq) const;  // ValueError outside [0, n_seq_max)
     void check_raw_write(llama_seq_id seq);
     branch * load_target(llama_seq_id seq);  // the branch that adopts loaded state, or null (detached)

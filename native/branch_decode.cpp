@@ -1,6 +1,6 @@
-// The branch driver's decoding calls (branch.hpp): commit, step, prefill, clear_and_reseed. Each is all
-// or nothing: everything that can refuse the call runs before llama_decode, everything it changes is
-// applied after it succeeded, and a failed decode's cells are removed.
+// The branch driver's decoding calls (branch.hpp): commit, step, prefill (with commits beside its prompts),
+// clear_and_reseed. Each is all or nothing: everything that can refuse the call runs before llama_decode,
+// everything it changes is applied after it succeeded, and a failed decode's cells are removed.
 #include "branch.hpp"
 #include "errors.hpp"
 
@@ -60,37 +60,36 @@ void branch_driver::commit_tokens(const std::vector<branch *> & bs, const std::v
         }
     }
     for (size_t i = 0; i < n; ++i) {
-        branch & b = *bs[i];
-        const llama_token t = toks[i];
-        // Model surprisal under the snapshot the token was chosen from, before it is overwritten.
-        const float s = b.snap_lse - b.snapshot[t];
-        if (std::isfinite(s)) {
-            b.nll_sum += std::max(0.0f, s);
-            ++b.nll_count;
-        }
-        if (b.sample_pending && b.last_token == t && std::isfinite(b.last_surprisal)) {
-            b.samp_sum += b.last_surprisal;
-            ++b.samp_count;
-        }
-        if (grammars[i]) {
-            b.sampler->set_grammar(std::move(grammars[i]));
-        }
-        b.sampler->accept(t);
-        b.accepted.push_back(t);
-        b.position += 1;
-        b.lineage.back().p1 = b.position;
-        write_snapshot(b, rows[i]);
+        apply_commit(*bs[i], toks[i], std::move(grammars[i]), rows[i]);
     }
 }
 
-void branch_driver::commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id) {
-    context_core::busy_guard busy(core_);
-    core_.reset_decode_timer();
-    std::vector<branch *> bs;
-    std::vector<llama_token> toks;
-    std::unordered_set<branch *> seen;
+void branch_driver::apply_commit(branch & b, llama_token t, sampler_ptr grammar, const float * row) {
+    // Model surprisal under the snapshot the token was chosen from, before it is overwritten.
+    const float s = b.snap_lse - b.snapshot[t];
+    if (std::isfinite(s)) {
+        b.nll_sum += std::max(0.0f, s);
+        ++b.nll_count;
+    }
+    if (b.sample_pending && b.last_token == t && std::isfinite(b.last_surprisal)) {
+        b.samp_sum += b.last_surprisal;
+        ++b.samp_count;
+    }
+    if (grammar) {
+        b.sampler->set_grammar(std::move(grammar));
+    }
+    b.sampler->accept(t);
+    b.accepted.push_back(t);
+    b.position += 1;
+    b.lineage.back().p1 = b.position;
+    write_snapshot(b, row);
+}
+
+void branch_driver::commit_args(const std::vector<std::pair<uint32_t, llama_token>> & pairs,
+                                std::unordered_set<branch *> & seen, const char * call, std::vector<branch *> & bs,
+                                std::vector<llama_token> & toks) {
     for (const auto & [h, t] : pairs) {
-        branch & b = distinct(h, seen, "commit");
+        branch & b = distinct(h, seen, call);
         core_.model().check_token(t);
         toks.push_back(t);
         bs.push_back(&b);
@@ -101,6 +100,15 @@ void branch_driver::commit(const std::vector<std::pair<uint32_t, llama_token>> &
                                " has no logits yet: prefill or commit something first");
         }
     }
+}
+
+void branch_driver::commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id) {
+    context_core::busy_guard busy(core_);
+    core_.reset_decode_timer();
+    std::vector<branch *> bs;
+    std::vector<llama_token> toks;
+    std::unordered_set<branch *> seen;
+    commit_args(pairs, seen, "commit", bs, toks);
     commit_tokens(bs, toks, request_id);
 }
 
@@ -150,7 +158,8 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
 }
 
 void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items_in,
-                            uint64_t request_id, const context_core::progress_fn & on_progress) {
+                            const std::vector<std::pair<uint32_t, llama_token>> & commits, uint64_t request_id,
+                            const context_core::progress_fn & on_progress) {
     context_core::busy_guard busy(core_);
     core_.reset_decode_timer();
     struct item {
@@ -159,6 +168,16 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     };
     std::vector<item> items;
     std::unordered_set<branch *> seen;
+    // Commits ride in the first decode, beside the prompts: a running generation's next token costs no
+    // decode of its own while a new prompt goes in (continuous batching's mixed step).
+    std::vector<branch *> cbs;
+    std::vector<llama_token> ctoks;
+    commit_args(commits, seen, "prefill", cbs, ctoks);
+    const size_t n_commits = cbs.size();
+    if (n_commits > core_.n_batch) {
+        throw std::invalid_argument("a prefill commits at most n_batch (" + std::to_string(core_.n_batch) +
+                                    ") tokens in its first decode, got " + std::to_string(n_commits));
+    }
     for (const auto & [h, toks] : items_in) {
         branch & b = distinct(h, seen, "prefill");
         for (llama_token t : toks) {
@@ -168,19 +187,29 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
             items.push_back({&b, toks});
         }
     }
-    if (items.empty()) {
+    if (items.empty() && n_commits == 0) {
         return;
     }
     {
         std::vector<std::pair<const branch *, size_t>> adds;
+        for (const branch * b : cbs) {
+            adds.emplace_back(b, 1);
+        }
         for (const item & it : items) {
             adds.emplace_back(it.b, it.toks.size());
         }
         check_room(adds);
     }
+    context_core::request_scope req(core_, request_id);
+    std::vector<sampler_ptr> grammars(n_commits);
+    const stop_fn stop = [this] { return core_.interrupt_requested(); };
+    for (size_t i = 0; i < n_commits; ++i) {
+        grammars[i] = cbs[i]->sampler->grammar_after(ctoks[i], stop);
+    }
 
-    // First-fit packing of whole items into n_batch chunks; an item longer than n_batch gets chunks of
-    // its own, appended in order (its pieces must reach the cache in position order).
+    // First-fit packing of whole items into n_batch chunks, the first one opened by the commits; an item
+    // longer than n_batch gets chunks of its own, appended in order (its pieces must reach the cache in
+    // position order).
     struct piece {
         size_t item;
         size_t off;
@@ -188,6 +217,10 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     };
     std::vector<std::vector<piece>> chunks;
     std::vector<size_t> fill;
+    if (n_commits > 0) {
+        chunks.emplace_back();
+        fill.push_back(n_commits);
+    }
     std::vector<size_t> last_chunk(items.size());
     for (size_t k = 0; k < items.size(); ++k) {
         const size_t len = items[k].toks.size();
@@ -221,10 +254,13 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     }
     std::vector<std::vector<float>> stash(items.size());  // rows of items done before the last chunk
     std::vector<int32_t> final_idx(items.size(), -1);      // batch index of rows in the last chunk
-    context_core::request_scope req(core_, request_id);
+    std::vector<std::vector<float>> commit_stash(chunks.size() > 1 ? n_commits : 0);
     context_core::progress_scope progress(core_, on_progress);
     llama_memory_t mem = core_.memory();
     auto rollback = [&] {
+        for (const branch * b : cbs) {
+            llama_memory_seq_rm(mem, b->seq, b->position, -1);
+        }
         for (const item & it : items) {
             llama_memory_seq_rm(mem, it.b->seq, it.b->position, -1);
         }
@@ -232,9 +268,14 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     for (size_t c = 0; c < chunks.size(); ++c) {
         if (core_.interrupt_requested()) {
             rollback();
-            throw interrupted_error("interrupted: nothing was prefilled");
+            throw interrupted_error("interrupted: nothing was prefilled or committed");
         }
         int32_t j = 0;
+        if (c == 0) {
+            for (size_t i = 0; i < n_commits; ++i, ++j) {
+                core_.put(static_cast<size_t>(j), ctoks[i], cbs[i]->position, cbs[i]->seq, true);
+            }
+        }
         for (const piece & p : chunks[c]) {
             const item & it = items[p.item];
             for (size_t i = 0; i < p.n; ++i, ++j) {
@@ -249,6 +290,17 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
             core_.throw_decode_failure(ret, static_cast<size_t>(j), mark);
         }
         j = 0;
+        for (size_t i = 0; c == 0 && i < commit_stash.size(); ++i) {
+            const float * row = llama_get_logits_ith(core_.get(), static_cast<int32_t>(i));
+            if (row == nullptr) {
+                rollback();
+                throw lloyal_error("llama.cpp returned no logits for a committed token: nothing was changed");
+            }
+            commit_stash[i].assign(row, row + n_vocab);
+        }
+        if (c == 0) {
+            j = static_cast<int32_t>(n_commits);
+        }
         for (const piece & p : chunks[c]) {
             const item & it = items[p.item];
             const size_t last = p.off + p.n;
@@ -285,11 +337,23 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
             throw lloyal_error("llama.cpp returned no logits for a prefilled item: nothing was changed");
         }
     }
+    std::vector<const float *> commit_rows(n_commits);
+    for (size_t i = 0; i < n_commits; ++i) {
+        commit_rows[i] = commit_stash.empty() ? llama_get_logits_ith(core_.get(), static_cast<int32_t>(i))
+                                              : commit_stash[i].data();
+        if (commit_rows[i] == nullptr) {
+            rollback();
+            throw lloyal_error("llama.cpp returned no logits for a committed token: nothing was changed");
+        }
+    }
     for (size_t k = 0; k < items.size(); ++k) {
         branch & b = *items[k].b;
         b.position += static_cast<llama_pos>(items[k].toks.size());
         b.lineage.back().p1 = b.position;
         write_snapshot(b, rows[k]);
+    }
+    for (size_t i = 0; i < n_commits; ++i) {
+        apply_commit(*cbs[i], ctoks[i], std::move(grammars[i]), commit_rows[i]);
     }
 }
 

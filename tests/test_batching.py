@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,6 +179,39 @@ def test_a_prompt_that_starts_like_a_slots_last_one_reuses_its_cache(gemma_path:
         assert second.n_cached >= prefix - 1
         again = b.generate(story + " Question: how many floors?", n_predict=4)
         assert again.n_cached == again.n_prompt - 1 and again.tokens == second.tokens
+
+
+def test_a_new_prompt_goes_in_with_the_running_tokens_one_decode_for_both(gemma_path: Path) -> None:
+    # As llama-server's batches: while a prompt is prefilled chunk by chunk, each chunk's decode also
+    # carries the running requests' next tokens, so they wait one decode per token, not two.
+    with Pool(1) as pool:
+        m = pool[0].load_model(gemma_path)
+        b = m.batcher(slots=3, chunk=16)
+        store = b.context.branches
+        real_prefill, real_commit = store.prefill, store.commit
+        calls: list[tuple[str, int, int]] = []
+
+        def prefill(items: Any, *, commits: Any = (), progress: Any = None) -> float:
+            items, commits = list(items), list(commits)
+            calls.append(("prefill", sum(len(t) for _, t in items), len(commits)))
+            return real_prefill(items, commits=commits, progress=progress)
+
+        def commit(pairs: Any) -> float:
+            calls.append(("commit", 0, len(list(pairs))))
+            return real_commit(pairs)
+
+        store.prefill, store.commit = prefill, commit  # type: ignore[method-assign]
+        started = threading.Event()
+        # Two running, one coming: the coming prompt goes in a chunk at a time.
+        running = [b.submit(p, n_predict=48, ignore_eos=True, on_piece=lambda _: started.set())
+                   for p in ("Once upon a time", "The river")]
+        assert started.wait(PATIENCE)
+        late = b.submit(" ".join(["river"] * 70), n_predict=4, ignore_eos=True)
+        assert late.future.result(PATIENCE).n_decoded == 4
+        assert [r.future.result(PATIENCE).n_decoded for r in running] == [48, 48]
+        mixed = [c for c in calls if c[0] == "prefill" and c[1] > 0 and c[2] == 2]
+        assert len(mixed) >= 70 // 16, calls  # every chunk of the late prompt took the running tokens along
+        assert not [c for c in calls if c[0] == "commit"], calls
 
 
 def test_a_prefix_shorter_than_the_affinity_is_decoded_again_not_kept(gemma_path: Path) -> None:

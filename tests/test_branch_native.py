@@ -791,6 +791,86 @@ def test_prefill_packs_many_items(tiny_native: Any) -> None:
         assert np.allclose(y.logits(k), x.logits(h), atol=0.05)
 
 
+@pytest.mark.parametrize("n_batch", [64, 16], ids=["one-decode", "commits-before-more-chunks"])
+def test_commits_in_a_prefill_are_the_commits_made_beside_it(tiny_native: Any, n_batch: int) -> None:
+    # Continuous batching's mixed step: running branches' tokens in the first decode of a prompt's
+    # prefill. Each side ends as a commit and a prefill made apart would leave it: accepted token,
+    # position, perplexities, sampler history (a repetition penalty sees the token), logits to rounding.
+    # At n_batch 16 the prompt takes more decodes after the commits' one, whose rows must be kept.
+    params = {"temperature": 0.9, "seed": 3, "repeat_penalty": 1.3, "repeat_last_n": 16}
+    prompt = list(range(40, 70))
+
+    def setup() -> tuple[Ctx, list[int], int]:
+        x = Ctx(tiny_native, n_ctx=512, n_batch=n_batch, n_seq_max=4)
+        root = x.create(params, tokens=[1, 2, 3, 4])
+        going = [x.fork(root), x.fork(root)]
+        x.c.branch_reseed(going[1], 9)
+        return x, going, x.fork(root)
+
+    x, going, new = setup()
+    toks = [t for t, _p, _s in x.c.produce(going)]
+    x.c.prefill([(new, prompt)], commits=list(zip(going, toks, strict=True)))
+    y, y_going, y_new = setup()
+    assert [t for t, _p, _s in y.c.produce(y_going)] == toks
+    for h, t in zip(y_going, toks, strict=True):
+        y.c.commit([(h, t)])
+    y.c.prefill([(y_new, prompt)])
+    for a, b in zip(going + [new], y_going + [y_new], strict=True):
+        assert {**x.info(a), "handle": 0} == {**y.info(b), "handle": 0}
+        assert x.c.kv_seq_pos_max(x.info(a)["seq"]) == y.c.kv_seq_pos_max(y.info(b)["seq"])
+        assert np.allclose(x.logits(a), y.logits(b), atol=0.05)
+    assert x.info(new)["position"] == 4 + len(prompt) and x.info(going[0])["position"] == 5
+    assert x.c.produce(going) == y.c.produce(y_going)  # the samplers saw the same history
+
+
+def test_a_prefill_with_commits_is_all_or_nothing(gemma_model: Any) -> None:
+    x = Ctx(gemma_model, n_ctx=1024, n_batch=32, n_seq_max=4)
+    word = np.zeros(1, np.uint64)
+    x.c.set_interrupt_word(word, 0)
+    root = x.create({"temperature": 1.0, "seed": 5}, tokens=gemma_model.tokenize(PROMPT, True, True))
+    going, new = x.fork(root), x.fork(root)
+    tok = x.c.produce([going])[0][0]
+    twin = x.fork(going)  # the same sampler state and snapshot, after produce
+    before = {h: (x.info(h), x.logits(h).copy()) for h in (going, new)}
+    long = gemma_model.tokenize(" ".join(["a quiet evening by the sea"] * 120), False, False)[:700]
+    timer = threading.Timer(0.25, lambda: word.__setitem__(0, 42))  # lands after the commits' decode
+    timer.start()
+    with pytest.raises(InterruptedByClient):
+        x.c.prefill([(new, long)], 42, commits=[(going, tok)])
+    timer.join()
+    for h, (info, snap) in before.items():
+        assert x.info(h) == info
+        assert np.array_equal(x.logits(h), snap)
+        assert x.c.kv_seq_pos_max(info["seq"]) == info["position"] - 1
+    assert x.c.produce([going]) == x.c.produce([twin])  # the committed token never reached the sampler
+    word[0] = 0
+    x.c.prefill([(new, long[:5])], 42, commits=[(going, tok)])
+    assert (x.info(going)["position"], x.info(new)["position"]) == (before[going][0]["position"] + 1,
+                                                                    before[new][0]["position"] + 5)
+
+
+def test_a_prefill_refuses_bad_commits_before_decoding(tiny_native: Any) -> None:
+    x = Ctx(tiny_native, n_ctx=256, n_batch=8, n_seq_max=8)
+    root = x.create({}, tokens=[1, 2, 3])
+    a, b = x.fork(root), x.fork(root)
+    fresh = x.create({})
+    digits = x.create({}, {"gbnf": 'root ::= [0-9]+'}, tokens=[1, 2])
+    info = {h: x.info(h) for h in (a, b, digits)}
+    with pytest.raises(BranchError, match="twice"):
+        x.c.prefill([(a, [5])], commits=[(a, 6)])
+    with pytest.raises(BranchError, match="no logits"):
+        x.c.prefill([(a, [5])], commits=[(fresh, 6)])
+    with pytest.raises(InvalidTokenError):
+        x.c.prefill([(a, [5])], commits=[(b, tiny_native.n_vocab)])
+    letter = tiny_native.tokenize("x", False, False)[0]
+    with pytest.raises(GrammarError):
+        x.c.prefill([(a, [5])], commits=[(digits, letter)])
+    assert {h: x.info(h) for h in (a, b, digits)} == info
+    x.c.prefill([(a, [5, 6])], commits=[(b, 7)])  # commits alone or beside items, as asked
+    x.c.prefill([], commits=[(b, 8)])
+    assert (x.info(a)["position"], x.info(b)["position"]) == (5, 5)
+
+
 # -- costs ---------------------------------------------------------------------------------------------
 
 def test_costs_of_fork_produce_and_commit(gemma_model: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -91,6 +91,20 @@ def test_commit_twice_equals_prefill_of_both(ctx: Context) -> None:
     assert stepped.logits.tobytes() == fresh.logits.tobytes()
 
 
+def test_a_prefill_carries_commits_in_its_first_decode(ctx: Context) -> None:
+    root = ctx.branch(PROMPT, WARM)
+    going, twin, new = root.fork(), root.fork(), root.fork()
+    tok = going.produce().token
+    assert twin.produce().token == tok
+    assert ctx.branches.prefill([(new, " and the rest of it")], commits=[(going, tok)]) > 0
+    twin.commit(tok)
+    assert (going.position, going.n_accepted, going.perplexity) == (twin.position, twin.n_accepted, twin.perplexity)
+    assert new.position > root.position + 3 and going.position == root.position + 1
+    np.testing.assert_allclose(going.logits, twin.logits, atol=1.0)  # a batch of other rows: rounding
+    with pytest.raises(BranchError, match="twice"):
+        ctx.branches.prefill([(new, [5])], commits=[(new, 6)])
+
+
 def test_batched_commit_equals_single_commits(ctx: Context) -> None:
     root = ctx.branch(PROMPT, WARM)
     batched = [root.fork(reseed=i) for i in range(1, 4)]

@@ -677,8 +677,8 @@ class Engine:
     def prefill(self, req: p.Prefill, call: Call) -> p.Decoded:
         entry = self._context(req.context)
         entry.native.prefill([(h, self._prompt_tokens(entry, toks, bos=False)) for h, toks in req.items],
-                             call.request_id, call.prompt_progress(req.progress))
-        return self._decoded(entry, [h for h, _ in req.items])
+                             call.request_id, call.prompt_progress(req.progress), req.commits)
+        return self._decoded(entry, [h for h, _ in req.items] + [h for h, _ in req.commits])
 
     @handles(p.Step)
     def step(self, req: p.Step, call: Call) -> p.Stepped:
