@@ -9,12 +9,12 @@
 Each request gets a *slot*: one of the context's n_seq_max KV sequences, held between requests as a
 detached sequence, so a request whose prompt starts like what a slot last held reuses that prefix
 when it is AFFINITY_TOKENS or more (the slot chosen is the free one sharing the longest prefix). New
-prompts are prefilled ``chunk`` tokens at a time between steps while more requests generate than wait
-for their prompt, all at once otherwise, in the same decode as the running requests' tokens. In its
-slot a request is a root branch (branches.py): its own sampler chain, seed, grammar and logit bias. The
-loop drives the branches with the batched calls the Branch API already has (produce, then prefill with
-commits) over the context's link, one round trip each, which costs well under a millisecond against a
-decode of tens of milliseconds.
+prompts go in ``chunk`` tokens a step, in the same decode as the running requests' tokens, while more
+requests generate than wait for their prompt; all at once otherwise. In its slot a request is a root
+branch (branches.py): its own sampler chain, seed, grammar and logit bias. The loop drives the branches
+with the batched calls the Branch API already has (produce, then prefill with commits) over the
+context's link, one round trip each, which costs well under a millisecond against a decode of tens of
+milliseconds.
 
 When the worker dies, requests that have not produced a token yet go to the model's next batcher (on
 the replacement worker, with Pool(recover=True)); the others fail with WorkerCrashedError.
@@ -341,13 +341,11 @@ class Batcher:
             # of the new prompts, as llama-server's batches do: a running request waits one decode per
             # token whether or not a prompt is coming in.
             going = self._sample(generating) if generating else []
-            if prefilling:
+            if going or prefilling:
                 # A chunk at a time while more requests generate (and wait for it) than wait for their
                 # prompt; all at once otherwise: the fewer requests are kept waiting, the better.
                 budget = self.chunk if len(generating) > len(prefilling) else sum(len(r.todo) for r in prefilling)
                 self._decode(going, prefilling, budget)
-            elif going:
-                self._decode(going, [], 0)
 
     def _admit(self) -> None:
         with self._lock:
