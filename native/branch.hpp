@@ -261,6 +261,16 @@ class branch_driver {
     std::vector<llama_token> produce_tokens(const std::vector<branch *> & bs);
     std::vector<produced_token> produced(const std::vector<llama_token> & toks) const;
     void commit_tokens(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
+    // A run of prompt tokens for one branch (prefill's items, checked).
+    struct prompt_item {
+        branch * b;
+        const std::vector<llama_token> * toks;
+    };
+    // commit and prefill's decoding, all or nothing: one token per commit branch (accepted as a choice) in
+    // the first decode, the items packed first-fit into n_batch chunks after them.
+    void decode_batch(const std::vector<branch *> & cbs, const std::vector<llama_token> & ctoks,
+                      const std::vector<prompt_item> & items, uint64_t request_id,
+                      const context_core::progress_fn & on_progress);
     // commit's arguments checked (distinct, valid tokens, branches with logits) into bs and toks.
     void commit_args(const std::vector<std::pair<uint32_t, llama_token>> & pairs, std::unordered_set<branch *> & seen,
                      const char * call, std::vector<branch *> & bs, std::vector<llama_token> & toks);

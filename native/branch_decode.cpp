@@ -12,56 +12,7 @@ namespace lloyal {
 
 void branch_driver::commit_tokens(const std::vector<branch *> & bs, const std::vector<llama_token> & toks,
                                   uint64_t request_id) {
-    const size_t n = bs.size();
-    if (n == 0) {
-        return;
-    }
-    if (n > core_.n_batch) {
-        throw std::invalid_argument("a commit holds at most n_batch (" + std::to_string(core_.n_batch) + ") branches, got " +
-                                    std::to_string(n));
-    }
-    // Everything that can refuse the commit runs before the decode: the grammar accepts each token on
-    // a copy, swapped in only once the decode went through.
-    std::vector<std::pair<const branch *, size_t>> adds;
-    for (const branch * b : bs) {
-        adds.emplace_back(b, 1);
-    }
-    check_room(adds);
-    context_core::request_scope req(core_, request_id);
-    std::vector<sampler_ptr> grammars(n);
-    const stop_fn stop = [this] { return core_.interrupt_requested(); };
-    for (size_t i = 0; i < n; ++i) {
-        grammars[i] = bs[i]->sampler->grammar_after(toks[i], stop);
-    }
-    if (core_.interrupt_requested()) {
-        throw interrupted_error("interrupted before the decode: nothing was committed");
-    }
-    for (size_t i = 0; i < n; ++i) {
-        core_.put(i, toks[i], bs[i]->position, bs[i]->seq, true);
-    }
-    llama_memory_t mem = core_.memory();
-    auto rollback = [&] {
-        for (const branch * b : bs) {
-            llama_memory_seq_rm(mem, b->seq, b->position, -1);
-        }
-    };
-    const uint64_t mark = log_mark();
-    const int32_t ret = core_.decode(static_cast<int32_t>(n));
-    if (ret != 0) {
-        rollback();
-        core_.throw_decode_failure(ret, n, mark);
-    }
-    std::vector<const float *> rows(n);
-    for (size_t i = 0; i < n; ++i) {
-        rows[i] = llama_get_logits_ith(core_.get(), static_cast<int32_t>(i));
-        if (rows[i] == nullptr) {
-            rollback();
-            throw lloyal_error("llama.cpp returned no logits for a committed token: nothing was changed");
-        }
-    }
-    for (size_t i = 0; i < n; ++i) {
-        apply_commit(*bs[i], toks[i], std::move(grammars[i]), rows[i]);
-    }
+    decode_batch(bs, toks, {}, request_id, nullptr);
 }
 
 void branch_driver::apply_commit(branch & b, llama_token t, sampler_ptr grammar, const float * row) {
@@ -162,41 +113,43 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
                             const context_core::progress_fn & on_progress) {
     context_core::busy_guard busy(core_);
     core_.reset_decode_timer();
-    struct item {
-        branch * b;
-        const std::vector<llama_token> & toks;
-    };
-    std::vector<item> items;
+    std::vector<prompt_item> items;
     std::unordered_set<branch *> seen;
     // Commits ride in the first decode, beside the prompts: a running generation's next token costs no
     // decode of its own while a new prompt goes in (continuous batching's mixed step).
     std::vector<branch *> cbs;
     std::vector<llama_token> ctoks;
     commit_args(commits, seen, "prefill", cbs, ctoks);
-    const size_t n_commits = cbs.size();
-    if (n_commits > core_.n_batch) {
-        throw std::invalid_argument("a prefill commits at most n_batch (" + std::to_string(core_.n_batch) +
-                                    ") tokens in its first decode, got " + std::to_string(n_commits));
-    }
     for (const auto & [h, toks] : items_in) {
         branch & b = distinct(h, seen, "prefill");
         for (llama_token t : toks) {
             core_.model().check_token(t);
         }
         if (!toks.empty()) {
-            items.push_back({&b, toks});
+            items.push_back({&b, &toks});
         }
     }
+    decode_batch(cbs, ctoks, items, request_id, on_progress);
+}
+
+void branch_driver::decode_batch(const std::vector<branch *> & cbs, const std::vector<llama_token> & ctoks,
+                                 const std::vector<prompt_item> & items, uint64_t request_id,
+                                 const context_core::progress_fn & on_progress) {
+    const size_t n_commits = cbs.size();
     if (items.empty() && n_commits == 0) {
         return;
+    }
+    if (n_commits > core_.n_batch) {
+        throw std::invalid_argument("one decode commits at most n_batch (" + std::to_string(core_.n_batch) +
+                                    ") branches, got " + std::to_string(n_commits));
     }
     {
         std::vector<std::pair<const branch *, size_t>> adds;
         for (const branch * b : cbs) {
             adds.emplace_back(b, 1);
         }
-        for (const item & it : items) {
-            adds.emplace_back(it.b, it.toks.size());
+        for (const prompt_item & it : items) {
+            adds.emplace_back(it.b, it.toks->size());
         }
         check_room(adds);
     }
@@ -221,16 +174,14 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
         chunks.emplace_back();
         fill.push_back(n_commits);
     }
-    std::vector<size_t> last_chunk(items.size());
     for (size_t k = 0; k < items.size(); ++k) {
-        const size_t len = items[k].toks.size();
+        const size_t len = items[k].toks->size();
         if (len > core_.n_batch) {
             for (size_t off = 0; off < len; off += core_.n_batch) {
                 const size_t m = std::min<size_t>(core_.n_batch, len - off);
                 chunks.push_back({piece{k, off, m}});
                 fill.push_back(m);
             }
-            last_chunk[k] = chunks.size() - 1;
             continue;
         }
         size_t c = 0;
@@ -243,7 +194,6 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
         }
         chunks[c].push_back(piece{k, 0, len});
         fill[c] += len;
-        last_chunk[k] = c;
     }
 
     const size_t n_vocab = static_cast<size_t>(core_.model().n_vocab());
@@ -261,14 +211,14 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
         for (const branch * b : cbs) {
             llama_memory_seq_rm(mem, b->seq, b->position, -1);
         }
-        for (const item & it : items) {
+        for (const prompt_item & it : items) {
             llama_memory_seq_rm(mem, it.b->seq, it.b->position, -1);
         }
     };
     for (size_t c = 0; c < chunks.size(); ++c) {
         if (core_.interrupt_requested()) {
             rollback();
-            throw interrupted_error("interrupted: nothing was prefilled or committed");
+            throw interrupted_error("interrupted: nothing was changed");
         }
         int32_t j = 0;
         if (c == 0) {
@@ -277,10 +227,11 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
             }
         }
         for (const piece & p : chunks[c]) {
-            const item & it = items[p.item];
+            const prompt_item & it = items[p.item];
             for (size_t i = 0; i < p.n; ++i, ++j) {
-                core_.put(static_cast<size_t>(j), it.toks[p.off + i], it.b->position + static_cast<llama_pos>(p.off + i),
-                    it.b->seq, p.off + i + 1 == it.toks.size());
+                const size_t at = p.off + i;
+                core_.put(static_cast<size_t>(j), (*it.toks)[at], it.b->position + static_cast<llama_pos>(at),
+                          it.b->seq, at + 1 == it.toks->size());
             }
         }
         const uint64_t mark = log_mark();
@@ -289,7 +240,6 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
             rollback();
             core_.throw_decode_failure(ret, static_cast<size_t>(j), mark);
         }
-        j = 0;
         for (size_t i = 0; c == 0 && i < commit_stash.size(); ++i) {
             const float * row = llama_get_logits_ith(core_.get(), static_cast<int32_t>(i));
             if (row == nullptr) {
@@ -298,14 +248,12 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
             }
             commit_stash[i].assign(row, row + n_vocab);
         }
-        if (c == 0) {
-            j = static_cast<int32_t>(n_commits);
-        }
+        j = c == 0 ? static_cast<int32_t>(n_commits) : 0;  // the items' rows follow the commits'
         for (const piece & p : chunks[c]) {
-            const item & it = items[p.item];
+            const prompt_item & it = items[p.item];
             const size_t last = p.off + p.n;
             j += static_cast<int32_t>(p.n);
-            if (last != it.toks.size()) {
+            if (last != it.toks->size()) {
                 continue;
             }
             if (c + 1 == chunks.size()) {
@@ -348,7 +296,7 @@ void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<ll
     }
     for (size_t k = 0; k < items.size(); ++k) {
         branch & b = *items[k].b;
-        b.position += static_cast<llama_pos>(items[k].toks.size());
+        b.position += static_cast<llama_pos>(items[k].toks->size());
         b.lineage.back().p1 = b.position;
         write_snapshot(b, rows[k]);
     }
