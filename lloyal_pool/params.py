@@ -134,6 +134,25 @@ P = TypeVar("P", bound="SamplerParams")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                  "dry_multiplier", "dry_base", "repeat_penalty", "presence_penalty", "frequency_penalty",
                  "mirostat_tau", "mirostat_eta")
+_INT_FIELDS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "seed", "mirostat")
+
+
+def _real(value: object, name: str) -> float:
+    """A float field's value: a real number, not a bool (BadRequestError naming the field)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadRequestError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise BadRequestError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def _strings(value: object, name: str) -> None:
+    if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(s, str) for s in value):
+        raise BadRequestError(f"{name} must be a sequence of strings, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -166,15 +185,20 @@ class SamplerParams:
 
     def __post_init__(self) -> None:
         # The worker's native code checks every value (ranges included: sampling.hpp declares the fields
-        # and their rules once); here only what is cheaper to refuse before a request is sent.
+        # and their rules once); here the types, which the batcher's loop reads too (a string n_predict
+        # compared there would stop the loop for every request on it), and what is cheaper to refuse
+        # before a request is sent.
+        for name in _INT_FIELDS:
+            whole(getattr(self, name), name)
         if not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgumentError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
+            value = _real(getattr(self, name), name)
             if not math.isfinite(value):
                 raise InvalidArgumentError(f"{name} must be finite, got {value}")
         if isinstance(self.dry_sequence_breakers, str):
             raise BadRequestError("dry_sequence_breakers must be a sequence of strings, not a string")
+        _strings(self.dry_sequence_breakers, "dry_sequence_breakers")
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as the plain dict a request carries to the worker."""
@@ -218,8 +242,14 @@ class GenerateParams(SamplerParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        whole(self.n_predict, "n_predict")
+        for name in ("ignore_eos", "cache_prompt", "cache_bit_exact", "render_special"):
+            _flag(getattr(self, name), name)
         if isinstance(self.stop, str):
             raise BadRequestError("stop must be a sequence of strings, not a string")
+        _strings(self.stop, "stop")
+        if not isinstance(self.grammar, (str, Grammar)):
+            raise BadRequestError(f"grammar is GBNF text or a Grammar, got {type(self.grammar).__name__}")
         if any(not s for s in self.stop):
             raise InvalidArgumentError("stop strings must be non-empty")
         logit_bias_pairs(self.logit_bias)  # refused here, not when the request is built

@@ -237,13 +237,28 @@ BAD_PARAMS: list[tuple[str, dict[str, Any], type[LloyalError]]] = [
     ("logit_bias_float_key", {"logit_bias": {5.5: 1.0}}, InvalidTokenError),
     ("stop_str", {"stop": "x"}, BadRequestError),
     ("stop_empty", {"stop": [""]}, InvalidArgumentError),
+    # Types, refused by the client: the batcher reads n_predict, stop and the flags itself.
+    ("top_k_float", {"top_k": 1.5}, BadRequestError),
+    ("top_k_str", {"top_k": "5"}, BadRequestError),
+    ("n_predict_str", {"n_predict": "10"}, BadRequestError),
+    ("n_predict_float", {"n_predict": 2.5}, BadRequestError),
+    ("n_predict_bool", {"n_predict": True}, BadRequestError),
+    ("seed_str", {"seed": "1"}, BadRequestError),
+    ("temperature_str", {"temperature": "hot"}, BadRequestError),
+    ("top_p_bool", {"top_p": True}, BadRequestError),
+    ("ignore_eos_int", {"ignore_eos": 1}, BadRequestError),
+    ("render_special_str", {"render_special": "yes"}, BadRequestError),
+    ("stop_ints", {"stop": [1, 2]}, BadRequestError),
+    ("stop_int", {"stop": 5}, BadRequestError),
+    ("grammar_int", {"grammar": 5}, BadRequestError),
+    ("dry_breakers_ints", {"dry_sequence_breakers": [1]}, BadRequestError),
 ]
 
 
 @pytest.mark.parametrize(("kw", "error"), [(kw, err) for _, kw, err in BAD_PARAMS], ids=[n for n, _, _ in BAD_PARAMS])
 def test_bad_generate_params_are_refused(clean: Env, kw: dict[str, Any], error: type[LloyalError]) -> None:
     with pytest.raises(error):
-        clean.ctx.generate("Hi", n_predict=1, **kw)
+        clean.ctx.generate("Hi", **{"n_predict": 1, **kw})
     assert clean.ctx.tokens() == []
 
 
@@ -256,9 +271,6 @@ BAD_NATIVE_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("temperature_huge", {"temperature": 1e300}),
     ("repeat_last_n_-2", {"repeat_last_n": -2}),
     ("dry_allowed_length_negative", {"dry_allowed_length": -1}),
-    ("top_k_float", {"top_k": 1.5}),
-    ("top_k_str", {"top_k": "5"}),
-    ("n_predict_str", {"n_predict": "10"}),
 ]
 
 

@@ -29,6 +29,7 @@ from lloyal_pool import (
     WorkerCrashedError,
 )
 from lloyal_pool.batching import AFFINITY_TOKENS, _common_prefix, route
+from lloyal_pool.errors import BadRequestError
 
 PATIENCE = 120.0  # a guard against hanging forever, never a timing assertion
 # llama.cpp's CPU kernels are not batch-invariant: a row's logits move by up to ~0.75 with the rows
@@ -257,6 +258,12 @@ def test_bad_requests_fail_alone_and_the_batcher_serves_on(bpool: Pool, model: M
         bpool[0].generate("Hi", n_predict=2, grammar="root ::= (")
     with pytest.raises(ValueError):
         bpool[0].generate("", n_predict=2)
+    # Fields the loop itself reads: a string n_predict used to stop the loop (and fail every request on it)
+    # with a TypeError; each is refused at submit now, typed.
+    for bad in ({"n_predict": "x"}, {"n_predict": 1.5}, {"ignore_eos": 1}, {"stop": [1]}, {"stop": 5},
+                {"temperature": "hot"}, {"top_k": 2.0}, {"grammar": 5}):
+        with pytest.raises(BadRequestError):
+            bpool[0].generate("Hi", **bad)
 
     def boom(_: str) -> None:
         raise KeyError("from on_piece")
