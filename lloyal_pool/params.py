@@ -144,10 +144,9 @@ def _real(value: object, name: str) -> float:
     return float(value)
 
 
-def _flag(value: object, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
+def _flag(value: object, name: str) -> None:
+    if not isinstance(value, bool):
         raise BadRequestError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return bool(value)
 
 
 def _strings(value: object, name: str) -> None:
