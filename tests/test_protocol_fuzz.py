@@ -128,6 +128,21 @@ def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_pyth
     assert info.value.stderr_tail == huge  # the lines before it no longer fit
 
 
+@pytest.mark.parametrize("marks", [1, 3])
+def test_a_crash_names_the_last_abort_line_in_the_tail(fake_python: Path, marks: int) -> None:
+    # One marked line (a backtrace long enough can push the report's first copy out of the tail) or
+    # several: the crash message quotes the last one.
+    from lloyal_pool._process import ABORT_MARKER
+
+    stderr = "".join(f"noise {i}\n{ABORT_MARKER} k.cpp:{i}: GGML_ASSERT(x{i}) failed\n" for i in range(marks))
+    with fake_pool(fake_python, [{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}],
+                   script={"stderr": (stderr + "after\n").encode()}) as pool:
+        time.sleep(0.2)  # the stderr thread reads the lines the fake wrote before its handshake
+        err = outcome(ping(pool))
+        assert isinstance(err, WorkerCrashedError), err
+        assert str(err).splitlines()[0].endswith(f"k.cpp:{marks - 1}: GGML_ASSERT(x{marks - 1}) failed"), str(err)
+
+
 def test_the_stderr_tail_holds_as_many_bytes_as_it_may(fake_python: Path) -> None:
     from lloyal_pool._process import STDERR_TAIL_BYTES
 
