@@ -117,6 +117,14 @@ def test_a_worker_that_fails_before_its_handshake_names_the_cause(fake_python: P
         pytest.fail("the pool started")
 
 
+def test_a_worker_that_answers_before_its_hello_is_killed(fake_python: Path) -> None:
+    # It lingers (waits for its pipe to close) instead of exiting: only the pool's kill ends it at once.
+    with pytest.raises(WorkerStartupError, match="sent RESPONSE before HELLO.*SIGKILL"), \
+            fake_pool(fake_python, [], script={"before": [{"kind": 3, "id": 0, "payload": {"pid": 1}}],
+                                               "linger": True}):
+        pytest.fail("the pool started")
+
+
 def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_python: Path) -> None:
     from lloyal_pool._process import STDERR_TAIL_BYTES
 
