@@ -117,11 +117,14 @@ def test_a_worker_that_fails_before_its_handshake_names_the_cause(fake_python: P
         pytest.fail("the pool started")
 
 
-def test_a_worker_that_answers_before_its_hello_is_killed(fake_python: Path) -> None:
+@pytest.mark.parametrize(("frame", "named"), [
+    ({"kind": 3, "id": 0, "payload": {"pid": 1}}, "sent RESPONSE before HELLO"),
+    ({"kind": 4, "id": 0, "payload": {"type": "OSError", "message": "no such variant"}}, "OSError: no such variant"),
+])
+def test_a_worker_that_fails_its_handshake_is_killed(fake_python: Path, frame: dict[str, Any], named: str) -> None:
     # It lingers (waits for its pipe to close) instead of exiting: only the pool's kill ends it at once.
-    with pytest.raises(WorkerStartupError, match="sent RESPONSE before HELLO.*SIGKILL"), \
-            fake_pool(fake_python, [], script={"before": [{"kind": 3, "id": 0, "payload": {"pid": 1}}],
-                                               "linger": True}):
+    with pytest.raises(WorkerStartupError, match=f"{named}.*SIGKILL"), \
+            fake_pool(fake_python, [], script={"before": [frame], "linger": True}):
         pytest.fail("the pool started")
 
 

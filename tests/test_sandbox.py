@@ -4,6 +4,7 @@ and allowing what it should, through the pool, with the test-only probes of work
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,16 @@ def listener() -> Iterator[str]:
 def default_pool() -> Iterator[Pool]:
     with Pool(1, env=FAULTS) as p:
         yield p
+
+
+def test_an_ordinary_worker_is_no_snapshot_zygote(default_pool: Pool) -> None:
+    # Only a snapshot's zygote holds the socket its forks' descriptors go through; a worker that could
+    # be asked to fork children is not what Pool(...) starts.
+    proc = default_pool[0]._proc
+    argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")
+    assert "--zygote" not in argv and proc._control is None, argv
+    fds = [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")]
+    assert not [f for f in fds if f.startswith("socket:")], fds
 
 
 def test_the_worker_reports_what_its_kernel_enforces(default_pool: Pool) -> None:
