@@ -68,6 +68,15 @@ def test_sigkill_mid_generation(tiny_model: Path) -> None:
     assert (_memfds(), _mapped_regions()) == (before_fds, before_maps)
 
 
+def test_a_closed_worker_forgets_the_descriptors_it_closed() -> None:
+    # Closed pipe ends are set to -1, so that no later path (a second close, a reader outliving its join)
+    # can act on a number the process has since reused: 1, say, is stdout.
+    pool = Pool(1)
+    proc = pool[0]._proc
+    pool.close()
+    assert (proc._req_w, proc._rep_r, proc._life_w) == (-1, -1, -1)
+
+
 @pytest.mark.parametrize(("kind", "signame"), [("segv", "SIGSEGV"), ("abort", "SIGABRT")])
 def test_native_style_crashes_are_reported_with_the_signal(fresh_pool: Pool, kind: str, signame: str) -> None:
     with pytest.raises(WorkerCrashedError) as info:
