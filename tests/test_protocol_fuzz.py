@@ -139,6 +139,25 @@ def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_pyth
     assert info.value.stderr_tail == huge  # the lines before it no longer fit
 
 
+@pytest.mark.parametrize("extra", [0, 1])
+def test_the_stderr_tail_holds_at_most_its_bytes(fake_python: Path, extra: int) -> None:
+    # Lines (newlines counted) that fill the tail exactly are all kept; one byte more and the oldest goes.
+    from lloyal_pool._process import STDERR_TAIL_BYTES
+
+    first = "f" * (99 + extra)
+    rest = ["r" * 99] * ((STDERR_TAIL_BYTES - 100) // 100)
+    pad = STDERR_TAIL_BYTES - 100 - 100 * len(rest)
+    lines = [first, *rest] + (["p" * (pad - 1)] if pad else [])
+    assert sum(len(x) + 1 for x in lines) == STDERR_TAIL_BYTES + extra
+    with fake_pool(fake_python, [PONG], script={"stderr": ("\n".join(lines) + "\n").encode()}) as pool:
+        assert isinstance(outcome(ping(pool)), p.Pong)
+        proc = pool[0]._proc
+        deadline = time.monotonic() + PATIENCE
+        while not proc.stderr_tail(1).endswith(lines[-1]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the stderr thread is still reading
+        assert proc.stderr_tail(len(lines)).splitlines() == (lines[1:] if extra else lines)
+
+
 @pytest.mark.parametrize("marks", [1, 3])
 def test_a_crash_names_the_last_abort_line_in_the_tail(fake_python: Path, marks: int) -> None:
     # One marked line (a backtrace long enough can push the report's first copy out of the tail) or
