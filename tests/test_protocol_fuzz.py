@@ -128,6 +128,15 @@ def test_a_worker_that_fails_its_handshake_is_killed(fake_python: Path, frame: d
         pytest.fail("the pool started")
 
 
+@pytest.mark.parametrize(("limit", "blamed"), [(150 << 20, True), (1 << 30, False), (None, False)])
+def test_a_failed_start_blames_the_memory_cap_only_when_it_is_small(fake_python: Path, limit: int | None,
+                                                                    blamed: bool) -> None:
+    with pytest.raises(WorkerStartupError) as info, \
+            fake_pool(fake_python, [], script={"before": []}, memory_limit=limit):
+        pytest.fail("the pool started")
+    assert ("likely too small" in str(info.value)) is blamed, str(info.value)
+
+
 def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_python: Path) -> None:
     from lloyal_pool._process import STDERR_TAIL_BYTES
 
