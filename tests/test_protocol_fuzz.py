@@ -148,6 +148,17 @@ def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_pyth
     assert info.value.stderr_tail == huge  # the lines before it no longer fit
 
 
+def tail_kept(fake_python: Path, lines: list[str]) -> list[str]:
+    """The lines of its stderr tail a live fake keeps after writing ``lines`` (all read by then)."""
+    with fake_pool(fake_python, [PONG], script={"stderr": ("\n".join(lines) + "\n").encode()}) as pool:
+        assert isinstance(outcome(ping(pool)), p.Pong)
+        proc = pool[0]._proc
+        deadline = time.monotonic() + PATIENCE
+        while not proc.stderr_tail(1).endswith(lines[-1]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the stderr thread is still reading
+        return proc.stderr_tail(len(lines)).splitlines()
+
+
 @pytest.mark.parametrize("extra", [0, 1])
 def test_the_stderr_tail_holds_at_most_its_bytes(fake_python: Path, extra: int) -> None:
     # Lines (newlines counted) that fill the tail exactly are all kept; one byte more and the oldest goes.
@@ -158,13 +169,7 @@ def test_the_stderr_tail_holds_at_most_its_bytes(fake_python: Path, extra: int) 
     pad = STDERR_TAIL_BYTES - 100 - 100 * len(rest)
     lines = [first, *rest] + (["p" * (pad - 1)] if pad else [])
     assert sum(len(x) + 1 for x in lines) == STDERR_TAIL_BYTES + extra
-    with fake_pool(fake_python, [PONG], script={"stderr": ("\n".join(lines) + "\n").encode()}) as pool:
-        assert isinstance(outcome(ping(pool)), p.Pong)
-        proc = pool[0]._proc
-        deadline = time.monotonic() + PATIENCE
-        while not proc.stderr_tail(1).endswith(lines[-1]) and time.monotonic() < deadline:
-            time.sleep(0.01)  # the stderr thread is still reading
-        assert proc.stderr_tail(len(lines)).splitlines() == (lines[1:] if extra else lines)
+    assert tail_kept(fake_python, lines) == (lines[1:] if extra else lines)
 
 
 @pytest.mark.parametrize("marks", [1, 3])
@@ -187,13 +192,7 @@ def test_the_stderr_tail_holds_as_many_bytes_as_it_may(fake_python: Path) -> Non
 
     # Lines of 63 characters take 64 bytes with their newline: exactly STDERR_TAIL_BYTES // 64 fit.
     lines = [f"{i:05d}" + "x" * 58 for i in range(STDERR_TAIL_BYTES // 64 + 100)]
-    with fake_pool(fake_python, [PONG], script={"stderr": ("\n".join(lines) + "\n").encode()}) as pool:
-        assert isinstance(outcome(ping(pool)), p.Pong)
-        proc = pool[0]._proc
-        deadline = time.monotonic() + PATIENCE
-        while not proc.stderr_tail(1).endswith(lines[-1]) and time.monotonic() < deadline:
-            time.sleep(0.01)  # the stderr thread is still reading
-        assert proc.stderr_tail(len(lines)).splitlines() == lines[-(STDERR_TAIL_BYTES // 64):]
+    assert tail_kept(fake_python, lines) == lines[-(STDERR_TAIL_BYTES // 64):]
 
 
 def test_a_worker_that_never_shakes_hands_fails_start_up_at_its_timeout(fake_python: Path) -> None:
