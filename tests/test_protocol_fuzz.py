@@ -187,12 +187,10 @@ def test_a_crash_names_the_last_abort_line_in_the_tail(fake_python: Path, marks:
         assert str(err).splitlines()[0].endswith(f"k.cpp:{marks - 1}: GGML_ASSERT(x{marks - 1}) failed"), str(err)
 
 
-def test_the_stderr_tail_holds_as_many_bytes_as_it_may(fake_python: Path) -> None:
-    from lloyal_pool._process import STDERR_TAIL_BYTES
-
-    # Lines of 63 characters take 64 bytes with their newline: exactly STDERR_TAIL_BYTES // 64 fit.
-    lines = [f"{i:05d}" + "x" * 58 for i in range(STDERR_TAIL_BYTES // 64 + 100)]
-    assert tail_kept(fake_python, lines) == lines[-(STDERR_TAIL_BYTES // 64):]
+def test_the_stderr_tail_holds_the_64_kib_the_readme_promises(fake_python: Path) -> None:
+    # Lines of 63 characters take 64 bytes with their newline: exactly 1024 of them fit.
+    lines = [f"{i:05d}" + "x" * 58 for i in range(1024 + 100)]
+    assert tail_kept(fake_python, lines) == lines[-1024:]
 
 
 def test_a_worker_that_never_shakes_hands_fails_start_up_at_its_timeout(fake_python: Path) -> None:

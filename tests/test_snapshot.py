@@ -152,6 +152,40 @@ def test_forks_outlive_their_closed_snapshot(snap_pool: Pool, gemma_path: Path) 
     assert not fork.alive
 
 
+def test_waiting_on_a_running_fork_expires_at_its_timeout_asking_the_zygote_twice_a_second(
+        snap_pool: Pool, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fork's parent is the zygote, so the pool waits for it by Reap requests, each of which blocks in
+    # the zygote for up to half a second: a wait with a timeout must neither return early nor poll hot.
+    from lloyal_pool import protocol as p
+    from lloyal_pool._process import ForkedChild
+
+    with snap_pool.snapshot(lambda instance: {"m": instance.load_model(tiny_model)}) as snapshot:
+        fork = snapshot.fork()
+        try:
+            child = fork._proc.proc
+            assert isinstance(child, ForkedChild)
+            zygote = child._zygote
+            reaps: list[float] = []
+            call = zygote.call
+
+            def counted(req: p.Request[object]):  # type: ignore[no-untyped-def]
+                if isinstance(req, p.Reap):
+                    reaps.append(req.timeout)
+                return call(req)
+
+            monkeypatch.setattr(zygote, "call", counted)
+            start = time.monotonic()
+            with pytest.raises(subprocess.TimeoutExpired):
+                child.wait(timeout=1.2)
+            assert time.monotonic() - start >= 1.2
+            assert 2 <= len(reaps) <= 5 and all(0.0 <= t <= 0.5 for t in reaps), reaps
+            assert child.returncode is None
+            monkeypatch.undo()
+            assert fork.prepared["m"].tokenize("still here")  # the fork was only waited on
+        finally:
+            fork.close()
+
+
 def test_a_frozen_worker_serves_only_forks(snap_pool: Pool, tiny_model: Path) -> None:
     from lloyal_pool import protocol as p
 
