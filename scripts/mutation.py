@@ -22,7 +22,9 @@ Which tests run against a mutant: with a map (``map`` runs the whole suite once 
 which test ran each line of the parent's side, and how long each test takes), the tests that ran the
 mutated line, files in order of their cost, up to --budget seconds of them; a line no test ran in the
 parent (code that runs only in a worker or a subprocess, or nowhere) gets the module's subset from
-mutation.toml instead. Without a map, always that subset.
+mutation.toml instead. Without a map, always that subset. The budget only makes kills cheap: a mutant that
+survives its budgeted tests is run again against every test that ran its line (unless --no-confirm), so a
+survivor is one the whole suite lets live.
 
 Sessions live in .mutation/ (cosmic-ray's sqlite work database, one per module and seed; the mutants not
 in the sample are recorded as skipped, so cosmic-ray's own `cr-report`/`cr-html` show the sample too).
@@ -293,8 +295,6 @@ def _stop_cleanly() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from cosmic_ray.mutating import mutate_and_test
-
     module = _modules()[args.module]
     path = ROOT / module["path"]
     tests = args.tests or module["tests"]
@@ -326,15 +326,27 @@ def cmd_run(args: argparse.Namespace) -> None:
                                                                                              args.budget)
         # A mutant that loops forever in one cheap test need not cost the subset's timeout.
         limit = timeout if expected is None or args.timeout else min(timeout, 3 * expected + 60)
-        _drop_bytecode(path)
         start = time.monotonic()
-        try:
-            result = mutate_and_test(item.mutations, _test_command(run_tests), limit)
-        finally:
-            _drop_bytecode(path)
+        result = _mutate_and_test(path, item.mutations, run_tests, limit)
+        if args.confirm and not args.tests and _outcome(result) == "survived":
+            # The budget is for speed only: a survivor is one that every test running its line lets live.
+            every, how_all, expected = _covering_tests(module, mutation, math.inf)
+            if len(every) > len(run_tests):
+                result = _mutate_and_test(path, item.mutations, every, 3 * (expected or 0.0) + 60)
+                how += f"; confirmed against all {how_all}"
         db.set_result(item.job_id, result)
         print(f"[{i}/{len(todo)}] {_name(mutation)} {mutation.definition_name} line {mutation.start_pos[0]}: "
               f"{_outcome(result)} ({time.monotonic() - start:.0f}s; {how})", flush=True)
+
+
+def _mutate_and_test(path: Path, mutations: Any, tests: list[str], limit: float) -> Any:
+    from cosmic_ray.mutating import mutate_and_test
+
+    _drop_bytecode(path)
+    try:
+        return mutate_and_test(mutations, _test_command(tests), limit)
+    finally:
+        _drop_bytecode(path)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -433,6 +445,9 @@ def main() -> None:
                      "unmutated subset's time, + 60)")
     run.add_argument("--budget", type=float, default=150.0,
                      help="seconds of covering tests (by the map's durations) a mutant runs at most (default 150)")
+    run.add_argument("--no-confirm", dest="confirm", action="store_false",
+                     help="count a survivor of the budgeted tests as such, without running it against every "
+                     "covering test")
     run.add_argument("--only", nargs="+", help="run these mutants again (names as `show` prints them)")
     run.add_argument("--max", type=int, help="stop after this many mutants")
     run.add_argument("--pause-while", metavar="FILE", help="wait between mutants while FILE exists")
