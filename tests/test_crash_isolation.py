@@ -104,7 +104,7 @@ def test_a_ggml_abort_reports_what_failed(fresh_pool: Pool) -> None:
 
 
 def test_exit_code_is_reported(fresh_pool: Pool) -> None:
-    with pytest.raises(WorkerCrashedError, match="exited with code 42") as info:
+    with pytest.raises(WorkerCrashedError, match="exited with code 42; its replies pipe closed") as info:
         fresh_pool[0].fault("exit", code=42).result(timeout=10)
     assert info.value.returncode == 42
 

@@ -40,7 +40,6 @@ from lloyal_pool.shm import Region
 from lloyal_pool.worker.loop import PROTOCOL_VIOLATION_EXIT
 
 PATIENCE = 60.0  # a guard against hanging forever, never a timing assertion
-RID = 1  # the id of a fresh worker's first request
 _LEN = struct.Struct("<I")
 PONG = {"kind": 3, "id": None, "payload": {"pid": 1}}  # the answer to the first request, a Ping
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,19 +96,21 @@ def died_of_a_violation(pool: Pool) -> bool:
     return isinstance(proc._dead, WorkerCrashedError) and "protocol violation" in str(proc._dead)
 
 
-def test_a_worker_speaking_another_protocol_version_fails_start_up(fake_python: Path) -> None:
+@pytest.mark.parametrize("version", [PROTOCOL_VERSION + 1, PROTOCOL_VERSION - 1])
+def test_a_worker_speaking_another_protocol_version_fails_start_up(fake_python: Path, version: int) -> None:
     # ... and is killed at once: it would otherwise go on serving requests nobody can read.
-    with pytest.raises(WorkerStartupError, match=f"speaks protocol {PROTOCOL_VERSION + 1}.*SIGKILL"), \
-            fake_pool(fake_python, [], protocol=PROTOCOL_VERSION + 1):
+    with pytest.raises(WorkerStartupError, match=f"speaks protocol {version}.*SIGKILL"), \
+            fake_pool(fake_python, [], protocol=version):
         pytest.fail("the pool started")
 
 
 @pytest.mark.parametrize(("before", "named"), [
-    ([], r"died during start-up \(its pipe closed\)"),
+    ([], r"died during start-up \(its pipe closed\); exited with code 3"),  # not killed: it had exited
     ([{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}], "died during start-up .*malformed frame"),
     ([{"kind": 4, "id": 0, "payload": {"type": "OSError", "message": "no such variant"}}],
      "OSError: no such variant"),
     ([{"kind": 3, "id": 0, "payload": {"pid": 1}}], "sent RESPONSE before HELLO"),
+    ([{"kind": 5, "id": 0, "payload": {}}], "sent EVENT before HELLO"),
 ])
 def test_a_worker_that_fails_before_its_handshake_names_the_cause(fake_python: Path, before: list[dict[str, Any]],
                                                                   named: str) -> None:
@@ -128,13 +129,16 @@ def test_a_worker_that_fails_its_handshake_is_killed(fake_python: Path, frame: d
         pytest.fail("the pool started")
 
 
-@pytest.mark.parametrize(("limit", "blamed"), [(150 << 20, True), (1 << 30, False), (None, False)])
+@pytest.mark.parametrize(("limit", "blamed"), [(150 << 20, True), ((150 << 20) + (3 << 18), True),
+                                               (220 << 20, False), (1 << 30, False), (None, False)])
 def test_a_failed_start_blames_the_memory_cap_only_when_it_is_small(fake_python: Path, limit: int | None,
                                                                     blamed: bool) -> None:
     with pytest.raises(WorkerStartupError) as info, \
             fake_pool(fake_python, [], script={"before": []}, memory_limit=limit):
         pytest.fail("the pool started")
     assert ("likely too small" in str(info.value)) is blamed, str(info.value)
+    if blamed:
+        assert limit is not None and f"({round(limit / 2**20)} MiB)" in str(info.value)  # 150.75 MiB: 151
 
 
 def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_python: Path) -> None:
@@ -194,9 +198,11 @@ def test_the_stderr_tail_holds_the_64_kib_the_readme_promises(fake_python: Path)
 
 
 def test_a_worker_that_never_shakes_hands_fails_start_up_at_its_timeout(fake_python: Path) -> None:
-    with pytest.raises(WorkerStartupError, match=r"no handshake within start_timeout=1s"), \
+    start = time.monotonic()
+    with pytest.raises(WorkerStartupError, match=r"no handshake within start_timeout=1s.*SIGKILL"), \
             fake_pool(fake_python, [], script={"before": [], "linger": True}, start_timeout=1.0):
         pytest.fail("the pool started")
+    assert time.monotonic() - start >= 1.0
 
 
 @pytest.mark.parametrize(("box", "options", "warned"), [
@@ -253,6 +259,45 @@ def test_a_protocol_violation_kills_the_worker_and_names_itself(fake_python: Pat
         assert not psutil.pid_exists(pid)  # killed and reaped
 
 
+def test_a_crash_is_logged_once_and_a_clean_close_not_at_all(fake_python: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="lloyal_pool"):
+        with fake_pool(fake_python, [PONG]) as pool:
+            assert isinstance(outcome(ping(pool)), p.Pong)
+        assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+        with fake_pool(fake_python, [{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}],
+                       script={"stderr": b"a line of its stderr\n"}) as pool:
+            pid = pool[0].pid
+            got = outcome(ping(pool))
+            assert died_of_a_violation(pool)
+    assert "protocol violation: malformed frame" in str(got), got  # named as such, not as an unknown error
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0] == f"[crash] {str(got).splitlines()[0]}", errors
+    assert errors[0].startswith(f"[crash] worker 0 (pid {pid}) killed by SIGKILL"), errors
+
+
+def test_the_reader_stops_at_the_first_violation(fake_python: Path) -> None:
+    # A good reply after a bad frame is not delivered: the worker that sent the bad one is not trusted.
+    with fake_pool(fake_python, [{"kind": 3, "id": 99, "payload": {"pid": 1}}, PONG]) as pool:
+        got = outcome(ping(pool))
+        assert isinstance(got, WorkerCrashedError) and "request 99, which is not in flight" in str(got), got
+
+
+def test_a_reply_the_client_cannot_take_is_a_violation_not_a_dead_reader(fake_python: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from lloyal_pool import _process
+
+    def broken(request: object, payload: object) -> object:
+        raise RuntimeError("the client cannot take this")
+
+    monkeypatch.setattr(_process, "parse_reply", broken)
+    with fake_pool(fake_python, [PONG]) as pool:
+        got = outcome(ping(pool))
+        assert isinstance(got, WorkerCrashedError), got
+        assert "protocol violation: RuntimeError: the client cannot take this" in str(got)
+        assert died_of_a_violation(pool)
+
+
 def test_a_second_reply_to_an_answered_request_is_a_violation(fake_python: Path) -> None:
     pong = {"kind": 3, "id": None, "payload": {"pid": 1}}
     with fake_pool(fake_python, [pong, pong]) as pool:
@@ -275,17 +320,17 @@ garbage = st.builds(lambda b: {"raw": _LEN.pack(len(b) + 1) + b"\xc1" + b}, st.b
 frame_items = events | responses | errors | anything | garbage
 
 
-def expected(frames: list[dict[str, Any]]) -> tuple[bool, str | None]:
-    """(whether the frames hold a violation, how the first request was answered before it: "result",
-    "error" or None), by the protocol's rules."""
+def expected(frames: list[dict[str, Any]], rid: int) -> tuple[bool, str | None]:
+    """(whether the frames hold a violation, how the first request, of id ``rid``, was answered before it:
+    "result", "error" or None), by the protocol's rules."""
     answered = None
     for item in frames:
         if "raw" in item:
             return True, answered
-        kind, req_id, payload = item["kind"], RID if item["id"] is None else item["id"], item["payload"]
+        kind, req_id, payload = item["kind"], rid if item["id"] is None else item["id"], item["payload"]
         if type(kind) is not int or type(req_id) is not int or kind not in (3, 4, 5):
             return True, answered
-        if req_id != RID or answered is not None:
+        if req_id != rid or answered is not None:
             return True, answered  # not in flight
         if kind == 5:
             if not isinstance(payload, dict):
@@ -310,9 +355,12 @@ def expected(frames: list[dict[str, Any]]) -> tuple[bool, str | None]:
 @given(frames=st.lists(frame_items, min_size=1, max_size=5))
 def test_arbitrary_frames_from_a_worker_never_hang_or_crash_the_parent(fake_python: Path,
                                                                        frames: list[dict[str, Any]]) -> None:
-    violation, answered = expected(frames)
     with fake_pool(fake_python, frames) as pool:
-        first = ping(pool)
+        # Request ids are counted across the process: an id the strategy draws is in flight only if it
+        # happens to be the one this ping got.
+        sent: list[int] = []
+        first = pool[0]._proc.call(p.Ping(), on_id=sent.append)
+        violation, answered = expected(frames, sent[0])
         if answered is None and not violation:
             # Only events so far: the call is still in flight, and the worker serves the next one.
             assert isinstance(outcome(ping(pool)), p.Pong) and not first.done()
