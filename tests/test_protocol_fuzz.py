@@ -197,6 +197,54 @@ def test_the_stderr_tail_holds_the_64_kib_the_readme_promises(fake_python: Path)
     assert tail_kept(fake_python, lines) == lines[-1024:]
 
 
+def test_a_worker_that_cannot_be_spawned_leaves_nothing_behind(fake_python: Path) -> None:
+    # The interpreter is gone (an uninstalled venv): Popen fails in the spawner thread, and the pipes,
+    # region, directory and janitor made for the worker go with the error; the next pool starts.
+    root = tempfile.gettempdir()
+    fds, dirs = set(os.listdir("/proc/self/fd")), {d for d in os.listdir(root) if d.startswith("lloyal-pool-")}
+    with mock.patch.object(sys, "executable", str(fake_python.parent / "no-such-python")), \
+            pytest.raises(FileNotFoundError, match="no-such-python"):
+        Pool(1, sandbox=False)
+    assert set(os.listdir("/proc/self/fd")) == fds
+    assert {d for d in os.listdir(root) if d.startswith("lloyal-pool-")} == dirs
+    with fake_pool(fake_python, [PONG]) as pool:
+        assert isinstance(outcome(ping(pool)), p.Pong)
+
+
+def test_workers_and_the_janitor_lead_sessions_of_their_own_and_close_is_idempotent(fake_python: Path) -> None:
+    import shutil
+
+    with fake_pool(fake_python, [PONG]) as pool:
+        temp, worker = pool._temp, pool[0].pid
+        janitor = temp._janitor
+        assert janitor is not None
+        # Out of the terminal's process group: a Ctrl-C meant for the application reaches only it.
+        assert os.getsid(worker) == worker and os.getsid(janitor.pid) == janitor.pid
+        shutil.rmtree(pool.temp_dir)  # something cleaned /tmp under the pool: close() is not bothered
+    assert temp._life_w == -1 and temp._janitor is None and janitor.returncode is not None
+    fds = set(os.listdir("/proc/self/fd"))
+    pool.close()
+    assert set(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_pool_without_a_shell_has_no_janitor_and_close_still_cleans_up(fake_python: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    popen = subprocess.Popen
+
+    def no_shell(args: list[str], *rest: Any, **options: Any) -> Any:
+        if args[0] == "/bin/sh":
+            raise FileNotFoundError(2, "No such file or directory", "/bin/sh")
+        return popen(args, *rest, **options)
+
+    monkeypatch.setattr(subprocess, "Popen", no_shell)
+    with caplog.at_level("WARNING", logger="lloyal_pool"), fake_pool(fake_python, [PONG]) as pool:
+        assert pool._temp._janitor is None and isinstance(outcome(ping(pool)), p.Pong)
+        root = pool.temp_dir
+    assert not os.path.exists(root)
+    assert any("no janitor for" in r.getMessage() for r in caplog.records)
+
+
 def test_a_worker_that_never_shakes_hands_fails_start_up_at_its_timeout(fake_python: Path) -> None:
     start = time.monotonic()
     with pytest.raises(WorkerStartupError, match=r"no handshake within start_timeout=1s.*SIGKILL"), \
@@ -225,6 +273,27 @@ def test_a_weaker_sandbox_than_asked_is_a_warning(fake_python: Path, caplog: pyt
         assert startup == []
     else:
         assert len(startup) == 1 and warned in startup[0], startup
+
+
+@pytest.mark.parametrize(("box", "where"), [
+    ({"landlock": 3, "disabled": False, "transfer_fd": 999}, "dir"),  # its memfd cannot be opened: warned
+    ({"landlock": 3, "disabled": True, "transfer_fd": 999}, "memfd"),  # Landlock off: the parent's memfd
+    ({"landlock": 0}, "memfd"),
+    ({"landlock": 3, "disabled": False}, "dir"),  # confined, no memfd of its own offered
+])
+def test_a_transfer_file_is_one_the_worker_can_open(fake_python: Path, caplog: pytest.LogCaptureFixture,
+                                                    box: dict[str, Any], where: str) -> None:
+    from lloyal_pool.shm import TransferFile
+
+    with caplog.at_level("WARNING", logger="lloyal_pool"), \
+            fake_pool(fake_python, [], script={"hello": {"sandbox": box}}) as pool:
+        proc = pool[0]._proc
+        with proc.transfer() as transfer:
+            assert isinstance(transfer, TransferFile)
+            in_dir = os.path.dirname(transfer.path) == proc._cwd
+            assert in_dir if where == "dir" else transfer.path.startswith(f"/proc/{os.getpid()}/fd/"), transfer.path
+    warned = [r.getMessage() for r in caplog.records if "no transfer memfd" in r.getMessage()]
+    assert len(warned) == ("transfer_fd" in box and not box["disabled"]), warned
 
 
 def test_a_fallback_to_another_variant_is_a_warning(fake_python: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -296,6 +365,27 @@ def test_a_reply_the_client_cannot_take_is_a_violation_not_a_dead_reader(fake_py
         assert isinstance(got, WorkerCrashedError), got
         assert "protocol violation: RuntimeError: the client cannot take this" in str(got)
         assert died_of_a_violation(pool)
+
+
+def test_a_crash_recovery_that_cannot_start_fails_the_calls_and_keeps_no_one_waiting(
+        fake_python: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from lloyal_pool import DeadWorkerError
+
+    def broken(*args: object) -> list[Any]:
+        raise RuntimeError("no recovery today")
+
+    monkeypatch.setattr(Pool, "_salvage", broken)
+    with caplog.at_level("ERROR", logger="lloyal_pool"), fake_pool(fake_python, [], recover=True) as pool:
+        first = ping(pool)  # the fake leaves its first request unanswered
+        pool[0]._proc.kill()
+        assert isinstance(outcome(first), WorkerCrashedError), first
+        # A later call would wait for the replacement; none is coming, so it is told the worker is dead.
+        ex = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            assert isinstance(outcome(ex.submit(pool[0].ping, 5.0)), DeadWorkerError)
+        finally:
+            ex.shutdown(wait=False)
+    assert any("crash recovery of worker 0 failed" in r.getMessage() for r in caplog.records)
 
 
 def test_a_second_reply_to_an_answered_request_is_a_violation(fake_python: Path) -> None:
