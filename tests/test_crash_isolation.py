@@ -16,6 +16,8 @@ import pytest
 from lloyal_pool import Pool, ProtocolError, StaleHandleError, WorkerCrashedError, WorkerStartupError
 from lloyal_pool._process import ABORT_MARKER
 
+FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
+
 
 def _memfds() -> int:
     n = 0
@@ -185,3 +187,40 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# -- close() of a worker that does not answer -----------------------------------------------------------
+def _warned_after(caplog: pytest.LogCaptureFixture, start: float, text: str) -> list[float]:
+    return [r.created - start for r in caplog.records if text in r.getMessage()]
+
+
+def test_close_kills_a_worker_whose_pipe_is_stuck_at_half_its_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    # A request frame larger than the pipe's buffer blocks its sender while the worker is busy; close()
+    # waits half its timeout for that write before it kills the worker. The bounds are close()'s
+    # promise (half the timeout, then a kill), with a second of slack, not a speed figure.
+    import threading
+
+    from lloyal_pool import protocol as p
+
+    with caplog.at_level("WARNING", logger="lloyal_pool"), Pool(1, env=FAULTS) as pool:
+        proc = pool[0]._proc
+        pool[0].fault("hang", seconds=60)
+        sender = threading.Thread(target=lambda: proc.call(p.Fault(kind="hang", arg="x" * (4 << 20))), daemon=True)
+        sender.start()
+        time.sleep(0.5)
+        assert sender.is_alive()  # stuck in the pipe
+        start = time.time()
+        pool[0].close(timeout=3.0)
+    stuck = _warned_after(caplog, start, "a request is stuck in its pipe")
+    assert len(stuck) == 1 and 1.45 <= stuck[0] <= 2.5, stuck
+    assert not pool[0].alive
+
+
+def test_close_of_a_busy_worker_waits_its_timeout_then_kills(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="lloyal_pool"), Pool(1, env=FAULTS) as pool:
+        pool[0].fault("hang", seconds=60)
+        time.sleep(0.2)  # the worker is in its hang, not reading SHUTDOWN
+        start = time.time()
+        pool[0].close(timeout=0.2)
+    late = _warned_after(caplog, start, "did not exit within 0.2s")
+    assert len(late) == 1 and 0.19 <= late[0] <= 0.8, late
