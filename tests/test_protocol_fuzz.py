@@ -388,6 +388,37 @@ def test_a_crash_recovery_that_cannot_start_fails_the_calls_and_keeps_no_one_wai
     assert any("crash recovery of worker 0 failed" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("alive_by", ["heartbeat", "callback"])
+def test_a_worker_is_hung_only_once_it_shows_no_life_for_the_hang_timeout(fake_python: Path, alive_by: str) -> None:
+    # For 1.5 s the worker shows life (its heartbeat moves, or the reader runs the caller's callback on
+    # its EVENT, while the worker may rightly block on a full pipe); then it goes silent, unanswered.
+    from lloyal_pool import WorkerHungError
+
+    frames = [{"kind": 5, "id": None, "payload": {}}] if alive_by == "callback" else []
+    with fake_pool(fake_python, frames, hang_timeout=0.5) as pool:
+        proc = pool[0]._proc
+        start = time.monotonic()
+        if alive_by == "callback":
+            first = proc.call(p.Ping(), on_event=lambda event: time.sleep(1.5))
+        else:
+            first = ping(pool)
+            while time.monotonic() - start < 1.5:
+                proc.region.beat()
+                time.sleep(0.05)
+        got = outcome(first)
+        assert isinstance(got, WorkerHungError), got
+        assert time.monotonic() - start >= 1.8  # 1.5 s of life, then the hang timeout (less a 0.125 s tick)
+        assert 0.5 <= got.hung_for < 1.4, got.hung_for  # counted from the last sign of life
+        assert not pool[0].alive
+
+
+def test_an_idle_worker_is_not_watched(fake_python: Path) -> None:
+    with fake_pool(fake_python, [PONG], hang_timeout=0.3) as pool:
+        assert isinstance(outcome(ping(pool)), p.Pong)
+        time.sleep(1.0)  # nothing waits on it: silence is no hang
+        assert pool[0].alive and isinstance(outcome(ping(pool)), p.Pong)
+
+
 def test_a_second_reply_to_an_answered_request_is_a_violation(fake_python: Path) -> None:
     pong = {"kind": 3, "id": None, "payload": {"pid": 1}}
     with fake_pool(fake_python, [pong, pong]) as pool:
