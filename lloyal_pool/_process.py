@@ -74,7 +74,7 @@ R = TypeVar("R")
 # What a worker's data segment (RLIMIT_DATA, Pool(memory_limit=)) holds once it has started: Python, numpy,
 # the native module. Measured: 105 MiB; it fails to start under about 110 MiB.
 _START_DATA_BYTES = 110 << 20
-_LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
+LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ class WorkerProcess:
         cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker",
                "--fds", f"{req_r},{rep_w}", "--lifeline", str(life_r), "--shm", self.region.spec.to_arg(),
                "--parent-pid", str(os.getpid()), "--worker-id", str(worker_id), "--variant", variant,
-               "--log-level", str(_LOG_LEVELS.get(options.native_log_level, 2))]
+               "--log-level", str(LOG_LEVELS[options.native_log_level])]
         if variants.strict_requested(options.strict_variant):
             cmd.append("--strict-variant")
         if options.threads:

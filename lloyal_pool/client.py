@@ -36,7 +36,7 @@ from ._files import irregular_path
 from ._futures import mapped
 from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
 from ._pieces import PieceStream
-from ._process import HangWatch, TempRoot, WorkerOptions, WorkerProcess
+from ._process import LOG_LEVELS, HangWatch, TempRoot, WorkerOptions, WorkerProcess
 from .batching import BatchedCalls, Batcher, route
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import ChatMessage
@@ -69,6 +69,7 @@ from .params import (
 )
 from .protocol import Request
 from .shm import DEFAULT_SIZE, check_size
+from .variants import requested as requested_variant
 
 if TYPE_CHECKING:
     from .session import Session
@@ -1068,14 +1069,49 @@ def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _check_options(size: int, shm_bytes: object, shm_backend: str, threads_per_worker: object) -> None:
-    """Pool options that would otherwise be taken silently (a negative thread count) or bring on the OOM
-    killer (a region larger than the machine holds)."""
+def _check_options(size: int, shm_bytes: object, shm_backend: object, threads_per_worker: object,
+                   memory_limit: object, start_timeout: object, native_log_level: object, variant: object,
+                   flags: Mapping[str, object]) -> None:
+    """Pool options that would otherwise be taken silently (a negative thread count, an unknown log level,
+    the string "no" for a flag), fail later as a bare TypeError, or bring on the OOM killer (a region
+    larger than the machine holds)."""
     if threads_per_worker is not None and (isinstance(threads_per_worker, bool) or not isinstance(
             threads_per_worker, int) or not 1 <= threads_per_worker <= MAX_THREADS):
         raise InvalidArgumentError(f"threads_per_worker must be an int in [1, {MAX_THREADS}] or None (the CPUs "
                                    f"shared among the workers), got {threads_per_worker!r}")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
+                                     or memory_limit <= 0):
+        raise InvalidArgumentError(f"memory_limit is a positive int of bytes or None, got {memory_limit!r}")
+    if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+        raise InvalidArgumentError(f"start_timeout is a number of seconds > 0, got {start_timeout!r}")
+    if native_log_level not in LOG_LEVELS:
+        raise InvalidArgumentError(f"native_log_level is one of {', '.join(LOG_LEVELS)}; got {native_log_level!r}")
+    if variant is not None:
+        if not isinstance(variant, str):
+            raise InvalidArgumentError(f"variant is a str or None, got {variant!r}")
+        requested_variant(variant)
+    for name, value in flags.items():
+        if not isinstance(value, bool) and not (name == "strict_variant" and value is None):
+            raise InvalidArgumentError(f"{name} is True or False, got {value!r}")
+    if shm_backend not in ("auto", "memfd", "posix"):
+        raise InvalidArgumentError(f"shm_backend is 'auto', 'memfd' or 'posix', got {shm_backend!r}")
     check_size(shm_bytes, shm_backend, size)
+
+
+def _dirs(name: str, dirs: object) -> tuple[str, ...]:
+    """Directories as real paths. A lone path is refused rather than taken as a sequence of its
+    characters, which would have made "/" (the first one) allowed."""
+    if isinstance(dirs, (str, bytes, os.PathLike)):
+        raise InvalidArgumentError(f"{name} is a list of directories; got the single path {dirs!r}: "
+                                   f"write [{dirs!r}]")
+    try:
+        items = list(dirs)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(f"{name} is a list of directories, got {dirs!r}") from None
+    for d in items:
+        if not isinstance(d, (str, os.PathLike)):
+            raise InvalidArgumentError(f"{name}: {d!r} is not a path")
+    return tuple(os.path.realpath(os.fspath(d)) for d in items)
 
 
 def _close_procs(procs: list[WorkerProcess], timeout: float, watch: HangWatch | None = None,
@@ -1217,9 +1253,9 @@ class Pool(BatchedCalls, Subscribers):
                 raise InvalidArgumentError(f"env: {name!r} is not an environment variable name")
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise InvalidArgumentError(f"env[{name!r}] must be a str, or None to pass ours through; got {value!r}")
-        if memory_limit is not None and memory_limit <= 0:
-            raise InvalidArgumentError(f"memory_limit is a positive number of bytes, got {memory_limit}")
-        _check_options(size, shm_bytes, shm_backend, threads_per_worker)
+        _check_options(size, shm_bytes, shm_backend, threads_per_worker, memory_limit, start_timeout,
+                       native_log_level, variant, {"strict_variant": strict_variant, "network": network,
+                                                   "sandbox": sandbox, "recover": recover})
         if threads_per_worker is None:
             # Workers that together ask for more threads than there are CPUs make llama.cpp's spinning
             # thread barriers stall each other (10x slower on a loaded 2-core machine): share the CPUs.
@@ -1229,10 +1265,10 @@ class Pool(BatchedCalls, Subscribers):
                                       shm_backend=shm_backend, memory_limit=memory_limit,
                                       start_timeout=start_timeout, env=dict(env or {}),
                                       native_log_level=native_log_level, threads=threads_per_worker,
-                                      allowed_dirs=None if allowed_dirs is None else tuple(
-                                          os.path.realpath(os.fspath(d)) for d in allowed_dirs),
-                                      writable_dirs=tuple(os.path.realpath(os.fspath(d)) for d in writable_dirs),
-                                      network=bool(network), sandbox=bool(sandbox))
+                                      allowed_dirs=None if allowed_dirs is None else _dirs("allowed_dirs",
+                                                                                           allowed_dirs),
+                                      writable_dirs=_dirs("writable_dirs", writable_dirs),
+                                      network=network, sandbox=sandbox)
         self._lock = threading.Lock()
         self._all_procs: list[WorkerProcess] = []  # everything started, for the finalizer
         self._instances: list[Instance] = []

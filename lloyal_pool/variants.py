@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+from .errors import InvalidArgumentError
+
 KNOWN = ("cuda", "vulkan", "cpu")
 ENV_VARIANT = "LLOYAL_POOL_VARIANT"
 ENV_STRICT = "LLOYAL_POOL_VARIANT_STRICT"
@@ -20,7 +22,7 @@ ENV_STRICT = "LLOYAL_POOL_VARIANT_STRICT"
 def requested(variant: str | None) -> str:
     value = (variant or os.environ.get(ENV_VARIANT) or "cpu").strip().lower()
     if value != "auto" and value not in KNOWN:
-        raise ValueError(f"unknown native variant {value!r}; expected one of {', '.join(KNOWN)} or 'auto'")
+        raise InvalidArgumentError(f"unknown native variant {value!r}; expected one of {', '.join(KNOWN)} or 'auto'")
     return value
 
 

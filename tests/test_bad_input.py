@@ -742,6 +742,25 @@ BAD_POOL_OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("shm_str", {"shm_bytes": "64M"}, "shm_bytes"),
     ("shm_float", {"shm_bytes": 1e9}, "shm_bytes"),
     ("shm_petabyte", {"shm_bytes": 1 << 50}, "shm_bytes"),
+    ("shm_backend_unknown", {"shm_backend": "nope"}, "shm_backend"),
+    ("memory_limit_zero", {"memory_limit": 0}, "memory_limit"),
+    ("memory_limit_str", {"memory_limit": "800M"}, "memory_limit"),
+    ("memory_limit_bool", {"memory_limit": True}, "memory_limit"),
+    ("start_timeout_negative", {"start_timeout": -1}, "start_timeout"),
+    ("start_timeout_str", {"start_timeout": "5"}, "start_timeout"),
+    ("start_timeout_nan", {"start_timeout": float("nan")}, "start_timeout"),
+    ("log_level_unknown", {"native_log_level": "verbose"}, "native_log_level"),
+    ("variant_unknown", {"variant": "metal"}, "unknown native variant 'metal'"),
+    ("variant_int", {"variant": 5}, "variant"),
+    ("strict_variant_str", {"strict_variant": "yes"}, "strict_variant"),
+    ("sandbox_str", {"sandbox": "no"}, "sandbox"),  # "no" is truthy: it would have meant yes
+    ("network_none", {"network": None}, "network"),
+    ("recover_int", {"recover": 1}, "recover"),
+    # A lone path would be taken as its characters, of which the first, "/", allows everything.
+    ("allowed_dirs_str", {"allowed_dirs": "/tmp"}, r"allowed_dirs is a list of directories; got the single path"),
+    ("writable_dirs_path", {"writable_dirs": Path("/tmp")}, "writable_dirs"),
+    ("writable_dirs_int", {"writable_dirs": 5}, "writable_dirs"),
+    ("writable_dirs_item", {"writable_dirs": ["/tmp", 5]}, "writable_dirs: 5 is not a path"),
 ]
 
 
