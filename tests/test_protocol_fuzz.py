@@ -412,6 +412,14 @@ def test_a_worker_is_hung_only_once_it_shows_no_life_for_the_hang_timeout(fake_p
         assert not pool[0].alive
 
 
+def test_the_hang_watch_has_stopped_when_its_stop_returns(fake_python: Path) -> None:
+    with fake_pool(fake_python, [PONG], hang_timeout=0.3) as pool:
+        watch = pool._watch
+        assert watch is not None and watch._thread.is_alive()
+        watch.stop()
+        assert not watch._thread.is_alive()
+
+
 def test_an_idle_worker_is_not_watched(fake_python: Path) -> None:
     with fake_pool(fake_python, [PONG], hang_timeout=0.3) as pool:
         assert isinstance(outcome(ping(pool)), p.Pong)
