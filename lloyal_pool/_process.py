@@ -316,7 +316,7 @@ class WorkerProcess:
                 if left <= 0:
                     raise self._startup_error(
                         f"no handshake within start_timeout={self.options.start_timeout:g}s "
-                        "(raise Pool(start_timeout=...) on a slow machine)", kill=True)
+                        "(raise Pool(start_timeout=...) on a slow machine)")
                 ready, _, _ = select.select([self._rep_r], [], [], min(left, 0.5))
                 if not ready:
                     continue
@@ -325,12 +325,12 @@ class WorkerProcess:
                 except (PeerClosed, ProtocolError) as exc:
                     raise self._startup_error(f"died during start-up ({str(exc) or 'its pipe closed'})") from None
                 if kind == Kind.ERROR:
-                    raise self._startup_error(f"{payload.get('type')}: {payload.get('message')}", kill=True)
+                    raise self._startup_error(f"{payload.get('type')}: {payload.get('message')}")
                 if kind != Kind.HELLO:
-                    raise self._startup_error(f"sent {kind.name} before HELLO", kill=True)
+                    raise self._startup_error(f"sent {kind.name} before HELLO")
                 if payload.get("protocol") != PROTOCOL_VERSION:
                     raise self._startup_error(
-                        f"speaks protocol {payload.get('protocol')}, this client {PROTOCOL_VERSION}", kill=True)
+                        f"speaks protocol {payload.get('protocol')}, this client {PROTOCOL_VERSION}")
                 self.hello = dict(payload)
                 box = self.hello.get("sandbox", {})
                 if box.get("landlock") and not box.get("disabled") and box.get("transfer_fd") is not None:
@@ -357,9 +357,10 @@ class WorkerProcess:
         self._reader.start()
         return self.hello
 
-    def _startup_error(self, why: str, kill: bool = False) -> WorkerStartupError:
-        if kill:
-            self._kill_tree()
+    def _startup_error(self, why: str) -> WorkerStartupError:
+        # Killed whatever went wrong: a worker that errs, speaks garbage or closes its pipe may linger,
+        # and one that has exited is past killing (its status is kept).
+        self._kill_tree()
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -119,6 +119,7 @@ def test_a_worker_that_fails_before_its_handshake_names_the_cause(fake_python: P
 
 
 @pytest.mark.parametrize(("frame", "named"), [
+    ({"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}, "died during start-up .*malformed frame"),
     ({"kind": 3, "id": 0, "payload": {"pid": 1}}, "sent RESPONSE before HELLO"),
     ({"kind": 4, "id": 0, "payload": {"type": "OSError", "message": "no such variant"}}, "OSError: no such variant"),
 ])
