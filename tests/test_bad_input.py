@@ -704,6 +704,7 @@ WRONG: list[tuple[str, Case, type[LloyalError]]] = [
     ("chat_add_int_content", lambda e: e.ctx.chat(template="chatml").add("user", 5), BadRequestError),  # type: ignore[arg-type]
     ("template_messages_str", lambda e: e.model.apply_chat_template("hi", template="chatml"), BadRequestError),  # type: ignore[arg-type]
     ("template_message_str", lambda e: e.model.apply_chat_template(["hi"], template="chatml"), BadRequestError),  # type: ignore[list-item]
+    ("template_messages_int", lambda e: e.model.apply_chat_template(5, template="chatml"), BadRequestError),  # type: ignore[arg-type]
     ("template_message_without_role", lambda e: e.model.apply_chat_template([{"content": "x"}], template="chatml"),
      BadRequestError),
     ("template_content_int", lambda e: e.model.apply_chat_template([{"role": "user", "content": 5}],

@@ -113,6 +113,12 @@ def test_a_tool_call_and_content_are_parsed_apart(tiny: Model) -> None:
     assert plain.tool_calls == [] and plain.content == text
 
 
+def test_parse_chat_output_takes_the_text_by_keyword_and_the_rest_only_so(tiny: Model) -> None:
+    assert tiny.parse_chat_output(text="Hello.", template=HERMES).content == "Hello."
+    with pytest.raises(TypeError):
+        tiny.parse_chat_output("Hello.", HERMES)  # type: ignore[misc]  # a template passed by place
+
+
 def test_a_reasoning_block_is_parsed_apart(tiny: Model) -> None:
     msg = tiny.parse_chat_output("<think>\nParis is in France.\n</think>\nIt is sunny.", template=HERMES)
     assert msg.reasoning.strip() == "Paris is in France." and msg.content == "It is sunny."

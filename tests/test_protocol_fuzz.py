@@ -130,7 +130,7 @@ def test_a_worker_that_fails_its_handshake_is_killed(fake_python: Path, frame: d
         pytest.fail("the pool started")
 
 
-@pytest.mark.parametrize(("limit", "blamed"), [(150 << 20, True), ((150 << 20) + (3 << 18), True),
+@pytest.mark.parametrize(("limit", "blamed"), [(1, True), (150 << 20, True), ((150 << 20) + (3 << 18), True),
                                                (220 << 20, False), (1 << 30, False), (None, False)])
 def test_a_failed_start_blames_the_memory_cap_only_when_it_is_small(fake_python: Path, limit: int | None,
                                                                     blamed: bool) -> None:
