@@ -42,6 +42,7 @@ from lloyal_pool.worker.loop import PROTOCOL_VIOLATION_EXIT
 PATIENCE = 60.0  # a guard against hanging forever, never a timing assertion
 _LEN = struct.Struct("<I")
 PONG = {"kind": 3, "id": None, "payload": {"pid": 1}}  # the answer to the first request, a Ping
+MALFORMED = {"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}  # a frame whose body is not msgpack
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 values = st.recursive(
@@ -106,7 +107,7 @@ def test_a_worker_speaking_another_protocol_version_fails_start_up(fake_python: 
 
 @pytest.mark.parametrize(("before", "named"), [
     ([], r"died during start-up \(its pipe closed\); exited with code 3"),  # not killed: it had exited
-    ([{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}], "died during start-up .*malformed frame"),
+    ([MALFORMED], "died during start-up .*malformed frame"),
     ([{"kind": 4, "id": 0, "payload": {"type": "OSError", "message": "no such variant"}}],
      "OSError: no such variant"),
     ([{"kind": 3, "id": 0, "payload": {"pid": 1}}], "sent RESPONSE before HELLO"),
@@ -119,7 +120,7 @@ def test_a_worker_that_fails_before_its_handshake_names_the_cause(fake_python: P
 
 
 @pytest.mark.parametrize(("frame", "named"), [
-    ({"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}, "died during start-up .*malformed frame"),
+    (MALFORMED, "died during start-up .*malformed frame"),
     ({"kind": 3, "id": 0, "payload": {"pid": 1}}, "sent RESPONSE before HELLO"),
     ({"kind": 4, "id": 0, "payload": {"type": "OSError", "message": "no such variant"}}, "OSError: no such variant"),
 ])
@@ -184,7 +185,7 @@ def test_a_crash_names_the_last_abort_line_in_the_tail(fake_python: Path, marks:
     from lloyal_pool._process import ABORT_MARKER
 
     stderr = "".join(f"noise {i}\n{ABORT_MARKER} k.cpp:{i}: GGML_ASSERT(x{i}) failed\n" for i in range(marks))
-    with fake_pool(fake_python, [{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}],
+    with fake_pool(fake_python, [MALFORMED],
                    script={"stderr": (stderr + "after\n").encode()}) as pool:
         time.sleep(0.2)  # the stderr thread reads the lines the fake wrote before its handshake
         err = outcome(ping(pool))
@@ -315,7 +316,7 @@ def test_a_fallback_to_another_variant_is_a_warning(fake_python: Path, caplog: p
     ([{"kind": 5, "id": None, "payload": [1, 2]}], "EVENT payload"),
     ([{"kind": 1, "id": 0, "payload": {}}], "unexpected HELLO frame"),
     ([{"kind": 3, "id": "1", "payload": {"pid": 1}}], "must be integers"),
-    ([{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}], "malformed frame"),
+    ([MALFORMED], "malformed frame"),
     ([{"raw": _LEN.pack(MAX_FRAME + 1)}], "exceeds"),
 ])
 def test_a_protocol_violation_kills_the_worker_and_names_itself(fake_python: Path, frames: list[dict[str, Any]],
@@ -335,7 +336,7 @@ def test_a_crash_is_logged_once_and_a_clean_close_not_at_all(fake_python: Path,
         with fake_pool(fake_python, [PONG]) as pool:
             assert isinstance(outcome(ping(pool)), p.Pong)
         assert [r for r in caplog.records if r.levelname == "ERROR"] == []
-        with fake_pool(fake_python, [{"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}],
+        with fake_pool(fake_python, [MALFORMED],
                        script={"stderr": b"a line of its stderr\n"}) as pool:
             pid = pool[0].pid
             got = outcome(ping(pool))
