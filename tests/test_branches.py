@@ -373,7 +373,6 @@ def test_errors_are_typed_and_the_worker_keeps_serving(ctx: Context, gemma: Mode
 
 def test_interrupted_prefill_changes_nothing(gemma: Model) -> None:
     import threading
-    import time
 
     from lloyal_pool import InterruptedByClient
 
@@ -384,15 +383,17 @@ def test_interrupted_prefill_changes_nothing(gemma: Model) -> None:
         logits = root.logits.copy()
         errors: list[BaseException] = []
 
+        started = threading.Event()  # an interrupt before the request is sent would bite nothing
+
         def long_prefill() -> None:
             try:
-                root.prefill([1000 + i % 5000 for i in range(6000)])
+                root.prefill([1000 + i % 5000 for i in range(6000)], progress=lambda done, total: started.set())
             except BaseException as exc:
                 errors.append(exc)
 
         t = threading.Thread(target=long_prefill)
         t.start()
-        time.sleep(0.3)
+        assert started.wait(60)
         c.interrupt()
         t.join(timeout=60)
         assert len(errors) == 1 and isinstance(errors[0], InterruptedByClient), errors

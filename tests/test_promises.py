@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 import psutil
 import pytest
+from procs import FAULTS, all_end, ended
 
 from lloyal_pool import (
     Context,
@@ -35,7 +36,6 @@ from lloyal_pool import protocol as p
 from lloyal_pool.errors import BranchError
 
 T = TypeVar("T")
-FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
 PATIENCE = 60.0  # a guard against hanging forever, never a timing assertion
 
 
@@ -58,19 +58,6 @@ def within(fn: Callable[[], T], patience: float = PATIENCE) -> T:
     if kind == "error":
         raise value
     return value  # type: ignore[no-any-return]
-
-
-def _gone(pid: int, patience: float = PATIENCE) -> bool:
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -166,14 +153,14 @@ def test_a_busy_worker_dies_with_its_parent(tiny_model: Path) -> None:
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())
-        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert not ended(pid)
         parent.kill()
         parent.wait()
-        assert _gone(pid), f"worker {pid} outlived its SIGKILLed parent"
+        assert all_end([pid], PATIENCE), f"worker {pid} outlived its SIGKILLed parent"
     finally:
         parent.kill()
         parent.wait()
-        if pid and not _gone(pid, 0.0):
+        if pid and not ended(pid):
             os.kill(pid, 9)
 
 
@@ -234,7 +221,7 @@ def test_close_ends_the_workers_children_and_removes_its_directory() -> None:
         assert child in {c.pid for c in psutil.Process(pid).children()}
     finally:
         within(pool.close)
-    assert _gone(pid, 0.0) and _gone(child, 0.0), "close() left a process behind"
+    assert all_end([pid, child]), "close() left a process behind"  # SIGKILLed: at most unmapping
     assert not os.path.exists(cwd), "close() left the worker's directory behind"
     assert not os.path.exists(os.path.dirname(cwd)), "close() left the pool's directory behind"
 

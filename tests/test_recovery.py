@@ -23,7 +23,8 @@ def _kill_and_wait(pool: Pool) -> None:
     """SIGKILL, then wait until the recovery is done (a call sent before the death is noticed would be
     in flight on the dying worker)."""
     done = threading.Event()
-    unsubscribe = pool.subscribe(lambda e: done.set() if e.kind == "recovered" else None)
+    dying = pool[0].pid  # an earlier recovery's event may still be on its way: wait for this one's
+    unsubscribe = pool.subscribe(lambda e: done.set() if e.kind == "recovered" and e.pid != dying else None)
     _kill(pool)
     assert done.wait(60)
     unsubscribe()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import FAULTS, PATIENCE, all_end
 
 from lloyal_pool import (
     CallTimeoutError,
@@ -26,8 +27,6 @@ from lloyal_pool import (
     WorkerEvent,
     WorkerHungError,
 )
-
-FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
 
 
 @pytest.fixture
@@ -44,7 +43,7 @@ def test_a_stopped_worker_is_found_hung_killed_and_reported(hang_pool: Pool) -> 
         victim.ping()  # no timeout of its own: the pool's hang watch ends it
     assert info.value.hung_for >= 1.0 and info.value.signal_name == "SIGKILL"
     assert isinstance(info.value, WorkerCrashedError)
-    assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+    assert all_end([victim.pid])
     assert hang_pool[1].ping(timeout=5) < 1.0
 
 
@@ -60,18 +59,18 @@ def test_a_loop_with_no_sign_of_life_is_a_hang(hang_pool: Pool) -> None:
 def test_long_work_that_beats_is_not_a_hang(gemma_path: Path) -> None:
     # Prompt decoding and generation advance the heartbeat at every interrupt check: a call far longer
     # than hang_timeout completes.
-    with Pool(1, hang_timeout=0.3) as pool:
+    with Pool(1, hang_timeout=1.0) as pool:
         ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
         t0 = time.monotonic()
-        r = ctx.generate("Write a long story about a lighthouse keeper. " * 20, n_predict=48, ignore_eos=True)
-        assert r.n_decoded == 48 and time.monotonic() - t0 > 0.6
+        r = ctx.generate("Write a long story about a lighthouse keeper. " * 20, n_predict=160, ignore_eos=True)
+        assert r.n_decoded == 160 and time.monotonic() - t0 > 2.0
         assert pool[0].alive
 
 
 def test_an_idle_stopped_worker_is_not_killed_until_a_call_waits() -> None:
-    with Pool(1, hang_timeout=0.5) as pool:
+    with Pool(1, hang_timeout=1.0) as pool:
         os.kill(pool[0].pid, signal.SIGSTOP)
-        time.sleep(1.0)
+        time.sleep(2.0)
         assert pool[0].alive  # nothing waited on it
         os.kill(pool[0].pid, signal.SIGCONT)
         assert pool[0].ping(timeout=5) < 1.0
@@ -208,8 +207,9 @@ def test_a_worker_that_died_idle_reports_how_on_the_next_call(tiny_model: Path) 
     with Pool(1) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=256)
         os.kill(pool[0].pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while pool[0].alive and time.monotonic() < deadline:
+        deadline = time.monotonic() + PATIENCE
+        while pool[0].alive:  # seen dead before the next call, or that call would be in flight on it
+            assert time.monotonic() < deadline
             time.sleep(0.02)
         with pytest.raises(WorkerCrashedError) as info:
             ctx.generate("Hi", n_predict=2)
@@ -243,7 +243,7 @@ def test_subscribers_hear_of_deaths_and_replacements(hang_pool: Pool) -> None:
     unsubscribe = hang_pool.subscribe(on_event)
     victim = hang_pool[0]
     os.kill(victim.pid, signal.SIGKILL)
-    assert got.wait(5)
+    assert got.wait(PATIENCE)
     died = events[0]
     assert (died.kind, died.worker_id, died.pid) == ("died", victim.worker_id, victim.pid)
     assert died.error is not None and died.error.signal_name == "SIGKILL"
@@ -254,8 +254,9 @@ def test_subscribers_hear_of_deaths_and_replacements(hang_pool: Pool) -> None:
     os.kill(hang_pool[1].pid, signal.SIGSTOP)
     with pytest.raises(WorkerHungError):
         hang_pool[1].ping()
-    deadline = time.monotonic() + 5
-    while len(events) < 3 and time.monotonic() < deadline:
+    deadline = time.monotonic() + PATIENCE
+    while len(events) < 3:
+        assert time.monotonic() < deadline
         time.sleep(0.02)
     assert isinstance(events[2].error, WorkerHungError)
     unsubscribe()
@@ -309,8 +310,8 @@ def test_a_killed_parent_leaves_no_temporary_directory(tmp_path: Path, tiny_mode
         while time.monotonic() < deadline and os.path.exists(root):
             time.sleep(0.05)
         assert not os.path.exists(root)
-        assert not any(psutil.pid_exists(int(p)) and psutil.Process(int(p)).status() != psutil.STATUS_ZOMBIE
-                       for p in pids)
+        # the janitor can empty the directory before the kernel has finished unmapping a dying worker
+        assert all_end(int(p) for p in pids)
     finally:
         parent.kill()
 

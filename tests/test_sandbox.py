@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import FAULTS
 
 from lloyal_pool import Pool
 from lloyal_pool.errors import ModelLoadError, StateError
 from lloyal_pool.shm import WorkerTransfer
 from lloyal_pool.worker.landlock import abi_version
 
-FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
 ABI = abi_version()
 needs_landlock = pytest.mark.skipif(ABI < 4, reason="this kernel lacks Landlock ABI >= 4 (fs + TCP rules)")
 

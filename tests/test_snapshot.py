@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import FAULTS, all_end, ended
 
 from lloyal_pool import (
     Context,
@@ -29,7 +30,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sn
 
 SYSTEM = ("You are a terse assistant for a museum. Answer in one sentence. The museum opens at nine and "
           "closes at five; tickets cost twelve euros. Question: When does the museum open? Answer:")
-FAULTS = {"LLOYAL_POOL_TEST_FAULTS": "1"}
 
 
 def _prepare(gemma_path: Path):  # type: ignore[no-untyped-def]
@@ -148,7 +148,7 @@ def test_forks_outlive_their_closed_snapshot(snap_pool: Pool, gemma_path: Path) 
         snapshot.fork()
     assert fork.prepared["ctx"].generate("", append=True, n_predict=2).n_decoded == 2
     fork.close()  # its exit status is gone with the zygote; closing still ends it
-    assert not psutil.pid_exists(zygote) or psutil.Process(zygote).status() == psutil.STATUS_ZOMBIE
+    assert all_end([zygote])
     assert not fork.alive
 
 
@@ -269,10 +269,7 @@ def test_pool_close_ends_the_snapshot_and_its_forks(gemma_path: Path) -> None:
     pids = [snapshot._zygote.pid] + [f.pid for f in forks]
     pool.close()
     assert snapshot.closed and not any(f.alive for f in forks)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
-        time.sleep(0.1)
-    assert not any(_running(pid) for pid in pids)
+    assert all_end(pids)
 
 
 _OWNER = textwrap.dedent("""
@@ -296,13 +293,10 @@ def test_a_fork_dies_with_the_pool_owner(tiny_model: Path) -> None:
     try:
         assert owner.stdout is not None
         pids = [int(x) for x in owner.stdout.readline().split()]
-        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+        assert len(pids) == 2 and not any(ended(pid) for pid in pids)
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
-            time.sleep(0.1)
-        assert not any(_running(pid) for pid in pids)  # the fork's own lifeline ended it
+        assert all_end(pids)  # the fork's own lifeline ended it
     finally:
         owner.kill()
         owner.wait()
@@ -311,13 +305,6 @@ def test_a_fork_dies_with_the_pool_owner(tiny_model: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("fork", [True, False], ids=["fork", "replay"])

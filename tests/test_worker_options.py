@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+from procs import PATIENCE, all_end
 
 from lloyal_pool import ContextError, InvalidArgumentError, ModelLoadError, Pool, WorkerStartupError
 
@@ -22,19 +22,6 @@ def _environ(pid: int) -> dict[str, str]:
         raw = f.read()
     pairs = (item.decode().split("=", 1) for item in raw.split(b"\0") if item)
     return {name: value for name, value in pairs}
-
-
-def _gone(pid: int, patience: float = 30.0) -> bool:
-    """Whether pid has exited (a zombie counts: it holds no memory) before patience runs out."""
-    deadline = time.monotonic() + patience
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _pipe_ends(pid: int) -> set[tuple[str, int]]:
@@ -117,7 +104,7 @@ def test_lifeline_ends_workers_of_a_killed_parent() -> None:
             assert "LLOYAL_POOL_TEST_NO_PDEATHSIG" in _environ(pid)
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-        assert all(_gone(pid) for pid in pids)
+        assert all_end(pids)
     finally:
         owner.kill()
         owner.wait()
@@ -146,7 +133,7 @@ def test_lifeline_write_end_stays_with_the_parent() -> None:
 def test_lifeline_close_is_a_clean_exit() -> None:
     pool = Pool(1)
     proc = pool[0]._proc
-    pool.close()
+    pool.close(timeout=PATIENCE)  # a worker that missed a shorter one would be SIGKILLed, not clean
     assert proc.proc.returncode == 0 and proc._life_w == -1
 
 
