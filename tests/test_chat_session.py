@@ -106,7 +106,9 @@ def test_a_streamed_turn_joins_the_conversation_and_an_interrupted_one_is_kept(g
         stream = session.stream(TURNS[0])
         assert isinstance(stream, ChatStream)
         pieces = list(stream)
-        assert "".join(pieces) == stream.reply.text and stream.reply.result.stop_reason is StopReason.EOS
+        # The turn's end (its end-of-turn token, or n_predict) is the model's, which the CPU's kernels can sway.
+        assert "".join(pieces) == stream.reply.text and stream.reply.result.stop_reason in (StopReason.EOS,
+                                                                                          StopReason.LENGTH)
         assert session.messages[-1] == {"role": "assistant", "content": stream.reply.text}
         # Reading result also ends the turn.
         quick = session.stream("Thanks.")
