@@ -20,11 +20,11 @@ TEMPLATE = "gemma"  # Gemma 3 270M's file has no chat template
 
 
 class Served:
-    def __init__(self, pool: Any, **options: Any) -> None:  # a Pool or a RayPool
+    def __init__(self, pool: Any, chat_template: str = TEMPLATE, **options: Any) -> None:  # a Pool or a RayPool
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.app = create_app(pool, chat_template=TEMPLATE, **options)
+        self.app = create_app(pool, chat_template=chat_template, **options)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

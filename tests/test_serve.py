@@ -14,10 +14,12 @@ import numpy as np
 import openai
 import pytest
 from browser import Browser, find_chromium
+from chatformats import HERMES, WEATHER
 from served import PATIENCE, TEMPLATE, Served, chat_with_the_serve_command
 
-from lloyal_pool import Model, Pool
+from lloyal_pool import Model, Pool, Result, StopReason
 from lloyal_pool.batching import Batcher
+from lloyal_pool.serve import schemas
 
 INVARIANCE = 1.0  # see test_batching: batched greedy tokens equal the reference's while its margins exceed this
 
@@ -183,8 +185,12 @@ def test_embeddings(served: Served, spool: Pool) -> None:
     vectors = [np.array(d.embedding) for d in got.data]
     assert len(vectors) == 3 and all(v.shape == (spool[0].models[0].info.n_embd,) for v in vectors)
     assert got.usage.prompt_tokens > 3
-    as_floats = httpx.post(served.url + "/v1/embeddings", json={"input": "a cat", "encoding_format": "float"}).json()
-    assert np.allclose(as_floats["data"][0]["embedding"], vectors[0], atol=1e-6)
+    # The same batch as floats: the same numbers (a batch of another size may round apart, by the CPU's kernels).
+    as_floats = httpx.post(served.url + "/v1/embeddings", timeout=PATIENCE, json={
+        "input": ["a cat", "a dog", "a stock market"], "encoding_format": "float"}).json()
+    assert np.allclose([d["embedding"] for d in as_floats["data"]], vectors, atol=1e-6)
+    alone = served.client().embeddings.create(model="x", input="a cat").data[0].embedding
+    assert float(np.dot(alone, vectors[0])) > 0.999  # unit vectors: the same direction
 
 
 def test_errors_have_openai_shape_and_status(served: Served) -> None:
@@ -202,6 +208,173 @@ def test_errors_have_openai_shape_and_status(served: Served) -> None:
     raw = httpx.post(served.url + "/v1/completions", content=b"{not json")
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     assert client.completions.create(model="x", prompt="Hi", max_tokens=2).usage is not None  # serves on
+
+
+def test_a_stream_that_asks_for_usage_ends_with_it_and_its_chunks_share_one_id(served: Served) -> None:
+    client = served.client()
+    completion = list(client.completions.create(model="x", prompt="Count: 1, 2, 3,", max_tokens=6, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    chat = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+    for chunks in (completion, chat):
+        last = chunks[-1]
+        assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 6
+        assert last.usage.total_tokens == last.usage.prompt_tokens + 6 > 6
+        assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "length"
+        assert len({(c.id, c.created) for c in chunks}) == 1
+    plain = list(client.completions.create(model="x", prompt="Hi", max_tokens=2, stream=True))
+    assert plain[-1].choices and plain[-1].choices[0].finish_reason == "length"  # no usage unless asked
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(model="x", prompt="Hi", max_tokens=2, stream=True,
+                                  extra_body={"stream_options": "yes"})
+
+
+def test_a_stream_says_not_to_buffer_it(served: Served) -> None:
+    with httpx.stream("POST", served.url + "/v1/completions", timeout=PATIENCE,
+                      json={"prompt": "Hi", "max_tokens": 2, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.headers["cache-control"] == "no-cache" and resp.headers["x-accel-buffering"] == "no"
+        assert list(resp.iter_lines())[-2:] == ["data: [DONE]", ""]
+
+
+def test_an_error_after_a_stream_began_is_an_error_event_then_done(served: Served) -> None:
+    # A token id past the vocabulary is found by the worker, once the response has begun.
+    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=PATIENCE,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True,
+                            "logit_bias": {"999999999": 5}}) as resp:
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "invalid_request_error" and "999999999" in error["message"], error
+
+
+@pytest.mark.parametrize(("route", "field", "value"), [
+    ("chat", "logprobs", True), ("chat", "top_logprobs", 2), ("chat", "audio", {"voice": "alloy"}),
+    ("completions", "logprobs", 1), ("completions", "echo", True), ("completions", "best_of", 2),
+    ("completions", "suffix", "end"),
+])
+def test_what_the_server_cannot_give_is_refused_by_name(served: Served, route: str, field: str, value: object) -> None:
+    # Ignored, these would answer without what was asked for (logprobs None where a client reads them).
+    body: dict[str, object] = {"max_tokens": 2, field: value}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if route == "chat" else {"prompt": "Hi"})
+    got = httpx.post(f"{served.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, timeout=PATIENCE)
+    assert got.status_code == 400 and got.json()["error"]["param"] == field, got.text
+    quiet = {**body, field: None}  # null, as clients send what they leave unset, passes
+    again = httpx.post(f"{served.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=quiet, timeout=PATIENCE)
+    assert again.status_code == 200, again.text
+
+
+def test_content_parts_other_than_text_are_refused_and_developer_is_the_system_prompt(served: Served) -> None:
+    client = served.client()
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        client.chat.completions.create(model="x", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    parts = client.chat.completions.create(model="x", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Count to three: "}, {"type": "text", "text": "one,"}]}])
+    whole = client.chat.completions.create(model="x", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "Count to three: one,"}])
+    assert parts.choices[0].message.content == whole.choices[0].message.content
+    question = {"role": "user", "content": "Who are you?"}
+    as_system = client.chat.completions.create(model="x", max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "You are a pirate."}, question])  # type: ignore[list-item]
+    as_developer = client.chat.completions.create(model="x", max_tokens=12, temperature=0, messages=[
+        {"role": "developer", "content": "You are a pirate."}, question])  # type: ignore[list-item]
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+
+
+def test_top_p_zero_is_the_likeliest_token_and_any_integer_is_a_seed(served: Served) -> None:
+    client = served.client()
+    greedy = client.completions.create(model="x", prompt="Once upon a time", max_tokens=12, temperature=0)
+    for seed in (1, 2):
+        top = client.completions.create(model="x", prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                        top_p=0, seed=seed)
+        assert top.choices[0].text == greedy.choices[0].text
+    big = [client.completions.create(model="x", prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                     seed=seed).choices[0].text for seed in (-(2**40), -(2**40), 2**62)]
+    assert big[0] == big[1]
+
+
+def test_presence_and_frequency_penalties_apply(served: Served) -> None:
+    client = served.client()
+    prompt = "The cat sat on the mat. The cat sat on the mat."
+    plain = client.completions.create(model="x", prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    assert plain.startswith(" The cat sat on the mat. The cat")  # the greedy continuation repeats
+    for field in ("presence_penalty", "frequency_penalty"):
+        penalised = client.completions.create(model="x", prompt=prompt, max_tokens=16, temperature=0,
+                                              **{field: 2.0}).choices[0].text  # type: ignore[arg-type]
+        assert penalised != plain, field
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model="x", prompt=prompt, max_tokens=1, **{field: 2.5})  # type: ignore[arg-type]
+
+
+def test_unknown_routes_and_models_answer_in_openais_error_shape(served: Served, spool: Pool) -> None:
+    missing = httpx.get(served.url + "/v1/no-such-route")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    wrong = httpx.get(served.url + "/v1/completions")
+    assert wrong.status_code == 405 and "GET" in wrong.json()["error"]["message"]
+    name = Path(spool[0].models[0].path).stem
+    assert served.client().models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError) as err:
+        served.client().models.retrieve("gpt-4o")
+    assert err.value.code == "model_not_found"
+
+
+@pytest.fixture(scope="module")
+def tool_served(spool: Pool) -> Iterator[Served]:
+    s = Served(spool, chat_template=HERMES)
+    yield s
+    s.close()
+
+
+def _weather_examples(question: str) -> list[dict[str, object]]:
+    """Two worked calls, then the question: what a base model copies into a call of its own."""
+    out: list[dict[str, object]] = []
+    for i, city in enumerate(("Rome", "Berlin")):
+        call = {"type": "function", "id": f"call_{i}",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+        out += [{"role": "user", "content": f"What is the weather in {city}?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    return [*out, {"role": "user", "content": question}]
+
+
+def test_streamed_tool_calls_have_their_index_and_a_cut_off_reply_says_length(tool_served: Served) -> None:
+    # The base model copies the examples' calls until max_tokens: two calls of get_weather in 64 tokens.
+    chunks = list(tool_served.client().chat.completions.create(
+        model="x", messages=_weather_examples("What is the weather in Paris?"), tools=WEATHER,  # type: ignore[arg-type]
+        max_tokens=64, temperature=0, stop=["<|im_end|>"], stream=True))
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert [(tc.index, tc.function.name) for tc in calls if tc.function] == [(0, "get_weather"), (1, "get_weather")]
+    assert json.loads(calls[0].function.arguments or "") == {"city": "Paris"}  # type: ignore[union-attr]
+    assert chunks[-1].choices[0].finish_reason == "length"  # its last call's arguments may be cut short
+
+
+def test_finish_reason_is_tool_calls_only_for_a_reply_that_ended_itself() -> None:
+    def ended(reason: StopReason) -> Result:
+        return Result(text="", tokens=[], n_prompt=1, n_decoded=1, n_cached=0, stop_reason=reason, prompt_ms=0,
+                      decode_ms=0)
+
+    assert schemas.finish_reason(ended(StopReason.EOS), tool_calls=True) == "tool_calls"
+    assert schemas.finish_reason(ended(StopReason.STOP), tool_calls=True) == "tool_calls"
+    assert schemas.finish_reason(ended(StopReason.LENGTH), tool_calls=True) == "length"
+    assert schemas.finish_reason(ended(StopReason.EOS)) == "stop"
+
+
+def test_a_named_tool_choice_calls_that_tool(tool_served: Served) -> None:
+    time_tool = {"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "city": {"type": "string"}}, "required": ["city"]}}}
+    client = tool_served.client()
+    got = client.chat.completions.create(
+        model="x", messages=_weather_examples("What is the weather in Paris?"),  # type: ignore[arg-type]
+        tools=[*WEATHER, time_tool], tool_choice={"type": "function", "function": {"name": "get_time"}},  # type: ignore[list-item]
+        max_tokens=40, temperature=0, stop=["<|im_end|>"])
+    call = (got.choices[0].message.tool_calls or [])[0]
+    assert call.function.name == "get_time" and "city" in json.loads(call.function.arguments)  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], tools=WEATHER,  # type: ignore[arg-type]
+                                       tool_choice={"type": "function", "function": {"name": "get_stock"}})
 
 
 def test_an_api_key_is_required_when_set(spool: Pool) -> None:

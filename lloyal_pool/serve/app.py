@@ -18,7 +18,7 @@ import base64
 import hmac
 import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -31,7 +31,6 @@ from starlette.routing import Route
 from .._aio import AsyncStream, settle
 from ..batching import BatchRequest
 from ..client import Pool
-from ..errors import LloyalError
 from ..params import GenerateParams, Result
 from ..session import formatted_params
 from . import schemas
@@ -132,34 +131,52 @@ def _prompt_of(body: Mapping[str, Any]) -> str | list[int]:
     raise APIError(400, "prompt is a non-empty string or token list (one prompt per request)", param="prompt")
 
 
+def _event_stream(server: Server, stream: AsyncStream, events: AsyncGenerator[bytes, None]) -> StreamingResponse:
+    """The server-sent events of a streamed reply. An error after the first event is one more event in
+    OpenAI's error shape, and the stream still ends with [DONE]; a client that leaves frees its slot."""
+
+    async def framed() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # the worker's errors, and a backend gone (503) while parsing the reply
+            err = api_error(exc)
+            server.metrics.error(err.status)
+            yield schemas.sse(err.body())
+        finally:
+            await events.aclose()
+            if not stream.done:
+                stream.interrupt()  # the client left: free the slot
+        yield schemas.sse("[DONE]")
+
+    # No caching, and no buffering by a proxy in front (nginx's X-Accel-Buffering): each piece as it comes.
+    return StreamingResponse(framed(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 # -- routes ----------------------------------------------------------------------------------------------------
 async def completions(request: Request, server: Server) -> Response:
     body = await _body(request)
     gen = schemas.generate_params(body, chat=False)
     prompt = _prompt_of(body)
-    id_ = schemas.new_id("cmpl")
+    reply = schemas.Reply("cmpl", server.model_name)
     if not body.get("stream"):
         result = await _unless_gone(request, await _submit(server, prompt, gen, None), server)
         server.metrics.result(result)
-        return JSONResponse(schemas.completion(result, server.model_name, id_))
+        return JSONResponse(schemas.completion(result, reply))
     stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
     await _submit(server, prompt, gen, stream)
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            async for piece in stream:
-                yield schemas.sse(schemas.completion_chunk(piece, server.model_name, id_))
-            result = await stream.result()
-            server.metrics.result(result)
-            yield schemas.sse(schemas.completion_chunk("", server.model_name, id_, schemas.finish_reason(result)))
-        except LloyalError as exc:
-            yield schemas.sse(api_error(exc).body())
-        finally:
-            if not stream.done:
-                stream.interrupt()  # the client left: free the slot
-        yield schemas.sse("[DONE]")
+    async def events() -> AsyncGenerator[bytes, None]:
+        async for piece in stream:
+            yield schemas.sse(schemas.completion_chunk(piece, reply))
+        result = await stream.result()
+        server.metrics.result(result)
+        yield schemas.sse(schemas.completion_chunk("", reply, schemas.finish_reason(result)))
+        if schemas.include_usage(body):
+            yield schemas.sse(reply.usage_chunk("text_completion", result))
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _event_stream(server, stream, events())
 
 
 async def chat_completions(request: Request, server: Server) -> Response:
@@ -170,7 +187,7 @@ async def chat_completions(request: Request, server: Server) -> Response:
     fmt = await asyncio.to_thread(server.backend.format_chat, messages, template=server.chat_template, tools=tools,
                                   tool_choice=tool_choice)
     gen = formatted_params(fmt, gen)
-    id_ = schemas.new_id("chatcmpl")
+    reply = schemas.Reply("chatcmpl", server.model_name)
 
     async def parse(result: Result) -> Any:
         partial = result.stop_reason in ("length", "interrupted")
@@ -180,35 +197,26 @@ async def chat_completions(request: Request, server: Server) -> Response:
     if not body.get("stream"):
         result = await _unless_gone(request, await _submit(server, fmt.prompt, gen, None), server)
         server.metrics.result(result)
-        return JSONResponse(schemas.chat_completion(await parse(result), result, server.model_name, id_))
+        return JSONResponse(schemas.chat_completion(await parse(result), result, reply))
     stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
     await _submit(server, fmt.prompt, gen, stream)
+    whole = bool(tools) and tool_choice != "none"  # the text may be a call: it is parsed once whole
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            yield schemas.sse(schemas.chat_chunk({"role": "assistant", "content": ""}, server.model_name, id_))
-            raw: list[str] = []
-            async for piece in stream:
-                raw.append(piece)
-                if not tools:  # with tools the text may be a call: it is parsed once whole
-                    yield schemas.sse(schemas.chat_chunk({"content": piece}, server.model_name, id_))
-            result = await stream.result()
-            server.metrics.result(result)
-            message = await parse(result)
-            if tools:
-                delta = schemas.chat_message(message)
-                delta.pop("role", None)
-                yield schemas.sse(schemas.chat_chunk(delta, server.model_name, id_))
-            yield schemas.sse(schemas.chat_chunk({}, server.model_name, id_,
-                                                 schemas.finish_reason(result, bool(message.tool_calls))))
-        except LloyalError as exc:
-            yield schemas.sse(api_error(exc).body())
-        finally:
-            if not stream.done:
-                stream.interrupt()
-        yield schemas.sse("[DONE]")
+    async def events() -> AsyncGenerator[bytes, None]:
+        yield schemas.sse(schemas.chat_chunk({"role": "assistant", "content": ""}, reply))
+        async for piece in stream:
+            if not whole:
+                yield schemas.sse(schemas.chat_chunk({"content": piece}, reply))
+        result = await stream.result()
+        server.metrics.result(result)
+        message = await parse(result)
+        if whole:
+            yield schemas.sse(schemas.chat_chunk(schemas.chat_delta(message), reply))
+        yield schemas.sse(schemas.chat_chunk({}, reply, schemas.finish_reason(result, bool(message.tool_calls))))
+        if schemas.include_usage(body):
+            yield schemas.sse(reply.usage_chunk("chat.completion.chunk", result))
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _event_stream(server, stream, events())
 
 
 async def embeddings(request: Request, server: Server) -> Response:
@@ -229,9 +237,21 @@ async def embeddings(request: Request, server: Server) -> Response:
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
 
+def _model_card(server: Server) -> dict[str, Any]:
+    return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "lloyal_pool"}
+
+
 async def models(request: Request, server: Server) -> Response:
-    return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                                     "owned_by": "lloyal_pool"}]})
+    return JSONResponse({"object": "list", "data": [_model_card(server)]})
+
+
+async def model(request: Request, server: Server) -> Response:
+    """GET /v1/models/{model}: the served model under the name /v1/models lists (any name maps to it for
+    generation, but only that one is a model to look up)."""
+    if request.path_params["model"] != server.model_name:
+        raise APIError(404, f"the model {request.path_params['model']!r} does not exist; this server serves "
+                            f"{server.model_name!r}", param="model", code="model_not_found")
+    return JSONResponse(_model_card(server))
 
 
 async def health(request: Request, server: Server) -> Response:
@@ -296,10 +316,20 @@ def create_app(pool: Pool | Any, *, model_name: str | None = None, chat_template
         _route("/v1/chat/completions", chat_completions, server, ["POST"], "chat_completions"),
         _route("/v1/embeddings", embeddings, server, ["POST"], "embeddings"),
         _route("/v1/models", models, server, ["GET"], "models"),
+        _route("/v1/models/{model:path}", model, server, ["GET"], "model"),
         _route("/health", health, server, ["GET"], "health", auth=False),
         _route("/metrics", metrics, server, ["GET"], "metrics", auth=False),
         _route("/", chat_page, server, ["GET"], "chat_page", auth=False),
     ]
-    app = Starlette(routes=routes)
+
+    async def not_served(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        what = "no such route" if status == 404 else f"{request.method} is not allowed here"
+        err = APIError(status, f"{what}: {request.method} {request.url.path}")
+        server.metrics.error(status)
+        return JSONResponse(err.body(), status_code=status)
+
+    # An unknown path or method answers in OpenAI's error shape too, not Starlette's plain text.
+    app = Starlette(routes=routes, exception_handlers={404: not_served, 405: not_served})
     app.state.server = server
     return app

@@ -23,11 +23,18 @@ from ..errors import (
     TemplateError,
     WorkerCrashedError,
 )
-from ..params import GenerateParams, Grammar, Result, StopReason
+from ..params import MAX_SEED, GenerateParams, Grammar, Result, StopReason
 
 #: OpenAI's own defaults where its API has one (max_tokens of a completion is 16; of a chat, unlimited).
 COMPLETION_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
+# Request fields OpenAI defines that change what comes back, which this server cannot honour: refused by
+# name (a 400), never ignored, since a client that asks for them would read an answer that lacks them.
+UNSUPPORTED: dict[str, dict[str, tuple[object, ...]]] = {
+    "chat": {"logprobs": (None, False), "top_logprobs": (None,), "audio": (None,), "modalities": (None, ["text"]),
+             "prediction": (None,), "web_search_options": (None,)},
+    "completions": {"logprobs": (None,), "echo": (None, False), "best_of": (None, 1), "suffix": (None,)},
+}
 
 
 class APIError(Exception):
@@ -79,10 +86,14 @@ def _integer(body: Mapping[str, Any], name: str) -> int | None:
 
 def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
     """The GenerateParams an OpenAI request body asks for: max_tokens (max_completion_tokens), temperature,
-    top_p, seed, stop, logit_bias, response_format (a JSON schema, or any JSON object, as a grammar)."""
+    top_p, seed, stop, logit_bias, presence_penalty and frequency_penalty (over the whole reply),
+    response_format (a JSON schema, or any JSON object, as a grammar)."""
     n = body.get("n")
     if n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
+    for name, allowed in UNSUPPORTED["chat" if chat else "completions"].items():
+        if body.get(name) not in allowed:
+            raise APIError(400, f"{name} is not supported by this server", param=name)
     max_tokens = _integer(body, "max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens")
@@ -92,6 +103,8 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
         raise APIError(400, f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     seed = _integer(body, "seed")
     stop = body.get("stop")
     if stop is None:
@@ -133,19 +146,33 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
     ignore_eos = body.get("ignore_eos", False)  # llama-server's extension, for benchmarks
     if not isinstance(ignore_eos, bool):
         raise APIError(400, "ignore_eos is true or false", param="ignore_eos")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, Mapping):
+        raise APIError(400, "stream_options is an object", param="stream_options")
     try:
-        return GenerateParams(n_predict=max_tokens, temperature=temperature, top_p=top_p if top_p < 1.0 else 0.0,
-                              seed=seed if seed is not None else secrets.randbits(31), stop=stops, logit_bias=bias,
-                              grammar=grammar, ignore_eos=ignore_eos)
+        # top_p 0 is OpenAI's "only the likeliest token"; ours would mean no top-p at all, hence top_k 1.
+        return GenerateParams(n_predict=max_tokens, temperature=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0,
+                              top_k=1 if top_p == 0.0 else 0, presence_penalty=presence, frequency_penalty=frequency,
+                              repeat_last_n=-1 if presence or frequency else 0,
+                              # any integer OpenAI takes is a seed; folded into the sampler's range
+                              seed=secrets.randbits(31) if seed is None else seed % (MAX_SEED + 1),
+                              stop=stops, logit_bias=bias, grammar=grammar, ignore_eos=ignore_eos)
     except LloyalError as exc:
         raise api_error(exc) from exc
 
 
+def include_usage(body: Mapping[str, Any]) -> bool:
+    """Whether a stream ends with a usage chunk (stream_options.include_usage)."""
+    options = body.get("stream_options")
+    return isinstance(options, Mapping) and options.get("include_usage") is True
+
+
 def finish_reason(result: Result, tool_calls: bool = False) -> str:
-    """OpenAI's finish_reason for how a generation ended."""
-    if tool_calls:
-        return "tool_calls"
-    return "length" if result.stop_reason == StopReason.LENGTH else "stop"
+    """OpenAI's finish_reason for how a generation ended. A reply cut off by max_tokens says "length" even
+    when what came so far parses as a tool call: its arguments may be cut short."""
+    if result.stop_reason == StopReason.LENGTH:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def usage(result: Result) -> dict[str, int]:
@@ -159,16 +186,30 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def completion(result: Result, model: str, id_: str) -> dict[str, Any]:
+class Reply:
+    """What every object of one response shares: its id, creation time and model."""
+
+    def __init__(self, prefix: str, model: str) -> None:
+        self.id, self.created, self.model = new_id(prefix), int(time.time()), model
+
+    def head(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    def usage_chunk(self, object_: str, result: Result) -> dict[str, Any]:
+        """The last chunk of a stream that asked for usage (stream_options.include_usage): no choices."""
+        return {**self.head(object_), "choices": [], "usage": usage(result)}
+
+
+def completion(result: Result, reply: Reply) -> dict[str, Any]:
     """A /v1/completions response."""
-    return {"id": id_, "object": "text_completion", "created": int(time.time()), "model": model,
+    return {**reply.head("text_completion"),
             "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}],
             "usage": usage(result)}
 
 
-def completion_chunk(text: str, model: str, id_: str, finish: str | None = None) -> dict[str, Any]:
+def completion_chunk(text: str, reply: Reply, finish: str | None = None) -> dict[str, Any]:
     """One streamed piece of a completion."""
-    return {"id": id_, "object": "text_completion", "created": int(time.time()), "model": model,
+    return {**reply.head("text_completion"),
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
@@ -185,17 +226,27 @@ def chat_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def chat_completion(message: ChatMessage, result: Result, model: str, id_: str) -> dict[str, Any]:
+def chat_delta(message: ChatMessage) -> dict[str, Any]:
+    """A whole assistant message as one streamed delta: no role (the first chunk said it), and each tool
+    call with the index a streaming client groups its pieces by."""
+    delta = chat_message(message)
+    delta.pop("role")
+    for i, call in enumerate(delta.get("tool_calls", ())):
+        call["index"] = i
+    return delta
+
+
+def chat_completion(message: ChatMessage, result: Result, reply: Reply) -> dict[str, Any]:
     """A /v1/chat/completions response."""
-    return {"id": id_, "object": "chat.completion", "created": int(time.time()), "model": model,
+    return {**reply.head("chat.completion"),
             "choices": [{"index": 0, "message": chat_message(message),
                          "finish_reason": finish_reason(result, bool(message.tool_calls)), "logprobs": None}],
             "usage": usage(result)}
 
 
-def chat_chunk(delta: dict[str, Any], model: str, id_: str, finish: str | None = None) -> dict[str, Any]:
+def chat_chunk(delta: dict[str, Any], reply: Reply, finish: str | None = None) -> dict[str, Any]:
     """One streamed delta of a chat completion."""
-    return {"id": id_, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+    return {**reply.head("chat.completion.chunk"),
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
 
@@ -206,7 +257,9 @@ def sse(data: Mapping[str, Any] | str) -> bytes:
 
 
 def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The conversation of a chat request, content parts joined to text."""
+    """The conversation of a chat request, text content parts joined (any other part, an image or audio,
+    is refused: the model would answer as if it had not been sent). OpenAI's "developer" role, which
+    newer clients send in place of "system", is the system prompt to a chat template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
@@ -215,10 +268,16 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise APIError(400, "each message is an object with a role", param="messages")
         msg = dict(m)
+        if msg["role"] == "developer":
+            msg["role"] = "system"
         content = msg.get("content")
-        if isinstance(content, list):  # content parts: the text ones, joined
-            msg["content"] = "".join(part.get("text", "") for part in content
-                                     if isinstance(part, Mapping) and part.get("type") == "text")
+        if isinstance(content, list):
+            bad = [part for part in content if not (isinstance(part, Mapping) and part.get("type") == "text"
+                                                    and isinstance(part.get("text"), str))]
+            if bad:
+                kind = bad[0].get("type") if isinstance(bad[0], Mapping) else type(bad[0]).__name__
+                raise APIError(400, f"only text content parts are supported, got {kind!r}", param="messages")
+            msg["content"] = "".join(part["text"] for part in content)
         elif content is None:
             msg["content"] = ""
         elif not isinstance(content, str):
@@ -228,11 +287,21 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def tools_of(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
-    """A chat request's tools and tool_choice ("auto", "none", "required")."""
+    """A chat request's tools and tool_choice ("auto", "none", "required"). A named tool
+    ({"type": "function", "function": {"name": ...}}) is "required" over that tool alone."""
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
         raise APIError(400, "tools must be a list of tool objects", param="tools")
+    tools = list(tools) if tools else None
     choice = body.get("tool_choice", "auto")
+    if isinstance(choice, Mapping):
+        wanted = choice.get("function")
+        name = wanted.get("name") if isinstance(wanted, Mapping) else None
+        named = [t for t in tools or () if isinstance(t.get("function"), Mapping) and t["function"].get("name") == name]
+        if choice.get("type") != "function" or not isinstance(name, str) or not named:
+            raise APIError(400, "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": N}} "
+                                "with N one of the request's tools", param="tool_choice")
+        return named, "required"
     if not isinstance(choice, str) or choice not in ("auto", "none", "required"):
-        raise APIError(400, 'tool_choice is "auto", "none" or "required"', param="tool_choice")
-    return (list(tools) if tools else None), choice
+        raise APIError(400, 'tool_choice is "auto", "none", "required" or a named function', param="tool_choice")
+    return tools, choice
