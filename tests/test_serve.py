@@ -191,6 +191,11 @@ def test_embeddings(served: Served, spool: Pool) -> None:
     assert np.allclose([d["embedding"] for d in as_floats["data"]], vectors, atol=1e-6)
     alone = served.client().embeddings.create(model="x", input="a cat").data[0].embedding
     assert float(np.dot(alone, vectors[0])) > 0.999  # unit vectors: the same direction
+    # An input is one ubatch of the embedding context (512 tokens); a longer one is refused whole, not cut.
+    with pytest.raises(openai.BadRequestError, match="512") as err:
+        served.client().embeddings.create(model="x", input=[[5] * 513])
+    assert err.value.code == "context_length_exceeded"
+    assert len(served.client().embeddings.create(model="x", input=[[5] * 512]).data) == 1
 
 
 def test_errors_have_openai_shape_and_status(served: Served) -> None:
