@@ -4,6 +4,8 @@ the official ``openai`` package, as an application would."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -243,15 +245,33 @@ def test_a_stream_says_not_to_buffer_it(served: Served) -> None:
         assert list(resp.iter_lines())[-2:] == ["data: [DONE]", ""]
 
 
-def test_an_error_after_a_stream_began_is_an_error_event_then_done(served: Served) -> None:
-    # A token id past the vocabulary is found by the worker, once the response has begun.
-    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=PATIENCE,
-                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True,
-                            "logit_bias": {"999999999": 5}}) as resp:
-        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+def test_an_error_found_as_a_stream_starts_is_its_status(served: Served) -> None:
+    # A token id past the vocabulary is found by the worker: before the first piece, so still a 400.
+    for stream in (True, False):
+        with pytest.raises(openai.BadRequestError, match="999999999"):
+            served.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=2, stream=stream, logit_bias={"999999999": 5})
+
+
+def test_an_error_after_a_stream_began_is_an_error_event_then_done(tiny_model: Path) -> None:
+    with Pool(1) as pool:
+        pool[0].load_model(tiny_model).batcher(slots=2, n_ctx_slot=512)
+        served = Served(pool)
+        try:
+            with httpx.stream("POST", served.url + "/v1/completions", timeout=PATIENCE,
+                              json={"prompt": "Hello", "max_tokens": 0, "ignore_eos": True, "stream": True}) as resp:
+                assert resp.status_code == 200
+                events: list[str] = []
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        if len(events) == 3:
+                            os.kill(pool[0].pid, signal.SIGKILL)
+        finally:
+            served.close()
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["type"] == "invalid_request_error" and "999999999" in error["message"], error
+    assert error["type"] == "server_error" and "SIGKILL" in error["message"], error
 
 
 @pytest.mark.parametrize(("route", "field", "value"), [
