@@ -245,12 +245,18 @@ def test_a_stream_says_not_to_buffer_it(served: Served) -> None:
         assert list(resp.iter_lines())[-2:] == ["data: [DONE]", ""]
 
 
-def test_an_error_found_as_a_stream_starts_is_its_status(served: Served) -> None:
-    # A token id past the vocabulary is found by the worker: before the first piece, so still a 400.
-    for stream in (True, False):
-        with pytest.raises(openai.BadRequestError, match="999999999"):
-            served.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
-                                                    max_tokens=2, stream=stream, logit_bias={"999999999": 5})
+def test_an_error_the_worker_finds_is_a_400_or_in_a_stream_an_error_event_then_done(served: Served) -> None:
+    # A token id past the vocabulary is found by the worker, once a stream's response has begun.
+    with pytest.raises(openai.BadRequestError, match="999999999"):
+        served.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=2, logit_bias={"999999999": 5})
+    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=PATIENCE,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True,
+                            "logit_bias": {"999999999": 5}}) as resp:
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "invalid_request_error" and "999999999" in error["message"], error
 
 
 def test_an_error_after_a_stream_began_is_an_error_event_then_done(tiny_model: Path) -> None:

@@ -131,28 +131,6 @@ def _prompt_of(body: Mapping[str, Any]) -> str | list[int]:
     raise APIError(400, "prompt is a non-empty string or token list (one prompt per request)", param="prompt")
 
 
-async def _begun(stream: AsyncStream) -> AsyncIterator[str]:
-    """The stream's pieces, once its first has come (or it ended without one). An error the worker finds
-    as the request starts (a token id past the vocabulary, a grammar that does not build) is then the
-    response's status, as for a plain request, rather than an error event after a 200.
-
-    A client that leaves before the first piece is noticed at it (the stream then stops at its next one).
-    Asking the connection whether it is still there while waiting, as a plain request does, cost streams
-    under load: with 8 clients (bench/bench_http.py) the inter-token p99 went from about 110 to 430 ms."""
-    try:
-        head = [await anext(stream)]  # cancelled, the stream interrupts its generation
-    except StopAsyncIteration:
-        head = []
-
-    async def pieces() -> AsyncIterator[str]:
-        for piece in head:
-            yield piece
-        async for piece in stream:
-            yield piece
-
-    return pieces()
-
-
 def _event_stream(server: Server, stream: AsyncStream, events: AsyncGenerator[bytes, None]) -> StreamingResponse:
     """The server-sent events of a streamed reply. An error after the first event is one more event in
     OpenAI's error shape, and the stream still ends with [DONE]; a client that leaves frees its slot."""
@@ -188,10 +166,9 @@ async def completions(request: Request, server: Server) -> Response:
         return JSONResponse(schemas.completion(result, reply))
     stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
     await _submit(server, prompt, gen, stream)
-    pieces = await _begun(stream)
 
     async def events() -> AsyncGenerator[bytes, None]:
-        async for piece in pieces:
+        async for piece in stream:
             yield schemas.sse(schemas.completion_chunk(piece, reply))
         result = await stream.result()
         server.metrics.result(result)
@@ -223,12 +200,11 @@ async def chat_completions(request: Request, server: Server) -> Response:
         return JSONResponse(schemas.chat_completion(await parse(result), result, reply))
     stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
     await _submit(server, fmt.prompt, gen, stream)
-    pieces = await _begun(stream)
     whole = bool(tools) and tool_choice != "none"  # the text may be a call: it is parsed once whole
 
     async def events() -> AsyncGenerator[bytes, None]:
         yield schemas.sse(schemas.chat_chunk({"role": "assistant", "content": ""}, reply))
-        async for piece in pieces:
+        async for piece in stream:
             if not whole:
                 yield schemas.sse(schemas.chat_chunk({"content": piece}, reply))
         result = await stream.result()
