@@ -158,6 +158,7 @@ def _event_stream(server: Server, stream: AsyncStream, events: AsyncGenerator[by
 async def completions(request: Request, server: Server) -> Response:
     body = await _body(request)
     gen = schemas.generate_params(body, chat=False)
+    wants_usage = schemas.include_usage(body)
     prompt = _prompt_of(body)
     reply = schemas.Reply("cmpl", server.model_name)
     if not body.get("stream"):
@@ -173,7 +174,7 @@ async def completions(request: Request, server: Server) -> Response:
         result = await stream.result()
         server.metrics.result(result)
         yield schemas.sse(schemas.completion_chunk("", reply, schemas.finish_reason(result)))
-        if schemas.include_usage(body):
+        if wants_usage:
             yield schemas.sse(reply.usage_chunk("text_completion", result))
 
     return _event_stream(server, stream, events())
@@ -182,6 +183,7 @@ async def completions(request: Request, server: Server) -> Response:
 async def chat_completions(request: Request, server: Server) -> Response:
     body = await _body(request)
     gen = schemas.generate_params(body, chat=True)
+    wants_usage = schemas.include_usage(body)
     messages = schemas.messages_of(body)
     tools, tool_choice = schemas.tools_of(body)
     fmt = await asyncio.to_thread(server.backend.format_chat, messages, template=server.chat_template, tools=tools,
@@ -213,7 +215,7 @@ async def chat_completions(request: Request, server: Server) -> Response:
         if whole:
             yield schemas.sse(schemas.chat_chunk(schemas.chat_delta(message), reply))
         yield schemas.sse(schemas.chat_chunk({}, reply, schemas.finish_reason(result, bool(message.tool_calls))))
-        if schemas.include_usage(body):
+        if wants_usage:
             yield schemas.sse(reply.usage_chunk("chat.completion.chunk", result))
 
     return _event_stream(server, stream, events())

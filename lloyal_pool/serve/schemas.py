@@ -146,9 +146,6 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
     ignore_eos = body.get("ignore_eos", False)  # llama-server's extension, for benchmarks
     if not isinstance(ignore_eos, bool):
         raise APIError(400, "ignore_eos is true or false", param="ignore_eos")
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, Mapping):
-        raise APIError(400, "stream_options is an object", param="stream_options")
     try:
         # top_p 0 is OpenAI's "only the likeliest token"; ours would mean no top-p at all, hence top_k 1.
         return GenerateParams(n_predict=max_tokens, temperature=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0,
@@ -162,9 +159,12 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
 
 
 def include_usage(body: Mapping[str, Any]) -> bool:
-    """Whether a stream ends with a usage chunk (stream_options.include_usage)."""
+    """Whether a stream ends with a usage chunk (stream_options.include_usage). APIError for a
+    stream_options that is not an object."""
     options = body.get("stream_options")
-    return isinstance(options, Mapping) and options.get("include_usage") is True
+    if options is not None and not isinstance(options, Mapping):
+        raise APIError(400, "stream_options is an object", param="stream_options")
+    return options is not None and options.get("include_usage") is True
 
 
 def finish_reason(result: Result, tool_calls: bool = False) -> str:
