@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from invariance import assert_same_within_invariance, reference
 from readme import run_section
 
 from lloyal_pool import (
@@ -32,10 +32,6 @@ from lloyal_pool.batching import AFFINITY_TOKENS, _common_prefix, route
 from lloyal_pool.errors import BadRequestError
 
 PATIENCE = 120.0  # a guard against hanging forever, never a timing assertion
-# llama.cpp's CPU kernels are not batch-invariant: a row's logits move by up to ~0.75 with the rows
-# decoded beside it (test_branch_native's xfail). A greedy choice can only flip where the reference's
-# best two logits are closer than that, so batched tokens must equal the reference's up to such a point.
-INVARIANCE = 1.0
 PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(6)] + [
     "Once upon a time, in a land far away,", "The three primary colors are"]
 
@@ -51,35 +47,6 @@ def bpool(gemma_path: Path) -> Iterator[Pool]:
 @pytest.fixture(scope="module")
 def model(bpool: Pool) -> Model:
     return bpool[0]._model(None)
-
-
-def reference(model: Model, prompt: str, n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens of prompt decoded alone (a branch on a context of its own: the sampler generate
-    uses), with the margin between the best two logits at each step."""
-    ctx = model.new_context(n_ctx=512)
-    try:
-        branch = ctx.branch(prompt)
-        tokens: list[int] = []
-        margins: list[float] = []
-        for _ in range(n):
-            top2 = np.sort(branch.logits)[-2:]
-            margins.append(float(top2[1] - top2[0]))
-            produced = branch.step()
-            if produced.is_stop:
-                break
-            tokens.append(produced.token)
-        return tokens, margins
-    finally:
-        ctx.close()
-
-
-def assert_same_within_invariance(got: list[int], want: list[int], margins: list[float]) -> int:
-    """Tokens equal up to the first step where the reference's choice was closer than INVARIANCE;
-    returns how many were compared."""
-    n = next((i for i, m in enumerate(margins) if m < INVARIANCE), len(margins))
-    n = min(n, len(want))
-    assert got[:n] == want[:n], (got, want, margins)
-    return n
 
 
 # -- one batcher ---------------------------------------------------------------------------------------

@@ -82,21 +82,47 @@ def test_a_warm_session_holds_the_cold_tokens_and_prefills_only_new_turns(gemma:
         fresh.close()
 
 
-def test_a_name_given_in_turn_one_is_recalled_in_turn_three(four_turns: dict[str, Any]) -> None:
-    assert "Ada" not in TURNS[2]
-    assert "Ada" in four_turns["replies"][2].text
+def test_turn_three_is_generated_from_a_conversation_that_holds_turn_one(gemma: Model,
+                                                                        four_turns: dict[str, Any]) -> None:
+    # Whether the model then says the name is the model's (and its CPU's) business; that it sees it is ours.
+    assert "Ada" not in TURNS[2] and "Ada" in TURNS[0]
+    third = four_turns["replies"][2].result
+    seen = four_turns["histories"][2][:len(four_turns["histories"][2]) - len(third.tokens)]
+    assert "Hello, I am Ada." in gemma.detokenize(seen)
+    fresh = gemma.new_context(n_ctx=1024)
+    try:
+        prompt = gemma.apply_chat_template(four_turns["messages"][:5], template="gemma")
+        assert fresh.generate(prompt, n_predict=16, logit_bias={_eot(gemma): EOT_BIAS}).tokens == third.tokens
+    finally:
+        fresh.close()
 
 
 def test_replies_end_at_the_end_of_turn_token_which_is_not_in_them(gemma: Model,
                                                                   four_turns: dict[str, Any]) -> None:
     eot = _eot(gemma)
     assert gemma.is_eog(eot)  # the vocabulary's end-of-generation set covers <end_of_turn>
+    # Where the model ends a free reply differs from CPU to CPU: each reply ends at an end-of-generation
+    # token or at n_predict, and the token is in neither the reply nor the history.
     for reply, history in zip(four_turns["replies"], four_turns["histories"], strict=True):
-        assert reply.result.stop_reason is StopReason.EOS
-        assert eot not in reply.result.tokens and history[-1] != eot
-        assert "<end_of_turn>" not in reply.text and reply.text == reply.result.text
+        result = reply.result
+        assert result.stop_reason in (StopReason.EOS, StopReason.LENGTH)
+        assert result.stop_reason is StopReason.EOS or result.n_decoded == 16
+        assert eot not in result.tokens and history[-1] != eot
+        assert "<end_of_turn>" not in reply.text and reply.text == result.text
     for m in four_turns["messages"][1::2]:
-        assert m["content"] and "<end_of_turn>" not in m["content"]
+        assert "<end_of_turn>" not in m["content"]
+    # A grammar that ends after a fixed reply leaves the model only its end-of-generation tokens: an end on
+    # every CPU.
+    ctx = gemma.new_context(n_ctx=1024)
+    try:
+        session = ctx.chat(template="gemma", n_predict=16, logit_bias={eot: EOT_BIAS})
+        for text, answer in (("Hello, I am Ada.", "Hello Ada!"), ("How are you?", "Fine, thanks.")):
+            reply = session.send(text, grammar=f'root ::= "{answer}"')
+            assert reply.result.stop_reason is StopReason.EOS and reply.text == answer
+            assert not set(reply.result.tokens) & set(gemma.info.eog_tokens) and ctx.tokens()[-1] != eot
+            assert session.messages[-1] == {"role": "assistant", "content": answer}
+    finally:
+        ctx.close()
 
 
 def test_a_streamed_turn_joins_the_conversation_and_an_interrupted_one_is_kept(gemma: Model) -> None:
@@ -134,11 +160,13 @@ def test_the_formats_extra_stop_strings_end_a_reply(gemma: Model) -> None:
     laguna_like = "{# laguna_glm_thinking #}" + GEMMA
     ctx = gemma.new_context(n_ctx=1024)
     try:
-        session = ctx.chat(template=laguna_like, n_predict=24, logit_bias={_eot(gemma): EOT_BIAS})
-        reply = session.send("Hello, I am Ada </assistant> and you?")  # the base model repeats it
+        # A grammar makes the model write the stop string on any CPU.
+        says = 'root ::= "Hello, I am Ada </assistant> and you?"'
+        session = ctx.chat(template=laguna_like, n_predict=24, grammar=says)
+        reply = session.send("Hello, I am Ada </assistant> and you?")
         assert reply.result.stop_reason is StopReason.STOP and reply.text == "Hello, I am Ada "
-        plain = ctx.chat(template="gemma", n_predict=24, logit_bias={_eot(gemma): EOT_BIAS})
-        assert "</assistant>" in plain.send("Hello, I am Ada </assistant> and you?").text
+        plain = ctx.chat(template="gemma", n_predict=24, grammar=says)
+        assert plain.send("Hello, I am Ada </assistant> and you?").text == "Hello, I am Ada </assistant> and you?"
     finally:
         ctx.close()
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+from invariance import assert_same_within_invariance, reference
 from readme import run_section
 from served import PATIENCE, Served, chat_with_the_serve_command
 
@@ -76,11 +77,17 @@ def test_actors_are_placed_and_described(rpool: RayPool, gemma_path: Path) -> No
 
 
 def test_greedy_requests_equal_the_local_pools(rpool: RayPool, local: Pool) -> None:
+    # The actors batch the three requests together, the local pool runs each alone: equal up to a near tie.
     prompts: list[str | list[int]] = ["The capital of France is", "Once upon a time", [2, 818, 5279, 529]]
     futures = [rpool.submit(p, n_predict=12, temperature=0).future for p in prompts]
+    compared = 0
     for prompt, fut in zip(prompts, futures, strict=True):
         got, want = fut.result(PATIENCE), local.generate(prompt, n_predict=12, temperature=0)
-        assert got.tokens == want.tokens and got.text == want.text and got.stop_reason == want.stop_reason
+        n = assert_same_within_invariance(got.tokens, want.tokens, reference(local[0].models[0], prompt, 12)[1])
+        if n == len(want.tokens):
+            assert got.text == want.text and got.stop_reason == want.stop_reason
+        compared += n
+    assert compared > 0  # the comparison had something to compare
 
 
 def test_a_stream_joins_to_its_text_and_the_asyncio_twins_work(rpool: RayPool) -> None:

@@ -42,6 +42,40 @@ def _assert_same_greedy(model: Model, prompt: str, plain: Result, spec: Result) 
     assert z[top2[0]] - z[top2[1]] < NEAR_TIE, (k, z[top2[0]] - z[top2[1]])
 
 
+def _ngram_draft(history: list[int], n: int, n_min: int, n_max: int) -> list[int]:
+    """What the "ngram" drafter proposes after history (speculative.cpp, written again here)."""
+    for k in range(min(n_max, len(history) - 1), n_min - 1, -1):
+        key = history[len(history) - k:]
+        for i in range(len(history) - k - 1, -1, -1):
+            if history[i:i + k] == key:
+                out: list[int] = []
+                for j in range(i + k, i + k + n):
+                    out.append(history[j] if j < len(history) else out[j - len(history)])
+                return out
+    return []
+
+
+def _ngram_counts(prompt: list[int], out: list[int], n_draft: int, n_predict: int, n_min: int = 2,
+                  n_max: int = 4) -> tuple[int, int]:
+    """(drafted, accepted) of a speculative run with the ngram drafter that emitted ``out``: every draft
+    depends only on the tokens before it, and is accepted while it agrees with what was emitted."""
+    history, k, drafted, accepted = list(prompt), 0, 0, 0
+    while k < len(out):
+        history.append(out[k])  # a token the target chose
+        k += 1
+        drafts = _ngram_draft(history, min(n_draft, n_predict - k), n_min, n_max)
+        drafted += len(drafts)
+        for d in drafts:
+            if k == len(out):
+                break
+            history.append(out[k])
+            k += 1
+            if out[k - 1] != d:
+                break  # rejected: the target's own choice was decoded instead
+            accepted += 1
+    return drafted, accepted
+
+
 @pytest.mark.gemma
 def test_ngram_drafts_keep_greedy_output(gemma: Model) -> None:
     ctx = gemma.new_context(n_ctx=1024)
@@ -51,8 +85,11 @@ def test_ngram_drafts_keep_greedy_output(gemma: Model) -> None:
     finally:
         ctx.close()
     assert spec.n_decoded == 96 and spec.stop_reason is StopReason.LENGTH
-    assert spec.n_drafted > 40 and spec.n_accepted > spec.n_drafted // 2, (spec.n_drafted, spec.n_accepted)
-    assert 0.5 < spec.acceptance_rate <= 1.0
+    # How many drafts hit depends on what the model wrote, which each CPU's kernels sway: the counts must be
+    # those the drafter yields on this very output, and a text that repeats itself must have hits.
+    drafted, accepted = _ngram_counts(gemma.tokenize(REPEATS), spec.tokens, n_draft=8, n_predict=96)
+    assert (spec.n_drafted, spec.n_accepted) == (drafted, accepted)
+    assert spec.n_accepted > 0 and spec.acceptance_rate == accepted / drafted
     _assert_same_greedy(gemma, REPEATS, plain, spec)
 
 
