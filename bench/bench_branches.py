@@ -107,7 +107,7 @@ def pool_round(model: Path, threads: int, seed: int) -> dict[str, float]:
 
 def fork_worker_ms(model: Path, threads: int) -> float:
     """The worker's share of a fork: the native fork timed in-process, median of 200."""
-    import lloyal_pool.worker._native_cpu as native
+    import lloyal_pool.worker._native as native
     from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
 
     m = native.Model(str(model))

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Single-stream throughput: through the pool, through the same native code in-process, and through
-llama.cpp's own llama-bench built from the same vendored tree with the same flags and threads.
+llama.cpp's own llama-bench built from the same vendored tree for this machine alone (-march=native,
+static), with the same threads. The pool runs the portable build: the CPU kernels it picks at run time.
 
     .venv/bin/python bench/bench_generate.py [-m MODEL] [-t THREADS] [-r REPS] [--json-out FILE]
 
@@ -38,10 +39,11 @@ N_PROMPT, N_GEN = 512, 128
 
 
 def tool(name: str) -> Path:
-    """llama.cpp's own program `name` from the same tree and flags (scripts/reference_tools.py)."""
+    """llama.cpp's own program `name`, from the same tree but built for this machine alone (-march=native,
+    static: scripts/reference_tools.py), the best llama.cpp does here; built on first use (minutes)."""
     try:
-        return reference_tools.tool(name)
-    except RuntimeError as exc:
+        return reference_tools.native_tool(name)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
         sys.exit(str(exc))
 
 
@@ -154,7 +156,7 @@ class InProcessRunner(Runner):
     """The same native code, called directly in this process."""
 
     def __init__(self, model_path: Path, threads: int) -> None:
-        import lloyal_pool.worker._native_cpu as native
+        import lloyal_pool.worker._native as native
         from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
 
         self.model = native.Model(str(model_path))

@@ -4,7 +4,10 @@
     .venv/bin/python bench/perfgate.py [-r ROUNDS] [--json-out FILE]
 
 Runs bench_generate.py (single stream: pool vs llama-bench) and bench_branches.py (best-of-8: pool vs
-llama-batched-bench), each in interleaved rounds, and exits 1 when a ratio falls below its target:
+llama-batched-bench), each in interleaved rounds, and exits 1 when a ratio falls below its target. The
+pool is the portable build (the CPU kernels its workers choose at run time); llama.cpp's tools are built
+from the same tree for this machine alone (-march=native, static: build/native-reference, built on first
+use):
 
     pool / llama-bench, prompt processing (pp512)     >= 0.95
     pool / llama-bench, generation (tg128)            >= 0.97

@@ -75,7 +75,7 @@ from .session import ChatReply, ChatStream, Session
 from .shm import shm_bytes_for
 from .snapshot import Snapshot
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place: pyproject.toml reads it (tool.scikit-build.metadata.version)
 
 # A library logs; the application decides what is shown. Without this, Python's last-resort handler would
 # print every llama.cpp warning a worker forwards ("lloyal_pool.worker.<id>") on stderr.

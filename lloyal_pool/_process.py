@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 import psutil
 
-from . import variants
 from ._futures import running
 from ._recovery import Ledger
 from .errors import (
@@ -79,8 +78,10 @@ LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    variant: str | None = None
-    strict_variant: bool | None = None
+    # What the pool resolved once (variants.py): its workers all run the same backends.
+    variant: str = "cpu"
+    strict_variant: bool = False
+    cpu: str = "auto"
     shm_bytes: int = DEFAULT_SIZE
     shm_backend: str = "auto"
     memory_limit: int | None = None
@@ -236,12 +237,11 @@ class WorkerProcess:
                 raise
             self._start_threads(req_r, rep_w, life_r)
             return
-        variant = variants.requested(options.variant)
         cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker",
                "--fds", f"{req_r},{rep_w}", "--lifeline", str(life_r), "--shm", self.region.spec.to_arg(),
-               "--parent-pid", str(os.getpid()), "--worker-id", str(worker_id), "--variant", variant,
-               "--log-level", str(LOG_LEVELS[options.native_log_level])]
-        if variants.strict_requested(options.strict_variant):
+               "--parent-pid", str(os.getpid()), "--worker-id", str(worker_id), "--variant", options.variant,
+               "--cpu", options.cpu, "--log-level", str(LOG_LEVELS[options.native_log_level])]
+        if options.strict_variant:
             cmd.append("--strict-variant")
         if options.threads:
             cmd += ["--threads", str(int(options.threads))]

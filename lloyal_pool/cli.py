@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from . import __version__, variants
 from .client import Pool, Stream
 from .errors import LloyalError
 from .models import default_model_path
@@ -62,7 +63,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                             stop=tuple(args.stop or ()))
-    with Pool(1, variant=args.variant) as pool:
+    with Pool(1, variant=args.variant, cpu=args.cpu) as pool:
         model = pool[0].load_model(path, progress=_ProgressBar(f"loading {path.name}") if not args.quiet else None)
         ctx = model.new_context(ContextParams(n_ctx=args.n_ctx, n_threads=args.threads))
         prompt = Path(args.file).read_text() if args.file else args.prompt
@@ -90,7 +91,7 @@ BASE_MODEL_END_BIAS = 12.0
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
-    with Pool(1, variant=args.variant) as pool:
+    with Pool(1, variant=args.variant, cpu=args.cpu) as pool:
         model = pool[0].load_model(path, progress=_ProgressBar(f"loading {path.name}") if not args.quiet else None)
         ctx = model.new_context(ContextParams(n_ctx=args.n_ctx, n_threads=args.threads))
         template = args.template
@@ -161,13 +162,15 @@ def _ctrl_c_interrupts(stream: Stream) -> Iterator[None]:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
-    with Pool(1, variant=args.variant) as pool:
+    with Pool(1, variant=args.variant, cpu=args.cpu) as pool:
         inst = pool[0]
         model = inst.load_model(path, vocab_only=args.vocab_only)
         info = model.info.to_dict()
         if not args.meta:
             info.pop("meta", None)
-        out = {"path": str(path), **info, "worker": {"variant": inst.variant, "build": inst.build_info}}
+        out = {"path": str(path), **info, "worker": {"variant": inst.variant, "cpu_kernels": inst.cpu_kernels,
+                                                     "cpu_levels": variants.installed_cpu_levels(),
+                                                     "build": inst.build_info}}
     print(json.dumps(out, indent=2))
     return 0
 
@@ -182,7 +185,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ray is not None:
         return _serve_on_ray(args, uvicorn.run, create_app)
     path = _model_path(args.model)
-    with Pool(args.workers, variant=args.variant, threads_per_worker=args.threads) as pool:
+    with Pool(args.workers, variant=args.variant, cpu=args.cpu, threads_per_worker=args.threads) as pool:
         for inst in pool:
             model = inst.load_model(path)
             model.batcher(slots=args.slots, n_ctx_slot=args.n_ctx_slot)
@@ -206,8 +209,9 @@ def _serve_on_ray(args: argparse.Namespace, run: Any, create_app: Any) -> int:
             from None
     ray.init(address=args.ray or None, log_to_driver=False)
     threads = args.threads or 1
+    options = {name: value for name, value in (("variant", args.variant), ("cpu", args.cpu)) if value}
     with RayPool(args.workers, args.model, num_cpus=threads, threads_per_worker=threads, slots=args.slots,
-                 n_ctx_slot=args.n_ctx_slot, pool_options={"variant": args.variant} if args.variant else None) as pool:
+                 n_ctx_slot=args.n_ctx_slot, pool_options=options or None) as pool:
         first = pool[0]
         name = first.model_path.rsplit("/", 1)[-1]
         template = _serve_template(args, name, first.has_chat_template,
@@ -249,7 +253,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lloyal-pool", description="crash-isolated llama.cpp inference")
-    ap.add_argument("--variant", default=None, help="native variant: cpu, cuda, vulkan or auto")
+    ap.add_argument("--version", action="version", version=f"lloyal_pool {__version__}")
+    ap.add_argument("--variant", default=None, help="GPU backend: cuda, vulkan, auto, or cpu (the default)")
+    ap.add_argument("--cpu", default=None, metavar="LEVEL",
+                    help="the level of CPU kernels, e.g. haswell (default: LLOYAL_POOL_CPU, else auto: the best "
+                    "this CPU runs; `lloyal-pool info` shows the one chosen and the levels installed)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text; only the text goes to stdout")

@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 
 from . import protocol as p
+from . import variants
 from ._aio import AsyncStream, awaited, closed_in_thread, settle
 from ._files import irregular_path
 from ._futures import mapped
@@ -69,7 +70,6 @@ from .params import (
 )
 from .protocol import Request
 from .shm import DEFAULT_SIZE, check_size
-from .variants import requested as requested_variant
 
 if TYPE_CHECKING:
     from .session import Session
@@ -118,9 +118,16 @@ class Instance(BatchedCalls):
 
     @property
     def variant(self) -> str:
-        """The native build the worker loaded ("cpu", "cuda", "vulkan"): the one asked for, or "cpu" when
-        that one could not load and the pool is not strict."""
+        """The GPU backend the worker runs on ("cuda", "vulkan"), or "cpu": the one asked for, or "cpu"
+        when that one could not load and the pool is not strict."""
         return str(self._proc.hello.get("variant"))
+
+    @property
+    def cpu_kernels(self) -> str:
+        """The level of ggml's CPU kernels the worker runs ("haswell", "sapphirerapids", ...): the best
+        this CPU runs, or the one the pool's ``cpu`` named. ``build_info["cpu"]`` says why, and which
+        instruction sets they use."""
+        return str(self.build_info.get("cpu", {}).get("kernels", ""))
 
     @property
     def threads(self) -> int:
@@ -129,7 +136,8 @@ class Instance(BatchedCalls):
 
     @property
     def build_info(self) -> dict[str, Any]:
-        """What the handshake reported: llama.cpp build, system info, default threads."""
+        """What the handshake reported: llama.cpp build, system info, default threads, and ``cpu``: the CPU
+        kernels (``kernels``, the level; ``requested``; ``reason``; ``features``, the instruction sets)."""
         return dict(self._proc.hello.get("build", {}))
 
     @property
@@ -1070,11 +1078,12 @@ def _is_int(x: object) -> bool:
 
 
 def _check_options(size: int, shm_bytes: object, shm_backend: object, threads_per_worker: object,
-                   memory_limit: object, start_timeout: object, native_log_level: object, variant: object,
-                   flags: Mapping[str, object]) -> None:
+                   memory_limit: object, start_timeout: object, native_log_level: object,
+                   choices: Mapping[str, object], flags: Mapping[str, object]) -> None:
     """Pool options that would otherwise be taken silently (a negative thread count, an unknown log level,
     the string "no" for a flag), fail later as a bare TypeError, or bring on the OOM killer (a region
-    larger than the machine holds)."""
+    larger than the machine holds). ``choices``: the options that name something (variant, cpu): a str
+    or None each, resolved by variants.py."""
     if threads_per_worker is not None and (isinstance(threads_per_worker, bool) or not isinstance(
             threads_per_worker, int) or not 1 <= threads_per_worker <= MAX_THREADS):
         raise InvalidArgumentError(f"threads_per_worker must be an int in [1, {MAX_THREADS}] or None (the CPUs "
@@ -1086,10 +1095,9 @@ def _check_options(size: int, shm_bytes: object, shm_backend: object, threads_pe
         raise InvalidArgumentError(f"start_timeout is a number of seconds > 0, got {start_timeout!r}")
     if native_log_level not in LOG_LEVELS:
         raise InvalidArgumentError(f"native_log_level is one of {', '.join(LOG_LEVELS)}; got {native_log_level!r}")
-    if variant is not None:
-        if not isinstance(variant, str):
-            raise InvalidArgumentError(f"variant is a str or None, got {variant!r}")
-        requested_variant(variant)
+    for name, value in choices.items():
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgumentError(f"{name} is a str or None, got {value!r}")
     for name, value in flags.items():
         if not isinstance(value, bool) and not (name == "strict_variant" and value is None):
             raise InvalidArgumentError(f"{name} is True or False, got {value!r}")
@@ -1205,8 +1213,10 @@ class Pool(BatchedCalls, Subscribers):
     are stopped). ``pool[i]`` is the i-th Instance. ``generate``/``stream``/``submit`` (and their asyncio
     twins) route independent requests to the live workers that hold the model, batched in each.
 
-    ``variant``: the native build ("cpu", "cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else
-    "cpu"), falling back to CPU unless ``strict_variant``. ``shm_bytes``: each worker's shared-memory
+    ``variant``: the GPU backend ("cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else "cpu"),
+    falling back to the CPU unless ``strict_variant``. ``cpu``: the level of ggml's CPU kernels ("auto",
+    the best this CPU runs, or a level this install holds such as "haswell"; default LLOYAL_POOL_CPU,
+    else "auto"). ``shm_bytes``: each worker's shared-memory
     region for logits and embeddings (``shm_backend``: "memfd", "posix" or "auto"), a row of n_vocab * 4
     bytes per context and per branch (lloyal_pool.shm_bytes_for), allocated up front: at least 12 KiB,
     and for all workers together no more than the machine has available (InvalidArgumentError). ``memory_limit``: a
@@ -1237,7 +1247,8 @@ class Pool(BatchedCalls, Subscribers):
     """
 
     def __init__(self, size: int = 1, *, variant: str | None = None, strict_variant: bool | None = None,
-                 shm_bytes: int = DEFAULT_SIZE, shm_backend: str = "auto", memory_limit: int | None = None,
+                 cpu: str | None = None, shm_bytes: int = DEFAULT_SIZE, shm_backend: str = "auto",
+                 memory_limit: int | None = None,
                  start_timeout: float = 60.0, env: Mapping[str, str | None] | None = None,
                  native_log_level: str = "warning", threads_per_worker: int | None = None,
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
@@ -1254,14 +1265,16 @@ class Pool(BatchedCalls, Subscribers):
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise InvalidArgumentError(f"env[{name!r}] must be a str, or None to pass ours through; got {value!r}")
         _check_options(size, shm_bytes, shm_backend, threads_per_worker, memory_limit, start_timeout,
-                       native_log_level, variant, {"strict_variant": strict_variant, "network": network,
-                                                   "sandbox": sandbox, "recover": recover})
+                       native_log_level, {"variant": variant, "cpu": cpu},
+                       {"strict_variant": strict_variant, "network": network, "sandbox": sandbox, "recover": recover})
         if threads_per_worker is None:
             # Workers that together ask for more threads than there are CPUs make llama.cpp's spinning
             # thread barriers stall each other (10x slower on a loaded 2-core machine): share the CPUs.
             threads_per_worker = max(1, len(os.sched_getaffinity(0)) // size) if hasattr(
                 os, "sched_getaffinity") else None
-        self._options = WorkerOptions(variant=variant, strict_variant=strict_variant, shm_bytes=shm_bytes,
+        self._options = WorkerOptions(variant=variants.requested(variant),
+                                      strict_variant=variants.strict_requested(strict_variant),
+                                      cpu=variants.requested_cpu(cpu), shm_bytes=shm_bytes,
                                       shm_backend=shm_backend, memory_limit=memory_limit,
                                       start_timeout=start_timeout, env=dict(env or {}),
                                       native_log_level=native_log_level, threads=threads_per_worker,

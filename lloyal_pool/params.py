@@ -465,8 +465,9 @@ class KVPressure(msgspec.Struct, frozen=True):
 class Device(msgspec.Struct, frozen=True):
     """One device ggml's backend registry holds in a worker (Instance.devices()): ``name`` ("CPU",
     "CUDA0", ...), ``description`` (the CPU or GPU model), ``backend`` (the backend that registered it:
-    "CPU", "CUDA", ...), ``type`` ("cpu", "gpu", "igpu" or "accel"), and its memory in bytes as the
-    backend reports it (for the CPU: the host's)."""
+    "CPU", "CUDA", ...), ``type`` ("cpu", "gpu", "igpu" or "accel"), its memory in bytes as the backend
+    reports it (for the CPU: the host's), and ``kernels``: for the CPU the level of ggml's kernels the
+    worker chose ("haswell", "sapphirerapids", ...; Instance.cpu_kernels), for a GPU its backend."""
 
     name: str
     description: str
@@ -474,6 +475,7 @@ class Device(msgspec.Struct, frozen=True):
     type: str
     memory_free: int
     memory_total: int
+    kernels: str = ""
 
     @property
     def is_gpu(self) -> bool:

@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Union
 
 from . import protocol as p
-from . import variants
 from .errors import SnapshotError
 
 if TYPE_CHECKING:
@@ -118,11 +117,11 @@ class Snapshot:
         return f"<Snapshot {state} names={self.names}>"
 
 
-def _why_no_fork(variant: str | None) -> str | None:
+def _why_no_fork(variant: str) -> str | None:
     if not sys.platform.startswith("linux"):
         return f"forking a prepared worker needs Linux, not {sys.platform}"
-    if variants.requested(variant) != "cpu":
-        return f"the pool's native variant is {variants.requested(variant)!r} (a GPU runtime does not survive a fork)"
+    if variant != "cpu":
+        return f"the pool's native variant is {variant!r} (a GPU runtime does not survive a fork)"
     return None
 
 

@@ -1,22 +1,32 @@
-"""Which native build a worker loads. Both sides import this module.
+"""Which backends a worker runs on. Both sides import this module; only the worker loads them.
 
-Every install has the CPU build (lloyal_pool.worker._native_cpu); GPU builds (_native_cuda,
-_native_vulkan) are opt-in builds of the same sources (CMake option LLOYAL_VARIANT). Each worker picks
-one at start-up, so one pool can mix them. The request comes from the Pool's ``variant`` option, else
-the LLOYAL_POOL_VARIANT environment variable, else "cpu"; "auto" means the best one that loads.
-A variant that fails to load falls back to CPU with a warning, or fails the worker's start in strict
-mode (Pool(strict_variant=True) or LLOYAL_POOL_VARIANT_STRICT=1).
+One native module (lloyal_pool.worker._native) serves every machine: llama.cpp is linked into it, and
+ggml's backends are libraries beside it that each worker loads at start-up (native/backends.cpp):
+
+- **CPU kernels**, one build per instruction-set level (``libggml-cpu-<level>.so``: x64, sse42,
+  sandybridge, haswell, skylakex, icelake, sapphirerapids, ...). A worker runs the best level its CPU runs
+  ("auto"; a level whose kernels use AMX only where the kernel grants AMX and a tile instruction runs),
+  or the level that Pool(cpu=...) names, else the LLOYAL_POOL_CPU environment variable.
+- **A GPU backend** (``libggml-cuda.so``; opt-in builds, docs/GPU.md), the "variant": Pool(variant=...),
+  else LLOYAL_POOL_VARIANT, else "cpu"; "auto" means the best one that loads. A GPU backend that does not
+  load or sees no device falls back to the CPU with a warning, or fails the worker's start in strict mode
+  (Pool(strict_variant=True) or LLOYAL_POOL_VARIANT_STRICT=1).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 from .errors import InvalidArgumentError
 
 KNOWN = ("cuda", "vulkan", "cpu")
 ENV_VARIANT = "LLOYAL_POOL_VARIANT"
 ENV_STRICT = "LLOYAL_POOL_VARIANT_STRICT"
+ENV_CPU = "LLOYAL_POOL_CPU"
+MODULE = "lloyal_pool.worker._native"
+_CPU_PREFIX = "libggml-cpu"
 
 
 def requested(variant: str | None) -> str:
@@ -39,5 +49,32 @@ def candidates(variant: str) -> list[str]:
     return [variant] if variant == "cpu" else [variant, "cpu"]
 
 
-def module_name(variant: str) -> str:
-    return f"lloyal_pool.worker._native_{variant}"
+def backend_dir() -> Path | None:
+    """Where the native module and the backends lie (an editable install keeps them apart from the
+    sources): found without loading them."""
+    spec = importlib.util.find_spec(MODULE)
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def installed_cpu_levels() -> list[str]:
+    """The CPU levels this install holds, by their files (sorted by name; "default" for a build of one)."""
+    directory = backend_dir()
+    names = []
+    for path in directory.glob(f"{_CPU_PREFIX}*.so") if directory else ():
+        level = path.name[len(_CPU_PREFIX):-len(".so")].lstrip("-")
+        names.append(level or "default")
+    return sorted(names)
+
+
+def requested_cpu(cpu: str | None) -> str:
+    """The CPU level a worker is told to load: ``cpu``, else LLOYAL_POOL_CPU, else "auto". A name this
+    install does not hold is an InvalidArgumentError before any worker starts."""
+    source = "cpu" if cpu else ENV_CPU
+    value = (cpu or os.environ.get(ENV_CPU) or "auto").strip().lower()
+    if value == "auto":
+        return value
+    levels = installed_cpu_levels()
+    if levels and value not in levels:
+        raise InvalidArgumentError(f"unknown CPU level {value!r} ({source}); this install has {', '.join(levels)} "
+                                   "or 'auto'")
+    return value

@@ -1,5 +1,7 @@
 #include "common.hpp"
 
+#include "backends.hpp"
+
 #include "common.h"
 
 #include <mutex>
@@ -20,6 +22,8 @@ int default_threads() {
 void backend_init_once() {
     static std::once_flag once;
     std::call_once(once, [] { llama_backend_init(); });
+    // ggml's backends are libraries loaded at run time: llama.cpp finds no device until one is.
+    cpu_backend();
 }
 
 }  // namespace lloyal

@@ -1,5 +1,7 @@
-// Module-level functions: the variant, llama.cpp's build info, the devices ggml sees, the log level, the
-// JSON-schema converter, and the sampler fields the C++ side declares (sampling.hpp).
+// Module-level functions: the backends a worker loads (backends.hpp), llama.cpp's build info, the devices
+// ggml sees, the log level, the JSON-schema converter, and the sampler fields the C++ side declares
+// (sampling.hpp).
+#include "backends.hpp"
 #include "bind.hpp"
 #include "devices.hpp"
 #include "heartbeat.hpp"
@@ -39,30 +41,84 @@ void set_heartbeat_word(const py::object & buffer, int64_t index) {
     heartbeat_buffer = buf.release();
 }
 
+py::dict cpu_choice_dict(const cpu_choice & c) {
+    py::dict d;
+    d["kernels"] = c.name;
+    d["requested"] = c.requested;
+    d["reason"] = c.reason;
+    d["path"] = c.path;
+    py::dict features;
+    for (const auto & [name, value] : c.features) {
+        features[py::str(name)] = value;
+    }
+    d["features"] = features;
+    return d;
+}
+
 }  // namespace
 
 void register_backend(py::module_ & m) {
-    backend_init_once();
     install_log_callback();
     install_abort_report();
-    if (std::string(LLOYAL_VARIANT_NAME) != "cpu") {
-        // A GPU build without a GPU would run everything on the CPU while claiming to be the GPU variant:
-        // refuse to load instead, so that the worker falls back to the CPU build (or fails when strict).
-        // The first look at the registry initialises the GPU backend, which logs why it found nothing.
-        const uint64_t mark = log_mark();
-        if (gpu_device_count() == 0) {
-            throw py::import_error(std::string("the ") + LLOYAL_VARIANT_NAME +
-                                   " build sees no GPU device (no driver, or no device visible)" +
-                                   log_reason_since(mark));
-        }
-    }
-    m.attr("variant") = LLOYAL_VARIANT_NAME;
+
+    m.def("backend_dir", &backend_dir, "The folder the module was loaded from, where ggml's backends lie.");
+    m.def(
+        "cpu_levels",
+        [] {
+            py::list out;
+            for (const auto & l : cpu_levels()) {
+                py::dict d;
+                d["name"] = l.name;
+                d["path"] = l.path;
+                d["score"] = l.score;
+                out.append(d);
+            }
+            return out;
+        },
+        "Every CPU backend of the build, best first for this CPU: name, path, score (0: this CPU cannot run it).");
+    m.def(
+        "load_cpu_backend",
+        [](const std::string & level) {
+            const cpu_choice * c = nullptr;
+            {
+                gil_release nogil;
+                c = &load_cpu_backend(level);
+            }
+            return cpu_choice_dict(*c);
+        },
+        py::arg("level") = "auto",
+        "Loads the CPU kernels: 'auto' (the best level this CPU runs) or a level's name. Once per process.");
+    m.def(
+        "load_gpu_backend",
+        [](const std::string & name) {
+            std::string why;
+            size_t n = 0;
+            {
+                gil_release nogil;
+                n = load_gpu_backend(name, why);
+            }
+            return py::make_tuple(n, why);
+        },
+        py::arg("name"), "Loads GPU backend name ('cuda', 'vulkan'): (its GPU devices, why 0).");
+    m.def(
+        "amx_usable",
+        [] {
+            std::string why;
+            bool ok = false;
+            {
+                gil_release nogil;
+                ok = amx_usable(why);
+            }
+            return py::make_tuple(ok, why);
+        },
+        "(whether AMX tile instructions run in this process, why not).");
+    m.def("gpu_device_count", [] { return gpu_device_count(); }, "GPU devices of the loaded backends.");
 
     m.def(
         "build_info",
         [] {
             py::dict d;
-            d["variant"] = LLOYAL_VARIANT_NAME;
+            d["cpu"] = cpu_choice_dict(cpu_backend());
             // One line for humans: version, then build number and commit (b0-unknown when the vendored
             // tree carried no git metadata).
             d["llama_cpp"] = std::string(llama_version()) + " (" + llama_build_info() + ")";
@@ -84,7 +140,7 @@ void register_backend(py::module_ & m) {
             d["max_parallel_sequences"] = llama_max_parallel_sequences();
             return d;
         },
-        "llama.cpp version/commit/compiler, ggml system info, default thread count, variant.");
+        "llama.cpp version/commit/compiler, ggml system info, default thread count, the CPU kernels.");
     m.def(
         "devices",
         [] {
@@ -102,6 +158,7 @@ void register_backend(py::module_ & m) {
                 e["type"] = d.type;
                 e["memory_free"] = d.memory_free;
                 e["memory_total"] = d.memory_total;
+                e["kernels"] = d.kernels;
                 out.append(e);
             }
             return out;

@@ -1,6 +1,6 @@
 // The branch and raw KV methods of native.Context (the branch driver, branch.hpp). Each turns its
 // Python arguments into typed ones (handles, token ids, params, grammars), calls the driver without the
-// GIL, and turns the result back. The contract is the stub, lloyal_pool/worker/_native_cpu.pyi.
+// GIL, and turns the result back. The contract is the stub, lloyal_pool/worker/_native.pyi.
 #include "bind_context.hpp"
 #include "errors.hpp"
 

@@ -1,6 +1,6 @@
 // The branch driver: forkable generation state inside one context (lloyal.node's Branch/BranchStore, done
 // over our worker), and the context's raw KV sequences. The exact contract of each operation is the
-// stub, lloyal_pool/worker/_native_cpu.pyi (bind_branch.cpp binds these methods there);
+// stub, lloyal_pool/worker/_native.pyi (bind_branch.cpp binds these methods there);
 // docs/BRANCHES.md explains the semantics for users. Files: branch_store.cpp (handles and leases),
 // branch.cpp (the tree, sampling state, produce), branch_decode.cpp (commit, prefill, step,
 // clear_and_reseed), kv.cpp (raw sequences, pressure, per-sequence state).
@@ -288,5 +288,5 @@ class branch_driver {
 
 }  // namespace lloyal
 
-// The methods' contract, for Python and C++ readers alike, is the stub lloyal_pool/worker/_native_cpu.pyi,
+// The methods' contract, for Python and C++ readers alike, is the stub lloyal_pool/worker/_native.pyi,
 // which the engine is type-checked against and stubtest checks this module against.

@@ -32,7 +32,7 @@ void log_reported_end();
 
 // Threads a context uses unless told otherwise (backend.cpp).
 int default_threads();
-// llama_backend_init, once per process (backend.cpp).
+// llama_backend_init, once per process, and the CPU backend if none was loaded yet (backend.cpp).
 void backend_init_once();
 
 // A GGML abort prints its message on a line starting with this marker (twice: before and after a short

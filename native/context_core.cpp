@@ -1,4 +1,5 @@
 #include "context_core.hpp"
+#include "devices.hpp"
 #include "heartbeat.hpp"
 #include "errors.hpp"
 
@@ -111,7 +112,7 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
         throw context_error("n_seq_max " + std::to_string(cp.n_seq_max) + " needs n_batch >= n_seq_max (n_batch is " +
                             std::to_string(n_batch_eff) + ")");
     }
-    if (std::string_view(LLOYAL_VARIANT_NAME) == "cpu") {
+    if (gpu_device_count() == 0) {
         const double need = kv_cache_bytes_estimate(lm, n_ctx_eff, cp.type_k, cp.type_v);
         const double have = physical_memory_bytes();
         if (have > 0.0 && need > have) {
@@ -142,7 +143,7 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
     n_threads_batch = llama_n_threads_batch(ctx_);
     governor_.set_wanted(n_threads, n_threads_batch);
     // Elsewhere the decode's work is on a device, and the CPU time of its threads says nothing about it.
-    governor_.set_enabled(std::string_view(LLOYAL_VARIANT_NAME) == "cpu");
+    governor_.set_enabled(gpu_device_count() == 0);
     n_swa = llama_model_n_swa(lm);
     n_cells = llama_n_ctx(ctx_);
     swa_full = cp.swa_full;

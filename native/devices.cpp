@@ -1,5 +1,7 @@
 #include "devices.hpp"
 
+#include "backends.hpp"
+
 #include "ggml-backend.h"
 // llama.cpp's staging API: the only place it reports where a context's memory went (pinned tree).
 #include "../vendor/llama.cpp/src/llama-ext.h"
@@ -38,6 +40,7 @@ std::vector<device_info> list_devices() {
         d.backend = reg != nullptr ? safe(ggml_backend_reg_name(reg)) : std::string();
         d.type = type_name(ggml_backend_dev_type(dev));
         ggml_backend_dev_memory(dev, &d.memory_free, &d.memory_total);
+        d.kernels = d.type == "cpu" ? cpu_backend().name : d.backend;
         out.push_back(std::move(d));
     }
     return out;

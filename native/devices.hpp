@@ -1,5 +1,5 @@
 // What ggml's backend registry sees (devices()), what a context's memory sits on (memory_breakdown()),
-// and whether a GPU variant has a device to run on. Plain C++ (devices.cpp).
+// and whether a GPU backend has a device to run on. Plain C++ (devices.cpp).
 #pragma once
 
 #include "common.hpp"
@@ -17,6 +17,7 @@ struct device_info {
     std::string type;         // "cpu", "gpu", "igpu" or "accel"
     size_t memory_free = 0;   // bytes, as the backend reports them
     size_t memory_total = 0;
+    std::string kernels;      // the CPU's: the level of kernels chosen ("haswell"); a GPU's: its backend
 };
 
 // Every device registered with ggml, in registry order.

@@ -181,6 +181,7 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
         throw model_load_error("model path is a directory, not a GGUF file: '" + path + "'");
     }
 
+    backend_init_once();  // ggml's backends are loaded at run time: the worker's choice, or "auto"
     llama_model_params params = llama_model_default_params();
     params.n_gpu_layers = n_gpu_layers;
     params.load_mode = use_mmap ? LLAMA_LOAD_MODE_MMAP : LLAMA_LOAD_MODE_NONE;

@@ -21,7 +21,7 @@ stamp="$VENV/.lloyal-build-tools-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   say "installing build tools"
   "$VPY" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  "$VPY" -m pip install --quiet --disable-pip-version-check "scikit-build-core>=0.10" "pybind11>=2.13"
+  "$VPY" -m pip install --quiet --disable-pip-version-check "scikit-build-core>=0.11" "pybind11>=2.13"
   rm -f "$VENV"/.lloyal-build-tools-* && touch "$stamp"
 fi
 

@@ -415,7 +415,7 @@ def test_gemma_rerank_puts_the_relevant_document_first(gemma: Model, query: str,
 # -- interrupt ------------------------------------------------------------------------------------------
 def test_interrupted_embed_and_rerank_raise_and_the_context_goes_on(tiny_model: Path) -> None:
     """In-process, with the interrupt word already naming the request: the check before each decode."""
-    import lloyal_pool.worker._native_cpu as native
+    import lloyal_pool.worker._native as native
     from lloyal_pool.errors import InterruptedByClient
     from lloyal_pool.shm import BULK_OFFSET, PAGE, Region
 

@@ -17,7 +17,7 @@ from lloyal_pool.worker import engine as engine_mod
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    import lloyal_pool.worker._native_cpu as native
+    import lloyal_pool.worker._native as native
 
     eng = engine_mod.Engine(native, Region.anonymous(8 << 20))
     yield eng

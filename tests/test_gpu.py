@@ -1,13 +1,13 @@
-"""GPU variants: what a worker's ggml sees (Instance.devices), where weights and caches sit
-(Context.memory_breakdown, n_gpu_layers), the real CUDA build's fallback on a machine without a GPU, and
-the ``gpu``-marked tests that need the CUDA build (scripts/build-variant cuda) and a visible GPU.
+"""GPU backends: what a worker's ggml sees (Instance.devices), where weights and caches sit
+(Context.memory_breakdown, n_gpu_layers), the real CUDA backend's fallback on a machine without a GPU, and
+the ``gpu``-marked tests that need the CUDA backend built (scripts/build-variant cuda) and a visible GPU.
 
-Whether the CUDA build is installed and sees a GPU is decided by importing it in a child process: the
-module refuses to import when ggml registers no GPU device, so an import that succeeds means a GPU."""
+Whether the CUDA backend is built and sees a GPU is decided by loading it in a child process: a backend
+that sees no GPU device is unloaded again and says why, so a load that reports devices means a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import logging
 import subprocess
 import sys
@@ -18,23 +18,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lloyal_pool import BufferMemory, GenerateParams, Pool, WorkerStartupError
+from lloyal_pool import BufferMemory, GenerateParams, Pool, WorkerStartupError, variants
 
-CUDA_MODULE = "lloyal_pool.worker._native_cuda"
 BUILD_HINT = "bash scripts/build-variant cuda --arch <sm>"
 
 
 @cache
 def cuda_status() -> tuple[bool, bool, str]:
-    """(built, loads, why): whether _native_cuda is installed, whether it imports, and the import's error."""
-    if importlib.util.find_spec(CUDA_MODULE) is None:
-        return False, False, f"the CUDA variant is not built here ({BUILD_HINT})"
-    proc = subprocess.run([sys.executable, "-c", f"import {CUDA_MODULE}"], capture_output=True, text=True,
-                          timeout=120)
-    if proc.returncode == 0:
-        return True, True, ""
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    return True, False, lines[-1] if lines else f"import exited with {proc.returncode}"
+    """(built, loads, why): whether libggml-cuda.so is installed, whether it sees a GPU, and why not."""
+    directory = variants.backend_dir()
+    if directory is None or not (directory / "libggml-cuda.so").exists():
+        return False, False, f"the CUDA backend is not built here ({BUILD_HINT})"
+    script = "import json, lloyal_pool.worker._native as n; print(json.dumps(n.load_gpu_backend('cuda')))"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        return True, False, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else str(proc.returncode)
+    n_devices, why = json.loads(proc.stdout.strip().splitlines()[-1])
+    return True, n_devices > 0, why
 
 
 def needs_gpu() -> None:
@@ -42,14 +42,14 @@ def needs_gpu() -> None:
     if not built:
         pytest.skip(why)
     if not loads:
-        pytest.skip(f"the CUDA variant is built but sees no GPU: {why}")
+        pytest.skip(f"the CUDA backend is built but sees no GPU: {why}")
 
 
 def gpu_model_bytes(rows: list[BufferMemory], gpu_names: set[str]) -> int:
     return sum(r.model for r in rows if r.device in gpu_names)
 
 
-# -- every machine: the CPU variant ---------------------------------------------------------------------
+# -- every machine: the CPU ---------------------------------------------------------------------------
 def test_devices_lists_the_cpu(pool: Pool) -> None:
     devices = pool[0].devices()
     cpus = [d for d in devices if d.type == "cpu"]
@@ -57,13 +57,13 @@ def test_devices_lists_the_cpu(pool: Pool) -> None:
     cpu = cpus[0]
     assert cpu.name == "CPU" and cpu.backend == "CPU" and cpu.description
     assert 0 < cpu.memory_free <= cpu.memory_total
-    assert not cpu.is_gpu
-    # The CPU build registers no GPU backend at all.
+    assert not cpu.is_gpu and cpu.kernels == pool[0].cpu_kernels
+    # A worker that was not asked for a GPU backend loads none.
     assert pool[0].variant == "cpu" and not [d for d in devices if d.is_gpu]
 
 
-def test_n_gpu_layers_on_the_cpu_variant_keeps_everything_on_the_cpu(pool: Pool, tiny_model: Path) -> None:
-    # The CPU build accepts any n_gpu_layers (llama.cpp has no GPU device to give layers to): the model
+def test_n_gpu_layers_without_a_gpu_backend_keeps_everything_on_the_cpu(pool: Pool, tiny_model: Path) -> None:
+    # A CPU worker accepts any n_gpu_layers (llama.cpp has no GPU device to give layers to): the model
     # loads, every buffer is the CPU's, and the output is the same as with n_gpu_layers=0.
     texts = []
     for n_gpu_layers in (99, -1, 0):
@@ -106,7 +106,7 @@ def test_real_cuda_build_without_a_gpu_falls_back_unless_strict(caplog: pytest.L
         Pool(1, variant="cuda", strict_variant=True)
 
 
-# -- a GPU machine with the CUDA variant built ----------------------------------------------------------
+# -- a GPU machine with the CUDA backend built -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def cuda_pool() -> Iterator[Pool]:
     needs_gpu()

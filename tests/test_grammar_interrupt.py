@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import lloyal_pool.worker._native_cpu as native
+import lloyal_pool.worker._native as native
 from lloyal_pool import Grammar, GrammarError, InterruptedByClient, Model, Pool, SamplerParams, StopReason
 
 

@@ -279,7 +279,7 @@ def test_an_adapter_in_use_cannot_be_closed(tiny: Model, tiny_lora_paths: tuple[
 
 def test_engine_refuses_unknown_and_freed_adapter_handles(tiny_model: Path,
                                                          tiny_lora_paths: tuple[Path, Path]) -> None:
-    import lloyal_pool.worker._native_cpu as native
+    import lloyal_pool.worker._native as native
 
     eng = engine_mod.Engine(native, Region.anonymous(8 << 20))
     try:

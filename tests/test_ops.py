@@ -144,7 +144,7 @@ def test_reply_types_convert_from_the_wire() -> None:
 
 def test_the_loop_answers_bad_requests_and_keeps_serving() -> None:
     """Unknown ops and mistyped fields fail their own request; the next one is served."""
-    import lloyal_pool.worker._native_cpu as native
+    import lloyal_pool.worker._native as native
 
     engine = Engine(native, Region.anonymous(1 << 20))
     req_r, req_w = os.pipe()

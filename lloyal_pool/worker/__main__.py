@@ -1,8 +1,9 @@
 """Worker process entry point: ``python -I -m lloyal_pool.worker --fds R,W --shm SPEC ...``.
 
 Started only by the client (client._process), never by forking it. In order: die with the parent
-(signal and lifeline pipe), keep stdout off the protocol, harden, load one native variant (falling
-back to CPU unless strict), attach the shared region, say HELLO,
+(signal and lifeline pipe), keep stdout off the protocol, harden, load the native module and its
+backends (the CPU kernels asked for, then a GPU backend if one was, falling back to the CPU unless
+strict: variants.py), attach the shared region, say HELLO,
 serve until the parent closes the pipe or says SHUTDOWN.
 """
 
@@ -23,17 +24,19 @@ from ..shm import Region, RegionSpec
 from . import landlock, sandbox
 
 
-def load_native(requested: str, strict: bool) -> tuple[ModuleType, str | None]:
-    """The first variant that imports, and why the requested one did not (None when it did)."""
+def load_native(cpu: str, requested: str, strict: bool) -> tuple[ModuleType, str, str | None]:
+    """The native module with its CPU kernels (build_info()["cpu"] says which) and the GPU backend that
+    loaded: (module, the variant running, why the requested variant did not load, or None)."""
+    native = importlib.import_module(variants.MODULE)
+    native.load_cpu_backend(cpu)
     failures: list[str] = []
     for variant in variants.candidates(requested):
-        try:
-            return importlib.import_module(variants.module_name(variant)), (
-                "; ".join(failures) if failures else None)
-        except ImportError as exc:
-            failures.append(f"{variant}: {exc}")
-            if strict:
-                break
+        n_devices, why = (1, "") if variant == "cpu" else native.load_gpu_backend(variant)
+        if n_devices:
+            return native, variant, "; ".join(failures) if failures else None
+        failures.append(f"{variant}: {why}")
+        if strict:
+            break
     raise ImportError(f"no native variant could be loaded (requested {requested!r}, strict={strict}): "
                       + "; ".join(failures))
 
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--worker-id", type=int, default=0)
     ap.add_argument("--variant", default="cpu")
+    ap.add_argument("--cpu", default="auto", help="the CPU kernels' level, or auto")
     ap.add_argument("--strict-variant", action="store_true")
     ap.add_argument("--memory-limit", type=int, default=0)
     ap.add_argument("--log-level", type=int, default=2)
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     rfd, wfd = (int(x) for x in args.fds.split(","))
     try:
         sandbox.harden(args.memory_limit or None)
-        native, fallback = load_native(args.variant, args.strict_variant)
+        native, variant, fallback = load_native(args.cpu, args.variant, args.strict_variant)
         native.set_log_level(args.log_level)
         region = Region.attach(RegionSpec.from_arg(args.shm))
     except BaseException as exc:
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": PROTOCOL_VERSION,
         "pid": os.getpid(),
         "worker_id": args.worker_id,
-        "variant": native.variant,
+        "variant": variant,
         "requested_variant": args.variant,
         "fallback_reason": fallback,
         "build": build,
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if fallback:
         print(f"[worker] [startup] native variant {args.variant!r} unavailable, using "
-              f"{native.variant!r}: {fallback}", file=sys.stderr, flush=True)
+              f"{variant!r}: {fallback}", file=sys.stderr, flush=True)
     engine = Engine(native, region, default_threads=args.threads or None, single_threaded=args.zygote >= 0)
     zygote = None
     if args.zygote >= 0:

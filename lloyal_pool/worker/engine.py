@@ -50,7 +50,7 @@ from ..shm import (
 )
 
 if TYPE_CHECKING:  # the stub is the native module's contract: mypy checks the engine's calls against it
-    from . import _native_cpu as native_api
+    from . import _native as native_api
 
 EventSink = Callable[[dict[str, Any]], None]
 _GGUF_MAGIC = b"GGUF"
@@ -323,7 +323,7 @@ class Engine:
         if self.default_threads and params.get("n_threads") is None:
             params = {**params, "n_threads": self.default_threads}
         cap = _memory_cap()
-        if cap is not None and getattr(self.native, "variant", "cpu") == "cpu":
+        if cap is not None and self.native.gpu_device_count() == 0:
             # On the CPU every buffer of the context is heap the cap counts (a GPU build's are not).
             _refuse_over_cap(cap, _context_lower_bound(entry.native.info(), params), "needs at least")
         try:

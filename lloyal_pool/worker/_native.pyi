@@ -1,4 +1,5 @@
-"""Stub of the native module (native/*.cpp), one build per GPU variant: _native_cpu, _native_cuda, ...
+"""Stub of the native module (native/*.cpp): llama.cpp, with ggml's backends loaded at run time from the
+module's folder (one CPU backend per instruction-set level, a GPU backend where one was built).
 
 Only worker processes import it. Every call that decodes releases the GIL. C++ errors arrive as the
 exception classes of lloyal_pool.errors (the module imports them at load time), so the engine raises the
@@ -12,20 +13,45 @@ from typing import Any
 
 from lloyal_pool.errors import ContextError
 
-variant: str  # "cpu", "cuda", "vulkan"
+def backend_dir() -> str:
+    """The folder the module was loaded from, where ggml's backends lie."""
+
+def cpu_levels() -> list[dict[str, Any]]:
+    """Every CPU backend of the build (libggml-cpu-<level>.so), best first for this CPU: name, path, score
+    (ggml's; 0 when this CPU lacks an instruction set the level needs)."""
+
+def load_cpu_backend(level: str = "auto") -> dict[str, Any]:
+    """Loads the CPU kernels, once per process: "auto" is the best level this CPU runs (a level whose
+    kernels use AMX only where amx_usable()), a name is that level. Returns kernels (the level), requested,
+    reason (one line: why this level, and what was passed over), path, features (the backend's instruction
+    sets, name -> "1"). Asking again for the same level (or "auto") returns the first choice. ValueError for
+    a level the build does not hold; RuntimeError for one this CPU cannot run, or a second, other level.
+    Everything that needs a device loads "auto" (or LLOYAL_POOL_CPU's level) first if nothing was loaded."""
+
+def load_gpu_backend(name: str) -> tuple[int, str]:
+    """Loads GPU backend name ("cuda", "vulkan") from backend_dir(): (its GPU devices, why there are none:
+    the file missing, a library or the driver that did not load, no device visible). A backend without a
+    device is unloaded again."""
+
+def amx_usable() -> tuple[bool, str]:
+    """(whether AMX tile instructions run in this process, why not): the CPU has them, the kernel grants
+    their tile data (arch_prctl), and a tile instruction does not kill a child process that tries one."""
+
+def gpu_device_count() -> int:
+    """The GPU devices (gpu or igpu) of the backends loaded."""
 
 def build_info() -> dict[str, Any]:
-    """llama.cpp version/commit/compiler, ggml system info, default thread count, variant.
+    """llama.cpp version/commit/compiler, ggml system info, default thread count, the CPU kernels.
 
-    Keys: variant, llama_cpp (one summary line), llama_version, build_number, commit, build_info, compiler,
-    build_target, ggml_version, ggml_commit, system_info, default_threads, hardware_concurrency,
+    Keys: cpu (load_cpu_backend's dict), llama_cpp (one summary line), llama_version, build_number, commit,
+    build_info, compiler, build_target, ggml_version, ggml_commit, system_info, default_threads, hardware_concurrency,
     supports_mmap, supports_mlock,
     supports_gpu_offload, max_devices, max_parallel_sequences."""
 
 def devices() -> list[dict[str, Any]]:
     """The devices ggml's backend registry holds, in its order: name, description, backend, type ("cpu",
-    "gpu", "igpu", "accel"), memory_free, memory_total (bytes). A GPU variant's module refuses to import
-    (ImportError) when it holds no gpu/igpu device."""
+    "gpu", "igpu", "accel"), memory_free, memory_total (bytes), kernels (the CPU's: the level loaded; a
+    GPU's: its backend)."""
 
 def set_log_level(level: int) -> None:
     """Minimum llama.cpp log level written to fd 2 (0 debug, 1 info, 2 warn, 3 error, 4 none); default 2.

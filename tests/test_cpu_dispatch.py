@@ -1,0 +1,184 @@
+"""Run-time CPU dispatch: one build runs on any x86-64 CPU. Each worker loads the best level of ggml's CPU
+kernels this machine runs (AMX only where a tile instruction works), or the level that Pool(cpu=) or
+LLOYAL_POOL_CPU names; the worker's devices and build info say which. An old CPU is emulated with
+qemu-user (``qemu-x86_64 -cpu Nehalem``), which scripts/test installs wherever it may run apt-get."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lloyal_pool import InvalidArgumentError, Pool, variants
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+# ggml's x86-64 levels, oldest first; each needs the instruction sets of the one before it, more or less.
+X86_LEVELS = {"x64", "sse42", "sandybridge", "haswell", "skylakex", "icelake", "alderlake", "sapphirerapids"}
+QEMU = shutil.which("qemu-x86_64")
+PATIENCE = 600  # emulated: a guard against hanging forever, never a timing assertion
+
+
+def native(code: str, *, prefix: list[str] | None = None, env: dict[str, str] | None = None,
+           timeout: float = 120) -> Any:
+    """What ``code`` (run with the native module imported as ``n``) prints as JSON, in a fresh process."""
+    script = "import json, lloyal_pool.worker._native as n\n" + textwrap.dedent(code)
+    out = subprocess.run([*(prefix or []), sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def levels() -> list[dict[str, Any]]:
+    return list(native("print(json.dumps(n.cpu_levels()))"))
+
+
+@pytest.mark.skipif(not X86, reason="the x86-64 levels")
+def test_the_build_holds_every_x86_level_and_the_parent_sees_them() -> None:
+    built = levels()
+    names = {level["name"] for level in built}
+    assert names >= X86_LEVELS, names
+    assert set(variants.installed_cpu_levels()) == names  # read from the files: the parent loads nothing
+    # Best first: no level this CPU cannot run (score 0) comes before one it can.
+    scores = [level["score"] for level in built]
+    assert scores == sorted(scores, reverse=True) and scores[0] > 0
+    by_name = {level["name"]: level["score"] for level in built}
+    assert by_name["x64"] > 0  # every x86-64 CPU runs the baseline
+
+
+def test_a_worker_runs_the_best_level_this_cpu_runs(pool: Pool) -> None:
+    built = levels()
+    cpu = pool[0].build_info["cpu"]
+    chosen = next(level for level in built if level["name"] == cpu["kernels"])
+    assert cpu["requested"] == "auto" and pool[0].cpu_kernels == cpu["kernels"]
+    # Only a level whose kernels use AMX, where AMX does not run, is passed over for a lower one.
+    usable, why = native("print(json.dumps(n.amx_usable()))")
+    for better in (level for level in built if level["score"] > chosen["score"]):
+        assert not usable and f"{better['name']} skipped: its kernels use AMX and {why}" in cpu["reason"], cpu
+    if not usable:
+        assert not any(k.startswith("AMX") for k in cpu["features"]), cpu
+    [device] = [d for d in pool[0].devices() if d.type == "cpu"]
+    assert device.kernels == cpu["kernels"]
+
+
+@pytest.mark.skipif(not X86, reason="the x86-64 levels")
+def test_a_level_named_is_the_level_run(tiny_model: Path) -> None:
+    with Pool(1, cpu="haswell") as pool:
+        cpu = pool[0].build_info["cpu"]
+        assert pool[0].cpu_kernels == "haswell" and cpu["requested"] == "haswell"
+        assert cpu["features"].get("AVX2") == "1" and "AVX512" not in cpu["features"], cpu
+        assert [d.kernels for d in pool[0].devices() if d.type == "cpu"] == ["haswell"]
+        result = pool[0].load_model(tiny_model).new_context().generate("Once upon a time", n_predict=8)
+        assert result.n_decoded == 8
+
+
+@pytest.mark.skipif(not X86, reason="the x86-64 levels")
+def test_the_environment_names_the_level_and_the_option_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(variants.ENV_CPU, "x64")
+    with Pool(1) as pool:
+        assert pool[0].cpu_kernels == "x64"
+    with Pool(1, cpu="sse42") as pool:
+        assert pool[0].cpu_kernels == "sse42"
+
+
+def test_an_unknown_level_is_refused_before_a_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"unknown CPU level 'pentium4'.*haswell"):
+        Pool(1, cpu="pentium4")
+    with pytest.raises(InvalidArgumentError, match="cpu"):
+        Pool(1, cpu=3)  # type: ignore[arg-type]
+    monkeypatch.setenv(variants.ENV_CPU, "pentium4")
+    with pytest.raises(InvalidArgumentError, match=variants.ENV_CPU):
+        Pool(1)
+
+
+# A seccomp filter that makes arch_prctl(ARCH_REQ_XCOMP_PERM, ...) fail with EPERM, as a kernel or sandbox
+# that does not grant AMX's tile data does; inherited by the pool's workers.
+DENY_AMX = """
+import ctypes, struct
+code = [(0x20, 0, 0, 0), (0x15, 0, 3, 158), (0x20, 0, 0, 16), (0x15, 0, 1, 0x1023),
+        (0x06, 0, 0, 0x00050000 | 1), (0x06, 0, 0, 0x7fff0000)]
+filt = b"".join(struct.pack("HBBI", *c) for c in code)
+buf = ctypes.create_string_buffer(filt)
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+prog = Prog(len(code), ctypes.addressof(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0, ctypes.get_errno()  # PR_SET_SECCOMP, filter
+"""
+
+
+@pytest.mark.skipif(not X86, reason="AMX is x86-64's")
+def test_amx_kernels_are_left_out_where_the_kernel_does_not_grant_amx() -> None:
+    script = DENY_AMX + textwrap.dedent("""
+        import json
+        from lloyal_pool import Pool, WorkerStartupError
+        with Pool(1) as pool:
+            cpu = pool[0].build_info["cpu"]
+        try:
+            Pool(1, cpu="sapphirerapids").close()
+            forced = ""
+        except WorkerStartupError as exc:
+            forced = str(exc)
+        print(json.dumps([cpu, forced]))
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cpu, forced = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not any(k.startswith("AMX") for k in cpu["features"]), cpu
+    # Named, the AMX level cannot start: on a CPU with AMX because the kernel refuses its tile data, on
+    # any other because the CPU lacks it.
+    assert "sapphirerapids" in forced, forced
+    best = levels()[0]
+    if best["name"] == "sapphirerapids":  # this CPU has AMX: the run-time decision is what passed it over
+        assert "sapphirerapids skipped: its kernels use AMX and the kernel does not grant AMX" in cpu["reason"]
+        assert "does not grant AMX tile data" in forced
+
+
+def qemu_python(tmp_path: Path, cpu: str) -> Path:
+    """A python that runs under ``qemu-x86_64 -cpu <cpu>``: a virtual environment beside this one whose
+    interpreter is a script, so that the workers it starts (sys.executable) are emulated as well."""
+    venv = tmp_path / "qvenv"
+    (venv / "bin").mkdir(parents=True)
+    here = Path(sys.prefix)
+    (venv / "pyvenv.cfg").write_text((here / "pyvenv.cfg").read_text())
+    (venv / "lib").symlink_to(here / "lib")
+    real = os.path.realpath(sys.executable)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {QEMU} -cpu {cpu} -0 "$0" {real} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+@pytest.mark.skipif(not X86, reason="an x86-64 CPU emulated")
+def test_an_old_cpu_runs_the_sse42_kernels_and_refuses_newer_ones(tmp_path: Path, tiny_model: Path) -> None:
+    if QEMU is None:  # scripts/test installs it wherever it may run apt-get
+        pytest.skip("no qemu-x86_64 (Debian: apt-get install qemu-user)")
+    python = qemu_python(tmp_path, "Nehalem")  # 2008: SSE4.2, no AVX
+    script = textwrap.dedent(f"""
+        import json
+        from lloyal_pool import Pool, WorkerStartupError
+        with Pool(1) as pool:
+            kernels = pool[0].cpu_kernels
+            result = pool[0].load_model({str(tiny_model)!r}).new_context().generate("Once upon a time",
+                                                                                   n_predict=4)
+        try:
+            Pool(1, cpu="haswell").close()
+            refused = ""
+        except WorkerStartupError as exc:
+            refused = str(exc)
+        print(json.dumps([kernels, result.n_decoded, refused]))
+        """)
+    out = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=PATIENCE,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kernels, n_decoded, refused = json.loads(out.stdout.strip().splitlines()[-1])
+    assert kernels == "sse42" and n_decoded == 4
+    assert "this CPU cannot run the 'haswell' kernels" in refused, refused
