@@ -226,6 +226,15 @@ const cpu_choice & load_cpu_backend(const std::string & requested) {
         }
         auto features = features_of(reg);
         std::string why;
+        if (uses_amx(features) && requested == "auto") {
+            // Not chosen unasked: llama.cpp's AMX kernels copy every weight into a buffer of their own, so
+            // a worker holds a private copy of the model instead of sharing the file's pages with the other
+            // workers, and the copy starts an OpenMP team that a snapshot's fork cannot survive.
+            ggml_backend_unload(reg);
+            skipped += "; " + l->name + " passed over: its AMX kernels copy every weight into the worker's own "
+                       "memory (name it to use them)";
+            continue;
+        }
         if (uses_amx(features) && !amx_usable(why)) {
             ggml_backend_unload(reg);
             skipped += "; " + l->name + " skipped: its kernels use AMX and " + why;

@@ -30,8 +30,8 @@ struct cpu_choice {
 std::string backend_dir();
 // Every CPU backend in backend_dir(), best score first.
 std::vector<cpu_level> cpu_levels();
-// Loads the CPU backend: "auto" is the best level this CPU runs (AMX only where the kernel grants its tile
-// state: amx_usable), a name is that level. Once per process: a second call returns the first choice if it
+// Loads the CPU backend: "auto" is the best level this CPU runs whose kernels do not use AMX (those copy the
+// model into the worker's own memory), a name is that level (AMX only where amx_usable()). Once per process: a second call returns the first choice if it
 // asked for the same (or "auto"), else throws. std::invalid_argument for a level the build does not hold,
 // std::runtime_error for one this CPU cannot run.
 const cpu_choice & load_cpu_backend(const std::string & requested);
