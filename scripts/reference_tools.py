@@ -6,8 +6,9 @@ vendored tree, in two builds:
   CPU backends as libraries beside the programs). It runs the level of CPU kernels the pool's workers run
   here (LLOYAL_POOL_CPU, else the best this CPU runs), so a test compares like with like. scripts/test
   builds these up front.
-- ``native_tool(name)``: llama.cpp as it is built for one machine (``-march=native``, static), in
-  build/native-reference: what the benchmarks' gates compare against. Built on first use (minutes).
+- ``native_tool(name)``: llama.cpp as it is built for one machine (``-march=native``, static, without AMX
+  as the workers run; bench/native-reference), in build/native-reference: what the benchmarks' gates
+  compare against. Built on first use (minutes).
 
     python scripts/reference_tools.py            # the portable programs
     python scripts/reference_tools.py --native   # the native ones
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,43 +73,16 @@ def tool(name: str) -> Path:
     return linked
 
 
-def _amx_usable() -> bool:
-    script = "import lloyal_pool.worker._native as n; print(n.amx_usable()[0])"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    return out.stdout.strip() == "True"
-
-
-# /proc/cpuinfo's flags and the ggml options that use them: this CPU's instruction sets without AMX.
-_GGML_FEATURES = {"sse4_2": "SSE42", "avx": "AVX", "avx2": "AVX2", "bmi2": "BMI2", "fma": "FMA", "f16c": "F16C",
-                  "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI",
-                  "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16"}
-
-
-def _native_flags() -> list[str]:
-    """-march=native, unless this CPU reports AMX that does not run here (a sandbox): then each instruction
-    set it has but AMX, named to ggml."""
-    if _amx_usable() or "amx_tile" not in Path("/proc/cpuinfo").read_text():
-        return ["-DGGML_NATIVE=ON"]
-    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).split())
-    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}"
-                                   for flag, opt in _GGML_FEATURES.items())]
-
-
 def native_tool(name: str) -> Path:
-    """`name` built for this machine alone (-march=native, static libraries), built on demand."""
+    """`name` built for this machine alone (-march=native, static libraries; bench/native-reference),
+    built on demand."""
     bdir = ROOT / "build" / "native-reference"
     exe = bdir / "bin" / name
     if not (bdir / "CMakeCache.txt").exists():
-        flags = _native_flags()
-        generator = ["-G", "Ninja"] if subprocess.run(["ninja", "--version"], capture_output=True).returncode == 0 \
-            else []
-        print(f"[reference] configuring {bdir} ({' '.join(flags)})", file=sys.stderr)
-        subprocess.run(["cmake", "-S", str(ROOT / "vendor" / "llama.cpp"), "-B", str(bdir), *generator,
-                        "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-                        "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", *flags],
-                       check=True, stdout=subprocess.DEVNULL)
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        print(f"[reference] configuring {bdir} (-march=native)", file=sys.stderr)
+        subprocess.run(["cmake", "-S", str(ROOT / "bench" / "native-reference"), "-B", str(bdir), *generator,
+                        "-DCMAKE_BUILD_TYPE=Release"], check=True, stdout=subprocess.DEVNULL)
     if not exe.exists():
         print(f"[reference] building {name} for this machine (first time: minutes)", file=sys.stderr)
         _build(bdir, name)
