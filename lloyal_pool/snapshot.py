@@ -32,14 +32,14 @@ class Snapshot:
     """A prepared instance that forks into ready ones (Pool.snapshot). ``fork()`` returns a new Instance
     holding what prepare() left; ``names`` are the handles prepare() returned by name. ``mode`` says how:
     "fork" (Linux, CPU variant: the prepared worker is a zygote that forks copy-on-write children) or
-    "replay" (elsewhere, e.g. a GPU variant: each fork is a fresh worker that loads the same models and
-    the saved state of each named context). Close it with close() (or a ``with`` block; the pool's
+    "replay" (elsewhere, e.g. a GPU variant or AMX kernels: each fork is a fresh worker that loads the same
+    models and the saved state of each named context). Close it with close() (or a ``with`` block; the pool's
     close() closes it too); forks live on after it."""
 
     def __init__(self, pool: Pool, prepare: Prepare, fork: bool | None = None) -> None:
         from .client import Context, Instance
 
-        why_not = _why_no_fork(pool._options.variant)
+        why_not = _why_no_fork(pool)
         if fork and why_not:
             raise SnapshotError(f"this snapshot cannot fork: {why_not}; use fork=False (replay)")
         #: "fork" or "replay".
@@ -117,11 +117,16 @@ class Snapshot:
         return f"<Snapshot {state} names={self.names}>"
 
 
-def _why_no_fork(variant: str) -> str | None:
+def _why_no_fork(pool: Pool) -> str | None:
     if not sys.platform.startswith("linux"):
         return f"forking a prepared worker needs Linux, not {sys.platform}"
-    if variant != "cpu":
-        return f"the pool's native variant is {variant!r} (a GPU runtime does not survive a fork)"
+    if pool._options.variant != "cpu":
+        return f"the pool's native variant is {pool._options.variant!r} (a GPU runtime does not survive a fork)"
+    # Its workers all run the same CPU kernels: a live one says which.
+    cpu: dict[str, Any] = next((inst.build_info.get("cpu", {}) for inst in pool if inst.alive), {})
+    if any(name.startswith("AMX") for name in cpu.get("features", {})):
+        return (f"the pool's CPU kernels ({cpu.get('kernels')}) use AMX, whose copy of the weights starts an "
+                "OpenMP team that a fork cannot survive")
     return None
 
 

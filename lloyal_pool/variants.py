@@ -4,9 +4,9 @@ One native module (lloyal_pool.worker._native) serves every machine: llama.cpp i
 ggml's backends are libraries beside it that each worker loads at start-up (native/backends.cpp):
 
 - **CPU kernels**, one build per instruction-set level (``libggml-cpu-<level>.so``: x64, sse42,
-  sandybridge, haswell, skylakex, icelake, sapphirerapids, ...). A worker runs the best level its CPU runs
-  ("auto"; a level whose kernels use AMX only where the kernel grants AMX and a tile instruction runs),
-  or the level that Pool(cpu=...) names, else the LLOYAL_POOL_CPU environment variable.
+  sandybridge, haswell, skylakex, icelake, sapphirerapids, ...). A worker runs the level that Pool(cpu=...)
+  names, else the LLOYAL_POOL_CPU environment variable, else "auto": the best level its CPU runs, AMX
+  kernels aside (they copy the model into the worker; named, they run where AMX does).
 - **A GPU backend** (``libggml-cuda.so``; opt-in builds, docs/GPU.md), the "variant": Pool(variant=...),
   else LLOYAL_POOL_VARIANT, else "cpu"; "auto" means the best one that loads. A GPU backend that does not
   load or sees no device falls back to the CPU with a warning, or fails the worker's start in strict mode

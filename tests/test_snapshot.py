@@ -10,6 +10,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -366,3 +367,24 @@ def test_a_fork_that_fails_leaves_no_descriptor_or_directory_behind(snap_pool: P
         assert set(os.listdir(zygote._cwd)) == dirs
         monkeypatch.undo()
         snapshot.fork().close()  # the snapshot still serves
+
+
+def test_a_pool_on_amx_kernels_snapshots_by_replay() -> None:
+    # What the pool's workers said at their handshake decides (named AMX kernels copy the weights at load,
+    # on an OpenMP team a fork would not survive); a pool without them may fork.
+    from types import SimpleNamespace
+
+    from lloyal_pool.snapshot import _why_no_fork
+
+    class FakePool:
+        def __init__(self, features: dict[str, str], variant: str = "cpu") -> None:
+            self._options = SimpleNamespace(variant=variant)
+            self._instances = [SimpleNamespace(alive=True, build_info={"cpu": {"kernels": "k", "features": features}})]
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(self._instances)
+
+    assert _why_no_fork(FakePool({"AVX512": "1"})) is None  # type: ignore[arg-type]
+    why = _why_no_fork(FakePool({"AVX512": "1", "AMX_INT8": "1"}))  # type: ignore[arg-type]
+    assert why is not None and "AMX" in why
+    assert "variant is 'cuda'" in str(_why_no_fork(FakePool({}, variant="cuda")))  # type: ignore[arg-type]
