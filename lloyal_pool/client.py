@@ -1369,8 +1369,8 @@ class Pool(BatchedCalls, Subscribers):
         list of instances.
 
         ``fork``: None (default) forks the prepared worker where it can (Linux, CPU variant, CPU kernels
-        without AMX), else replays; True insists on forking (SnapshotError where it cannot); False replays: each fork is a
-        fresh worker that loads the models and the named contexts' saved state. When forking, whatever
+        without AMX), else replays; True insists on forking (SnapshotError where it cannot); False replays:
+        each fork is a fresh worker that loads the models and the named contexts' saved state. When forking, whatever
         prepare() decodes runs on one thread (docs/SNAPSHOTS.md says why). SnapshotError when prepare()
         returns anything else; prepare()'s own exceptions propagate; either way the worker is closed."""
         from .snapshot import Snapshot
