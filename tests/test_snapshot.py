@@ -25,9 +25,13 @@ from lloyal_pool import (
     SnapshotError,
     StaleHandleError,
     WorkerCrashedError,
+    variants,
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="snapshots fork: Linux only")
+# Forking needs CPU kernels without AMX (their copy of the weights starts an OpenMP team): where the suite
+# runs AMX kernels (LLOYAL_POOL_CPU=sapphirerapids), these pools run the best level without them.
+CPU = "auto" if os.environ.get(variants.ENV_CPU, "").strip().lower() == "sapphirerapids" else None
 
 SYSTEM = ("You are a terse assistant for a museum. Answer in one sentence. The museum opens at nine and "
           "closes at five; tickets cost twelve euros. Question: When does the museum open? Answer:")
@@ -44,7 +48,7 @@ def _prepare(gemma_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def snap_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    with Pool(1, env=FAULTS, writable_dirs=[tmp_path_factory.getbasetemp()]) as pool:
+    with Pool(1, env=FAULTS, writable_dirs=[tmp_path_factory.getbasetemp()], cpu=CPU) as pool:
         yield pool
 
 
@@ -264,7 +268,7 @@ def test_a_fork_is_confined_as_its_pool(snap: Snapshot, snap_pool: Pool, tmp_pat
 
 
 def test_pool_close_ends_the_snapshot_and_its_forks(gemma_path: Path) -> None:
-    pool = Pool(1)
+    pool = Pool(1, cpu=CPU)
     snapshot = pool.snapshot(_prepare(gemma_path))
     forks = [snapshot.fork() for _ in range(2)]
     pids = [snapshot._zygote.pid] + [f.pid for f in forks]
@@ -276,7 +280,7 @@ def test_pool_close_ends_the_snapshot_and_its_forks(gemma_path: Path) -> None:
 _OWNER = textwrap.dedent("""
     import sys
     from lloyal_pool import Pool
-    pool = Pool(1, env={"LLOYAL_POOL_TEST_NO_PDEATHSIG": "1", "LLOYAL_POOL_TEST_FAULTS": "1"})
+    pool = Pool(1, env={"LLOYAL_POOL_TEST_NO_PDEATHSIG": "1", "LLOYAL_POOL_TEST_FAULTS": "1"}, cpu=sys.argv[2] or None)
     def prepare(instance):
         return {"model": instance.load_model(sys.argv[1])}
     snapshot = pool.snapshot(prepare)
@@ -288,7 +292,7 @@ _OWNER = textwrap.dedent("""
 
 
 def test_a_fork_dies_with_the_pool_owner(tiny_model: Path) -> None:
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tiny_model)], stdin=subprocess.PIPE,
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tiny_model), CPU or ""], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)
     pids: list[int] = []
     try:
