@@ -3,6 +3,7 @@
 #include "branch.hpp"
 #include "errors.hpp"
 #include "logits.hpp"
+#include "parallel.hpp"
 #include "sequence.hpp"
 
 #include <algorithm>
@@ -75,6 +76,12 @@ void branch_driver::write_snapshot(branch & b, const float * src) const {
     b.has_logits = true;
     b.sample_pending = false;
 }
+
+void branch_driver::write_snapshots(const std::vector<std::pair<branch *, const float *>> & rows) const {
+    parallel_for(rows.size(), threads(), [&](size_t i, size_t) { write_snapshot(*rows[i].first, rows[i].second); });
+}
+
+int32_t branch_driver::threads() const { return llama_n_threads(core_.get()); }
 
 branch & branch_driver::distinct(uint32_t h, std::unordered_set<branch *> & seen, const char * call) {
     branch & b = store_.get(h);
@@ -381,18 +388,20 @@ void sampling_checkpoint::restore() {
 }
 
 std::vector<llama_token> branch_driver::produce_tokens(const std::vector<branch *> & bs) {
-    std::vector<llama_token> out;
-    out.reserve(bs.size());
-    auto & scratch = store_.scratch();
     // A grammar step can take seconds (a grammar of thousands of alternatives): it asks between slices.
     const stop_fn stop = [this] { return core_.interrupt_requested(); };
-    for (branch * b : bs) {
-        const chain_sampler::sample_result r = b->sampler->sample(b->row(), scratch, stop);
+    // Each branch samples with its own chain, PRNG and grammar: the order they run in changes nothing.
+    const int32_t team = threads();
+    std::vector<std::vector<llama_token_data>> & scratch = store_.scratch(static_cast<size_t>(std::max(team, 1)));
+    std::vector<llama_token> out(bs.size(), LLAMA_TOKEN_NULL);
+    parallel_for(bs.size(), team, [&](size_t i, size_t slot) {
+        branch * b = bs[i];
+        const chain_sampler::sample_result r = b->sampler->sample(b->row(), scratch[slot], stop);
         b->last_token = r.token;
         b->last_surprisal = r.sampling_surprisal;
         b->sample_pending = r.token != LLAMA_TOKEN_NULL;
-        out.push_back(r.token);
-    }
+        out[i] = r.token;
+    });
     return out;
 }
 

@@ -127,7 +127,13 @@ class branch_store {
     uint32_t n_leased() const;
     uint64_t new_origin() { return ++origins_; }
 
-    std::vector<llama_token_data> & scratch() { return scratch_; }
+    // Candidate arrays for sampling, one per thread that samples (at least `threads` of them).
+    std::vector<std::vector<llama_token_data>> & scratch(size_t threads) {
+        if (scratch_.size() < threads) {
+            scratch_.resize(threads);
+        }
+        return scratch_;
+    }
 
   private:
     static constexpr int32_t k_free = -1;
@@ -144,7 +150,7 @@ class branch_store {
     size_t n_live_ = 0;
     uint64_t serial_ = 0;
     uint64_t origins_ = 0;
-    std::vector<llama_token_data> scratch_;
+    std::vector<std::vector<llama_token_data>> scratch_;
 };
 
 // What the driver's calls return.
@@ -255,6 +261,10 @@ class branch_driver {
     // Out of the store and the tree (its children become roots); null when not live. The seq stays leased.
     std::unique_ptr<branch> unlink_branch(uint32_t handle);
     void write_snapshot(branch & b, const float * src) const;
+    // write_snapshot for each (branch, row), spread over the context's threads.
+    void write_snapshots(const std::vector<std::pair<branch *, const float *>> & rows) const;
+    // The threads this context computes with now: what its work between decodes may spread over.
+    int32_t threads() const;
     // The branch of h, BranchError when this call named it before (seen: the branches it did).
     branch & distinct(uint32_t h, std::unordered_set<branch *> & seen, const char * call);
     std::vector<branch *> with_logits(const std::vector<uint32_t> & handles, const char * call);
@@ -274,8 +284,9 @@ class branch_driver {
     // commit's arguments checked (distinct, valid tokens, branches with logits) into bs and toks.
     void commit_args(const std::vector<std::pair<uint32_t, llama_token>> & pairs, std::unordered_set<branch *> & seen,
                      const char * call, std::vector<branch *> & bs, std::vector<llama_token> & toks);
-    // What a committed token changes in its branch once its decode went through.
-    void apply_commit(branch & b, llama_token t, sampler_ptr grammar, const float * row);
+    // What a committed token changes in its branch once its decode went through, but its new snapshot
+    // (written after, by write_snapshot(s), from the row the decode gave it).
+    void apply_commit(branch & b, llama_token t, sampler_ptr grammar);
     llama_seq_id seq_arg(int64_t seq) const;  // ValueError outside [0, n_seq_max)
     void check_raw_write(llama_seq_id seq);
     branch * load_target(llama_seq_id seq);  // the branch that adopts loaded state, or null (detached)

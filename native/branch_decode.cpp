@@ -15,7 +15,7 @@ void branch_driver::commit_tokens(const std::vector<branch *> & bs, const std::v
     decode_batch(bs, toks, {}, request_id, nullptr);
 }
 
-void branch_driver::apply_commit(branch & b, llama_token t, sampler_ptr grammar, const float * row) {
+void branch_driver::apply_commit(branch & b, llama_token t, sampler_ptr grammar) {
     // Model surprisal under the snapshot the token was chosen from, before it is overwritten.
     const float s = b.snap_lse - b.snapshot[t];
     if (std::isfinite(s)) {
@@ -33,7 +33,6 @@ void branch_driver::apply_commit(branch & b, llama_token t, sampler_ptr grammar,
     b.accepted.push_back(t);
     b.position += 1;
     b.lineage.back().p1 = b.position;
-    write_snapshot(b, row);
 }
 
 void branch_driver::commit_args(const std::vector<std::pair<uint32_t, llama_token>> & pairs,
@@ -294,15 +293,19 @@ void branch_driver::decode_batch(const std::vector<branch *> & cbs, const std::v
             throw lloyal_error("llama.cpp returned no logits for a committed token: nothing was changed");
         }
     }
+    std::vector<std::pair<branch *, const float *>> snapshots;
+    snapshots.reserve(items.size() + n_commits);
     for (size_t k = 0; k < items.size(); ++k) {
         branch & b = *items[k].b;
         b.position += static_cast<llama_pos>(items[k].toks->size());
         b.lineage.back().p1 = b.position;
-        write_snapshot(b, rows[k]);
+        snapshots.emplace_back(&b, rows[k]);
     }
     for (size_t i = 0; i < n_commits; ++i) {
-        apply_commit(*cbs[i], ctoks[i], std::move(grammars[i]), commit_rows[i]);
+        apply_commit(*cbs[i], ctoks[i], std::move(grammars[i]));  // reads the old snapshot: before the writes
+        snapshots.emplace_back(cbs[i], commit_rows[i]);
     }
+    write_snapshots(snapshots);
 }
 
 void branch_driver::clear_and_reseed(std::vector<llama_token> toks, const std::vector<llama_token> & tail,

@@ -327,6 +327,33 @@ def test_a_refused_step_draws_nothing(tiny_native: Any) -> None:
     assert x.steps([a], 16) == x.steps([twin], 16)
 
 
+def test_a_batch_samples_on_the_contexts_threads_what_each_branch_samples_alone(tiny_native: Any) -> None:
+    # A batch's branches sample side by side on the context's threads (native/parallel.hpp): each draws
+    # what it draws alone, and an interrupt that lands inside some of them (a grammar step asks between
+    # its slices) changes none.
+    x = Ctx(tiny_native, n_ctx=512, n_seq_max=9)
+    # several slices per step, words that begin with any letter
+    words = "root ::= " + " | ".join(f'"{chr(97 + i % 26)}{i}"' for i in range(3000))
+    prompt = tiny_native.tokenize("Say a word:", True, True)
+    root = x.create({"temperature": 1.5, "seed": 7}, grammar={"gbnf": words}, tokens=prompt)
+    batch, alone = [x.fork(root) for _ in range(4)], [x.fork(root) for _ in range(4)]
+    for i in range(4):
+        x.c.branch_reseed(batch[i], 100 + i)
+        x.c.branch_reseed(alone[i], 100 + i)
+    before = [x.info(h) for h in batch]
+    word = np.zeros(1, np.uint64)
+    x.c.set_interrupt_word(word, 0)
+    word[0] = 9
+    with pytest.raises(InterruptedByClient):
+        x.c.produce(batch, 9)
+    word[0] = 0
+    assert [x.info(h) for h in batch] == before
+    together = [t for t, _piece, _stop in x.c.produce(batch)]
+    assert together == [x.c.produce([h])[0][0] for h in alone]
+    assert len(set(together)) > 1, "four seeds drew one token: the test shows nothing"
+    assert x.steps(batch, 3) == [x.steps([h], 3)[0] for h in alone]
+
+
 # -- errors --------------------------------------------------------------------------------------------
 
 def test_typed_errors_leave_the_context_working(tiny_native: Any) -> None:
