@@ -5,6 +5,7 @@ holds no compiler, and run from outside the source tree."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import lloyal_pool
 ROOT = Path(__file__).resolve().parent.parent
 PATIENCE = 1800  # a guard against hanging forever, never a timing assertion
 COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "cmake")
+QEMU = shutil.which("qemu-x86_64")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,51 @@ def test_the_installed_wheel_generates_from_outside_the_source_tree(venv: tuple[
     # pip of Python 3.11 does not show License-Expression (metadata 2.4) yet; the metadata holds it.
     metadata = "import importlib.metadata as m; print(m.metadata('lloyal_pool')['License-Expression'])"
     assert run(str(python), "-c", metadata).strip() == "MIT"
+    start = time.monotonic()  # the first generate of a fresh install: a worker starts, Gemma loads
     text = run(str(cli), "generate", "The capital of France is", "-n", "16", "-q")
+    print(f"first lloyal-pool generate (16 tokens) took {time.monotonic() - start:.1f} s")
     assert text.strip(), text
     info = run(str(cli), "info")
     assert '"cpu_kernels"' in info
+
+
+def qemu_python(venv: Path, cpu: str, where: Path) -> Path:
+    """A python of ``venv`` that runs under ``qemu-x86_64 -cpu <cpu>``: a virtual environment in ``where``
+    sharing venv's packages, whose interpreter is a script, so that the workers it starts
+    (sys.executable) are emulated as well."""
+    emulated = where / "qvenv"
+    (emulated / "bin").mkdir(parents=True)
+    (emulated / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text())
+    (emulated / "lib").symlink_to(venv / "lib")
+    python = emulated / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {QEMU} -cpu {cpu} -0 "$0" {os.path.realpath(venv / "bin" / "python")} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 CPU emulated")
+def test_the_installed_wheel_runs_the_sse42_kernels_on_an_old_cpu_and_refuses_newer_ones(
+        venv: tuple[Path, dict[str, str], float], tmp_path: Path, tiny_model: Path) -> None:
+    if QEMU is None:  # scripts/test installs it wherever it may run apt-get
+        pytest.skip("no qemu-x86_64 (Debian: apt-get install qemu-user)")
+    path, env, _took = venv
+    python = qemu_python(path, "Nehalem", tmp_path)  # 2008: SSE4.2, no AVX
+    env = {k: v for k, v in env.items() if k != "LLOYAL_POOL_CPU"}  # "auto", whatever the suite runs
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(python), "-m", "lloyal_pool", *args], capture_output=True, text=True,
+                              timeout=PATIENCE, env=env, cwd=tmp_path)
+
+    info = run("info", "-m", str(tiny_model))
+    assert info.returncode == 0, info.stderr[-3000:]
+    print(f"\nthe wheel under qemu-x86_64 -cpu Nehalem, lloyal-pool info:\n{info.stdout.strip()}")
+    assert '"cpu_kernels": "sse42"' in info.stdout, info.stdout
+    # The tiny model's random weights write noise, which may be blank: -v tells how many tokens it made.
+    out = run("generate", "Once upon a time", "-m", str(tiny_model), "-n", "8", "-q", "-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    print(f"lloyal-pool generate -n 8 -v: {out.stdout!r}, {out.stderr.strip().splitlines()[-1]}")
+    made = re.search(r", (\d+) tokens in .*stop: (\w+)", out.stderr)
+    assert made and 1 <= int(made[1]) <= 8, out.stderr[-3000:]
+    refused = run("--cpu", "haswell", "generate", "Once upon a time", "-m", str(tiny_model), "-n", "1", "-q")
+    assert refused.returncode != 0, refused.stdout
+    assert "this CPU cannot run the 'haswell' kernels" in refused.stderr, refused.stderr[-3000:]
