@@ -311,9 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Worker logs (llama.cpp's warnings among them) are for -v; errors always show.
+    # Worker logs (llama.cpp's warnings among them) are for -v; errors always show, and so do the pool's
+    # warnings (a GPU variant asked for that fell back to the CPU).
     verbose = getattr(args, "verbose", False)
-    logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not verbose:
+        logging.getLogger("lloyal_pool.worker").setLevel(logging.ERROR)
     try:
         return int(args.fn(args))
     except LloyalError as exc:
