@@ -22,58 +22,61 @@ Callbacks run on a client thread, the one that reads that worker's replies: a sl
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
-from . import metrics
-from ._aio import AsyncStream
-from ._link import PromptProgress
-from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
-from .chat import ChatMessage, ToolCall
-from .client import Context, Instance, LoraAdapter, Model, Pool, ProgressCallback, Stream, WorkerEvent
-from .errors import (
-    BranchError,
-    CallTimeoutError,
-    ContextError,
-    ContextOverflowError,
-    DeadWorkerError,
-    DecodeError,
-    GrammarError,
-    InterruptedByClient,
-    InvalidArgumentError,
-    InvalidTokenError,
-    LloyalError,
-    LoraError,
-    ModelLoadError,
-    PoolClosedError,
-    ProtocolError,
-    RemoteError,
-    ResultTooLargeError,
-    SnapshotError,
-    StaleHandleError,
-    StateError,
-    TemplateError,
-    WorkerCrashedError,
-    WorkerError,
-    WorkerHungError,
-    WorkerStartupError,
-)
-from .models import default_model_path
-from .params import (
-    BufferMemory,
-    ContextParams,
-    Device,
-    EvalResult,
-    GenerateParams,
-    Grammar,
-    ModelInfo,
-    Result,
-    SamplerParams,
-    Score,
-    StopReason,
-)
-from .session import ChatReply, ChatStream, Session
-from .shm import shm_bytes_for
-from .snapshot import Snapshot
+if TYPE_CHECKING:
+    from . import metrics
+    from ._aio import AsyncStream
+    from ._link import PromptProgress
+    from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
+    from .chat import ChatMessage, ToolCall
+    from .client import Context, Instance, LoraAdapter, Model, Pool, ProgressCallback, Stream, WorkerEvent
+    from .errors import (
+        BranchError,
+        CallTimeoutError,
+        ContextError,
+        ContextOverflowError,
+        DeadWorkerError,
+        DecodeError,
+        GrammarError,
+        InterruptedByClient,
+        InvalidArgumentError,
+        InvalidTokenError,
+        LloyalError,
+        LoraError,
+        ModelLoadError,
+        PoolClosedError,
+        ProtocolError,
+        RemoteError,
+        ResultTooLargeError,
+        SnapshotError,
+        StaleHandleError,
+        StateError,
+        TemplateError,
+        WorkerCrashedError,
+        WorkerError,
+        WorkerHungError,
+        WorkerStartupError,
+    )
+    from .models import default_model_path
+    from .params import (
+        BufferMemory,
+        ContextParams,
+        Device,
+        EvalResult,
+        GenerateParams,
+        Grammar,
+        ModelInfo,
+        Result,
+        SamplerParams,
+        Score,
+        StopReason,
+    )
+    from .session import ChatReply, ChatStream, Session
+    from .shm import shm_bytes_for
+    from .snapshot import Snapshot
 
 __version__ = "0.2.0"  # the one place: pyproject.toml reads it (tool.scikit-build.metadata.version)
 
@@ -144,6 +147,40 @@ __all__ = [
     "metrics",
     "shm_bytes_for",
 ]
+
+
+# Where each public name is defined. They load on first use (PEP 562): a worker imports this package on
+# its way to lloyal_pool.worker and must not load the client with it (tests/unit/test_layers.py).
+_SOURCES: dict[str, tuple[str, ...]] = {
+    "_aio": ("AsyncStream",),
+    "_link": ("PromptProgress",),
+    "branches": ("KV", "Branch", "BranchInfo", "BranchStore", "KVPressure", "Produced"),
+    "chat": ("ChatMessage", "ToolCall"),
+    "client": ("Context", "Instance", "LoraAdapter", "Model", "Pool", "ProgressCallback", "Stream", "WorkerEvent"),
+    "errors": ("BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError", "DeadWorkerError",
+               "DecodeError", "GrammarError", "InterruptedByClient", "InvalidArgumentError", "InvalidTokenError",
+               "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError", "ProtocolError", "RemoteError",
+               "ResultTooLargeError", "SnapshotError", "StaleHandleError", "StateError", "TemplateError",
+               "WorkerCrashedError", "WorkerError", "WorkerHungError", "WorkerStartupError"),
+    "models": ("default_model_path",),
+    "params": ("BufferMemory", "ContextParams", "Device", "EvalResult", "GenerateParams", "Grammar", "ModelInfo",
+               "Result", "SamplerParams", "Score", "StopReason"),
+    "session": ("ChatReply", "ChatStream", "Session"),
+    "shm": ("shm_bytes_for",),
+    "snapshot": ("Snapshot",),
+}
+_WHERE = {name: module for module, names in _SOURCES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "metrics":
+        return importlib.import_module(".metrics", __name__)
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
 
 
 def __dir__() -> list[str]:

@@ -20,8 +20,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ._process import WorkerProcess
-from ._recovery import Journal
+from ._process import ContextJournal, WorkerProcess
 from .errors import (
     BadRequestError,
     CallTimeoutError,
@@ -124,7 +123,7 @@ class ContextLink:
         self.closed = False
         # Crash recovery (_recovery.py): the context's journal, why it could not be restored, and the ids
         # its calls in flight were sent again under (first id -> latest).
-        self.journal: Journal | None = Journal() if proc.salvage is not None else None
+        self.journal: ContextJournal | None = None if proc.recovery is None else proc.recovery.journal()
         self.lost: str | None = None
         self._lost_error: WorkerCrashedError | None = None
         self._alias: dict[int, int] = {}

@@ -32,12 +32,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import psutil
 
 from ._futures import running
-from ._recovery import Ledger
 from .errors import (
     DeadWorkerError,
     LloyalError,
@@ -97,6 +96,43 @@ class WorkerOptions:
     temp_root: str | None = None  # where the workers' private directories go (the pool's TempRoot)
 
 
+class CallLedger(Protocol):
+    """What crash recovery keeps of a call in flight: the events its caller has been given, so that the
+    call sent again to a replacement delivers only what comes after (_recovery.Ledger)."""
+
+    attempts: int
+
+    def deliver(self, event: dict[str, Any]) -> None: ...
+
+    def replayer(self) -> Callable[[dict[str, Any]], None]: ...
+
+
+class ContextJournal(Protocol):
+    """What crash recovery keeps of a context: the requests that built its history (_recovery.Journal).
+    The context's link records every call in it; ``lost`` says why the history cannot be rebuilt."""
+
+    lost: str | None
+
+    def record(self, req: Request[Any], fut: Future[Any], handle: int) -> None: ...
+
+    def mark(self) -> int: ...
+
+    def restart(self, state: bytes, mark: int) -> None: ...
+
+
+class Recovery(Protocol):
+    """The observer a pool that recovers crashed workers installs on each of them (Pool(recover=True):
+    _recovery.PoolRecovery). The transport reports to it and never imports it: a ledger for every call,
+    a journal for every context, and at a crash the calls in flight, of which it takes those it will send
+    again to a replacement (the others fail as usual); ``recovering`` is set when it is done."""
+
+    def ledger(self, on_event: Callable[[dict[str, Any]], None] | None) -> CallLedger: ...
+
+    def journal(self) -> ContextJournal: ...
+
+    def salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[_Pending]) -> list[_Pending]: ...
+
+
 @dataclass
 class _Pending:
     future: Future[Any]
@@ -107,7 +143,7 @@ class _Pending:
     # of its events, and how its context link learns the id it is sent again under.
     request_obj: Request[Any] | None = None
     request_id: int = 0
-    ledger: Ledger | None = None
+    ledger: CallLedger | None = None
     on_resent: Callable[[int, int], None] | None = None
 
 
@@ -192,9 +228,9 @@ class WorkerProcess:
         self._in_callback = False  # the reader runs a user callback: the worker may block on a full pipe
         #: Called (on the reader thread) with this process and its error when it dies other than by close().
         self.on_death: Callable[[WorkerProcess, WorkerCrashedError], None] | None = None
-        #: Crash recovery (Pool(recover=True)): takes, of the calls in flight at a crash, those it will send
-        #: again to a replacement (the others fail as usual). ``recovering`` is set when it is done.
-        self.salvage: Callable[[WorkerProcess, WorkerCrashedError, list[_Pending]], list[_Pending]] | None = None
+        #: Crash recovery's observer (Recovery), installed by a pool that recovers; ``recovering`` is set
+        #: when it has dealt with this worker's death.
+        self.recovery: Recovery | None = None
         self.recovering: threading.Event | None = None
         self._dead_event = threading.Event()
         self._stderr_tail: collections.deque[str] = collections.deque()
@@ -389,7 +425,7 @@ class WorkerProcess:
         return self._dead is None
 
     def call(self, req: Request[R], on_event: Callable[[dict[str, Any]], None] | None = None,
-             on_id: Callable[[int], None] | None = None, *, ledger: Ledger | None = None,
+             on_id: Callable[[int], None] | None = None, *, ledger: CallLedger | None = None,
              on_resent: Callable[[int, int], None] | None = None) -> Future[R]:
         """Sends req; the future gets its reply, converted to the type req declares (protocol.py).
 
@@ -398,8 +434,8 @@ class WorkerProcess:
         never I/O. The pipe write itself can block (a frame larger than the pipe buffer while the
         worker is busy), so nothing a caller holds across it may be needed to interrupt the worker."""
         fut: Future[R] = running()
-        if self.salvage is not None and ledger is None:
-            ledger = Ledger(on_event)
+        if self.recovery is not None and ledger is None:
+            ledger = self.recovery.ledger(on_event)
             on_event = ledger.deliver
         with self._write_lock:
             with self._lock:
@@ -538,7 +574,7 @@ class WorkerProcess:
         self._stderr_thread.join(timeout=1.0)
         error: WorkerCrashedError | PoolClosedError
         closed = self._closing and (code == 0 or self._killed_by_close)
-        if self.salvage is not None and not closed:
+        if self.recovery is not None and not closed:
             self.recovering = threading.Event()  # before _dead: a call that sees the death waits for it
         if closed:
             error = PoolClosedError(f"worker {self.worker_id} was closed while the call was in flight")
@@ -561,9 +597,9 @@ class WorkerProcess:
             pending, self._pending = self._pending, {}
         self._dead_event.set()
         taken: set[int] = set()
-        if self.salvage is not None and isinstance(error, WorkerCrashedError):
+        if self.recovery is not None and isinstance(error, WorkerCrashedError):
             try:
-                taken = {id(x) for x in self.salvage(self, error, [pending[k] for k in sorted(pending)])}
+                taken = {id(x) for x in self.recovery.salvage(self, error, [pending[k] for k in sorted(pending)])}
             except Exception:
                 log.exception("crash recovery of worker %d failed", self.worker_id)
                 if self.recovering is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from .errors import (
 from .params import MAX_SEED
 
 if TYPE_CHECKING:
-    from ._process import WorkerProcess
+    from ._process import WorkerProcess, _Pending
     from .client import Instance, Pool
 
 log = logging.getLogger("lloyal_pool")
@@ -238,6 +239,42 @@ def replayable(req: p.Request[Any], journal_ok: Callable[[int], bool]) -> bool:
     if isinstance(req, p.Eval) or kind in _READ_ONLY:
         return kind is not p.SaveState and journal_ok(req.context)
     return False
+
+
+class PoolRecovery:
+    """The observer Pool(recover=True) installs on each worker (_process.Recovery): a Ledger for every
+    call, a Journal for every context, and at a crash the choice of calls to send again and the recovery
+    thread. It holds the pool weakly: a pool dropped without close() is not kept alive by its workers."""
+
+    def __init__(self, pool: weakref.ref[Pool]) -> None:
+        self._pool = pool
+
+    def ledger(self, on_event: Callable[[dict[str, Any]], None] | None) -> Ledger:
+        return Ledger(on_event)
+
+    def journal(self) -> Journal:
+        return Journal()
+
+    def salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[_Pending]) -> list[_Pending]:
+        """On the dead worker's reader thread: picks the calls to send again and starts the recovery."""
+        pool = self._pool()
+        instance = None if pool is None or pool._closed else next(
+            (i for i in pool._instances if i._proc is proc), None)
+        if pool is None or instance is None:
+            assert proc.recovering is not None
+            proc.recovering.set()
+            return []
+        journals = {ctx.handle: ctx._link.journal for m in list(instance._models) for ctx in list(m._contexts)}
+
+        def journal_ok(handle: int) -> bool:
+            journal = journals.get(handle)
+            return journal is not None and journal.lost is None
+
+        taken = [x for x in pending if x.ledger is not None and x.ledger.attempts < MAX_ATTEMPTS
+                 and x.request_obj is not None and replayable(x.request_obj, journal_ok)]
+        threading.Thread(target=recover, args=(pool, instance, proc, error, taken), daemon=True,
+                         name=f"lloyal-recover{proc.worker_id}").start()
+        return taken
 
 
 def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCrashedError,

@@ -48,6 +48,7 @@ from .errors import (
     WorkerError,
 )
 from .params import GenerateParams, Result, SamplerParams, StopReason, whole, wire_prompt
+from .routing import AFFINITY_TOKENS, common_prefix
 
 if TYPE_CHECKING:
     from ._aio import AsyncStream
@@ -280,7 +281,12 @@ class Batcher:
     def affinity(self, prompt: Sequence[int]) -> int:
         """The longest prefix of prompt a free slot holds (0 when no slot is free): what a request would
         not have to decode again here."""
-        return max((_common_prefix(s.tokens, prompt) for s in self._slots if s.request is None), default=0)
+        return max((common_prefix(s.tokens, prompt) for s in self._slots if s.request is None), default=0)
+
+    @property
+    def load(self) -> int:
+        """Requests in slots or waiting for one (what the router balances)."""
+        return self.active + self.queued
 
     @property
     def active(self) -> int:
@@ -356,7 +362,7 @@ class Batcher:
             taken: list[tuple[_Request, _Slot]] = []
             while self._waiting and free:
                 req = self._waiting.pop(0)
-                slot = max(free, key=lambda s: _common_prefix(s.tokens, req.prompt))
+                slot = max(free, key=lambda s: common_prefix(s.tokens, req.prompt))
                 free.remove(slot)
                 slot.request, req.slot = req, slot
                 taken.append((req, slot))
@@ -370,7 +376,7 @@ class Batcher:
                 req.future.set_exception(exc)
 
     def _place(self, req: _Request, slot: _Slot) -> None:
-        keep = _common_prefix(slot.tokens, req.prompt)
+        keep = common_prefix(slot.tokens, req.prompt)
         if keep == len(req.prompt):
             keep -= 1  # decode the last prompt token again: its logits are this request's first choice
         if keep < AFFINITY_TOKENS:
@@ -532,32 +538,7 @@ class Batcher:
             s.request = None
 
 
-#: A cached prefix shorter than this does not draw a request away from a less loaded worker, and a
-#: slot does not keep it (Batcher._place).
-AFFINITY_TOKENS = 16
-
-
-def route(batchers: Sequence[Batcher], prompt: Sequence[int]) -> Batcher:
-    """The batcher a request goes to: one with a free slot before one without; among those, the one
-    whose free slot holds the longest prefix of the prompt (at least AFFINITY_TOKENS of it: a
-    conversation stays where its cache is), then the least loaded."""
-    def key(b: Batcher) -> tuple[bool, int, int]:
-        load = b.active + b.queued
-        reuse = b.affinity(prompt)
-        return (load >= b.slots, -(reuse if reuse >= AFFINITY_TOKENS else 0), load)
-
-    return min(batchers, key=key)
-
-
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher", "route"]
+__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher"]
 
 
 class BatchedCalls:

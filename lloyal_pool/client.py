@@ -38,7 +38,8 @@ from ._futures import mapped
 from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
 from ._pieces import PieceStream
 from ._process import LOG_LEVELS, HangWatch, TempRoot, WorkerOptions, WorkerProcess
-from .batching import BatchedCalls, Batcher, route
+from ._recovery import PoolRecovery
+from .batching import BatchedCalls, Batcher
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .chat import ChatMessage
 from .errors import (
@@ -69,6 +70,7 @@ from .params import (
     wire_prompt,
 )
 from .protocol import Request
+from .routing import Router
 from .shm import DEFAULT_SIZE, check_size
 
 if TYPE_CHECKING:
@@ -1185,18 +1187,6 @@ class Subscribers:
                 _log.exception("a subscribe() callback raised on %s", event.kind)
 
 
-def _salvage_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, WorkerCrashedError, list[Any]], list[Any]]:
-    def salvage(proc: WorkerProcess, error: WorkerCrashedError, pending: list[Any]) -> list[Any]:
-        pool = pool_ref()
-        if pool is None:
-            if proc.recovering is not None:
-                proc.recovering.set()
-            return []
-        return pool._salvage(proc, error, pending)
-
-    return salvage
-
-
 def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, WorkerCrashedError], None]:
     # A weak reference: a worker's reader thread must not keep its pool alive.
     def on_death(proc: WorkerProcess, error: WorkerCrashedError) -> None:
@@ -1205,6 +1195,9 @@ def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, Worker
             pool._emit(WorkerEvent("died", proc.worker_id, proc.pid, error=error))
 
     return on_death
+
+
+_ROUTER = Router()
 
 
 class Pool(BatchedCalls, Subscribers):
@@ -1315,33 +1308,12 @@ class Pool(BatchedCalls, Subscribers):
         proc = WorkerProcess(worker_id, self._options, zygote=zygote, fork_from=fork_from)
         proc.on_death = _death_relay(weakref.ref(self))
         if recoverable and self.recover:
-            proc.salvage = _salvage_relay(weakref.ref(self))
+            proc.recovery = PoolRecovery(weakref.ref(self))
         with self._lock:
             self._all_procs.append(proc)
         return proc
 
     # -- crash recovery (_recovery.py) ----------------------------------------------------------------
-    def _salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[Any]) -> list[Any]:
-        """On the dead worker's reader thread: picks the calls to send again and starts the recovery."""
-        from ._recovery import MAX_ATTEMPTS, recover, replayable
-
-        instance = next((i for i in self._instances if i._proc is proc), None)
-        if instance is None or self._closed:
-            assert proc.recovering is not None
-            proc.recovering.set()
-            return []
-        journals = {ctx.handle: ctx._link.journal for m in list(instance._models) for ctx in list(m._contexts)}
-
-        def journal_ok(handle: int) -> bool:
-            journal = journals.get(handle)
-            return journal is not None and journal.lost is None
-
-        taken = [x for x in pending if x.ledger is not None and x.ledger.attempts < MAX_ATTEMPTS
-                 and x.request_obj is not None and replayable(x.request_obj, journal_ok)]
-        threading.Thread(target=recover, args=(self, instance, proc, error, taken), daemon=True,
-                         name=f"lloyal-recover{proc.worker_id}").start()
-        return taken
-
     def _adopt(self, instance: Instance, dead: WorkerProcess, proc: WorkerProcess) -> None:
         """Recovery's replacement takes the dead worker's place, under the same Instance."""
         dead.close(timeout=1.0)
@@ -1434,7 +1406,7 @@ class Pool(BatchedCalls, Subscribers):
         if not batchers:
             raise InvalidArgumentError("no live worker can take the request: " + "; ".join(reasons))
         tokens = batchers[0].tokens(prompt)
-        return route(batchers, tokens), tokens
+        return _ROUTER.pick(batchers, tokens), tokens
 
     def stats(self) -> list[dict[str, Any]]:
         """Instance.stats() of every worker, in index order."""

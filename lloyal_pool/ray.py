@@ -44,7 +44,7 @@ from . import protocol as p
 from ._aio import closed_in_thread
 from ._embedder import Embedder
 from ._futures import running
-from .batching import AFFINITY_TOKENS, BatchedCalls, BatchRequest, _common_prefix
+from .batching import BatchedCalls, BatchRequest
 from .chat import ChatMessage
 from .client import Model, Pool, Subscribers, WorkerEvent
 from .errors import (
@@ -58,13 +58,14 @@ from .errors import (
 )
 from .models import default_model_path
 from .params import GenerateParams, Result, whole
+from .routing import Router, common_prefix
 
 __all__ = ["ModelActor", "RayPool", "RayWorker"]
 
-#: A request goes to the actor that served a prompt sharing this long a prefix with it, if one has a free
-#: slot: AFFINITY_TOKENS for a prompt of token ids, these many characters for text (about four a token).
-AFFINITY_CHARS = 64
+# Requests are routed as a Pool routes them (routing.Router), an actor's cached prefix being the longest
+# it shares with the prompts it was sent last.
 RECENT_PROMPTS = 32  # per actor, for affinity
+_ROUTER = Router()
 _END = object()
 _log = logging.getLogger(__name__)
 
@@ -224,8 +225,10 @@ class RayWorker:
         state = "alive" if self.alive else "dead"
         return f"<RayWorker {self.worker_id} on {self.hostname} pid={self.pid} {state} load={self.load}>"
 
-    def _affinity(self, key: str | tuple[int, ...]) -> int:
-        return max((_common_prefix(key, seen) for seen in self._recent if type(seen) is type(key)), default=0)
+    def affinity(self, key: str | tuple[int, ...]) -> int:
+        """The longest prefix ``key`` shares with a prompt this actor was sent lately (characters for
+        text, tokens for token ids): what its worker may hold cached."""
+        return max((common_prefix(key, seen) for seen in self._recent if type(seen) is type(key)), default=0)
 
     def stats(self) -> dict[str, Any]:
         """Its worker's Instance.stats()."""
@@ -430,7 +433,6 @@ class RayPool(BatchedCalls, Subscribers):
     # -- requests ------------------------------------------------------------------------------------------
     def _pick(self, prompt: str | list[int]) -> RayWorker:
         key: str | tuple[int, ...] = prompt if isinstance(prompt, str) else tuple(prompt)
-        enough = AFFINITY_CHARS if isinstance(key, str) else AFFINITY_TOKENS
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the pool is closed")
@@ -438,9 +440,7 @@ class RayPool(BatchedCalls, Subscribers):
             if not live:
                 raise WorkerCrashedError("no live worker can take the request (their actors died; replace_dead "
                                          "starts fresh ones)")
-            free = [m for m in live if m.load < m.slots] or live
-            near = max(free, key=lambda m: m._affinity(key))
-            chosen = near if near._affinity(key) >= enough else min(free, key=lambda m: m.load)
+            chosen = _ROUTER.pick(live, key)
             chosen.load += 1
             chosen._recent.append(key)
         return chosen

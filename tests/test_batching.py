@@ -28,8 +28,8 @@ from lloyal_pool import (
     StopReason,
     WorkerCrashedError,
 )
-from lloyal_pool.batching import AFFINITY_TOKENS, _common_prefix, route
 from lloyal_pool.errors import BadRequestError
+from lloyal_pool.routing import AFFINITY_TOKENS, common_prefix
 
 PATIENCE = 120.0  # a guard against hanging forever, never a timing assertion
 PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(6)] + [
@@ -190,7 +190,7 @@ def test_a_prefix_shorter_than_the_affinity_is_decoded_again_not_kept(gemma_path
         b = m.batcher(slots=1)
         b.generate("Apples are red.", n_predict=2)
         short = b.generate("Apples grow on trees in the orchard.", n_predict=2)
-        shared = _common_prefix(m.tokenize("Apples are red.", add_special=True),
+        shared = common_prefix(m.tokenize("Apples are red.", add_special=True),
                                 m.tokenize("Apples grow on trees in the orchard.", add_special=True))
         assert 1 <= shared < AFFINITY_TOKENS and short.n_cached == 0
         b.generate("ok", n_predict=1)
@@ -311,21 +311,6 @@ def test_a_conversation_goes_back_to_the_worker_that_holds_its_cache(bpool: Pool
     for _ in range(3):  # whichever worker is less loaded, the cache decides
         follow = bpool.generate(history + "When does it close?", n_predict=4)
         assert follow.n_cached >= AFFINITY_TOKENS
-
-
-def test_route_prefers_a_free_slot_then_the_cache_then_the_lighter_load() -> None:
-    class Fake:
-        def __init__(self, active: int, queued: int, reuse: int, slots: int = 2) -> None:
-            self.active, self.queued, self.slots, self._reuse = active, queued, slots, reuse
-
-        def affinity(self, prompt: object) -> int:
-            return self._reuse
-
-    idle, busy, cached, full = Fake(0, 0, 0), Fake(1, 0, 0), Fake(1, 0, 40), Fake(2, 1, 99)
-    assert route([busy, idle], [1]) is idle  # type: ignore[list-item]
-    assert route([idle, cached], [1]) is cached  # type: ignore[list-item]
-    assert route([full, busy], [1]) is busy  # type: ignore[list-item]
-    assert route([Fake(1, 0, AFFINITY_TOKENS - 1), idle], [1]) is idle  # type: ignore[list-item]
 
 
 def test_a_dead_worker_fails_its_requests_and_the_pool_serves_from_the_others(gemma_path: Path) -> None:

@@ -134,8 +134,8 @@ def missing_docstrings(modules: list[types.ModuleType]) -> list[str]:
 def _public_modules() -> list[types.ModuleType]:
     modules = [importlib.import_module(name) for name in PUBLIC_MODULES]
     # ... and any module the package exports (its __all__ names metrics).
-    modules += [obj for obj in vars(lloyal_pool).values()
-                if isinstance(obj, types.ModuleType) and obj.__name__ in lloyal_pool.__all__]
+    exported = [getattr(lloyal_pool, name) for name in lloyal_pool.__all__]
+    modules += [obj for obj in exported if isinstance(obj, types.ModuleType)]
     return modules
 
 

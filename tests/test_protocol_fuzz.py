@@ -372,11 +372,12 @@ def test_a_reply_the_client_cannot_take_is_a_violation_not_a_dead_reader(fake_py
 def test_a_crash_recovery_that_cannot_start_fails_the_calls_and_keeps_no_one_waiting(
         fake_python: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from lloyal_pool import DeadWorkerError
+    from lloyal_pool._recovery import PoolRecovery
 
     def broken(*args: object) -> list[Any]:
         raise RuntimeError("no recovery today")
 
-    monkeypatch.setattr(Pool, "_salvage", broken)
+    monkeypatch.setattr(PoolRecovery, "salvage", broken)
     with caplog.at_level("ERROR", logger="lloyal_pool"), fake_pool(fake_python, [], recover=True) as pool:
         first = ping(pool)  # the fake leaves its first request unanswered
         pool[0]._proc.kill()

@@ -41,6 +41,20 @@ def load_native(cpu: str, requested: str, strict: bool) -> tuple[ModuleType, str
                       + "; ".join(failures))
 
 
+def imported_modules() -> list[str]:
+    """What this worker has imported beyond the standard library: lloyal_pool's modules by name, other
+    packages by their top-level name. A worker should hold the wire modules and its own, not the client
+    (tests/test_worker_imports.py)."""
+    found = set()
+    for name in list(sys.modules):
+        top = name.partition(".")[0]
+        if top == "lloyal_pool":
+            found.add(name)
+        elif top not in sys.stdlib_module_names and top != "__main__":
+            found.add(top)
+    return sorted(found)
+
+
 def confine(args: argparse.Namespace) -> dict[str, Any]:
     """Applies Landlock (landlock.py) as the pool asked; refuses to start when read scoping was asked
     for and the kernel cannot enforce it, rather than run a worker that only looks confined."""
@@ -122,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "build": build,
         "threads": args.threads or build["default_threads"],
         "python": sys.version.split()[0],
+        "modules": imported_modules(),
         "sandbox": confinement,
     }
     if fallback:

@@ -87,10 +87,8 @@ def system_read_dirs() -> list[str]:
     """What a worker reads after start-up besides its models: the Python installation and import path
     (lazy imports, tracebacks' source lines), shared libraries a GPU backend may dlopen, /etc (the loader's
     cache, locale), its own /proc entry and the CPU topology the thread pool reads."""
-    import lloyal_pool
-
-    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-            os.path.dirname(os.path.dirname(os.path.abspath(lloyal_pool.__file__)))}
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../lloyal_pool
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(package)}
     dirs.update(p for p in sys.path if p)
     dirs.update(("/usr", "/lib", "/lib64", "/etc", "/opt", "/proc/self", "/proc/cpuinfo", "/proc/meminfo",
                  "/proc/stat", "/sys/devices/system/cpu", "/sys/devices/system/node", "/sys/fs/cgroup",

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import protocol as p
 from ..errors import SnapshotError
@@ -30,8 +30,17 @@ from ..protocol import Kind
 from . import sandbox
 from .engine import Call, Engine, handles
 
-if TYPE_CHECKING:
-    from .loop import WorkerLoop
+
+class ServingLoop(Protocol):
+    """What a fork needs of the loop that serves the zygote's pipes (loop.WorkerLoop, which drives the
+    zygote and so is the one that imports it): in the child it serves the child's own pipes instead."""
+
+    engine: Engine
+    rfd: int
+    wfd: int
+    zygote: Zygote | None
+
+    def send(self, kind: Kind, req_id: int, payload: Any) -> None: ...
 
 #: The descriptors a fork receives, in the order the client sends them (client side: _process.py).
 FORK_FDS = ("requests", "replies", "lifeline", "stderr", "region")
@@ -60,7 +69,7 @@ class Zygote:
         return p.Frozen(threads=_threads(), region_used=engine.arena.used_end)
 
     # -- fork -----------------------------------------------------------------------------------------
-    def fork(self, loop: WorkerLoop, req_id: int, req: p.Fork) -> None:
+    def fork(self, loop: ServingLoop, req_id: int, req: p.Fork) -> None:
         """Forks a child for the descriptors waiting on the control socket. In the zygote this replies
         with the child's pid; in the child it returns with the loop serving the child's own pipes."""
         fds = self._receive_fds()
@@ -97,7 +106,7 @@ class Zygote:
                                 f"got {len(fds)}")
         return dict(zip(FORK_FDS, fds, strict=True))
 
-    def _become_child(self, loop: WorkerLoop, fds: dict[str, int], req: p.Fork) -> None:
+    def _become_child(self, loop: ServingLoop, fds: dict[str, int], req: p.Fork) -> None:
         # Nothing of the zygote's own plumbing may stay open here: its request pipe (the zygote would
         # never see EOF), its control socket, its lifeline (the child watches its own).
         # A session of its own, as a spawned worker has: closing the zygote (its process group) leaves it

@@ -1,0 +1,216 @@
+"""The package's layers, read from its own imports (ast): every import counts, those inside functions and
+under ``TYPE_CHECKING`` too, since each is a dependency of the design even when it is not one at import time.
+
+A module may import its own layer or the ones below it, never one above, and the graph has no circle.
+``KNOWN_UPWARD`` lists the upward imports the code still has (issue 24 removes them); the test fails on any
+new one, and on a listed one that is gone, so the list only shrinks."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lloyal_pool"
+
+# Bottom to top. The wire layer is what a worker may import; `worker` sits on it alone.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("wire", {"errors", "params", "chat", "protocol", "shm", "variants", "_files", "metrics", "models",
+              "_futures", "_pieces"}),
+    ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.engine", "worker.zygote", "worker.loop",
+                "worker.__main__"}),
+    ("transport", {"_process", "_link", "_aio"}),
+    ("handles", {"branches", "client"}),
+    ("features", {"session", "snapshot", "_embedder"}),
+    ("serving", {"batching", "routing"}),
+    ("pool", {"_recovery"}),
+    # "" is lloyal_pool/__init__.py: the public names, loaded lazily (so importing it for __version__ is free).
+    ("fronts", {"serve", "serve.app", "serve.backend", "serve.schemas", "ray", "cli", "__main__", ""}),
+]
+
+# The worker imports only the wire layer and its own package, whatever their rank says.
+WORKER_MAY_IMPORT = {"wire", "worker"}
+
+# All of them Pool's, or the handles' feature methods', while they still live in client.py.
+KNOWN_UPWARD = {
+    ("client", "batching"), ("client", "routing"), ("client", "session"), ("client", "snapshot"),
+    ("client", "_recovery"),
+}
+
+
+def module_names(package: Path) -> dict[str, Path]:
+    """Every module of the package by its name relative to the package ("" for the package itself)."""
+    names = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def imports_of(name: str, path: Path, known: Iterable[str]) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in its source. ``from . import x`` names the
+    module x, not the package that holds it."""
+    known = set(known)
+    is_package = path.name == "__init__.py"
+    here = name.split(".") if name else []
+    if not is_package:
+        here = here[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "lloyal_pool" or node.module.startswith("lloyal_pool.")):
+                target = node.module.removeprefix("lloyal_pool").lstrip(".")
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                found.add(sub if sub in known else target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "lloyal_pool" or alias.name.startswith("lloyal_pool."):
+                    found.add(alias.name.removeprefix("lloyal_pool").lstrip("."))
+    found.discard(name)
+    return {m for m in found if m in known}
+
+
+def graph(package: Path) -> dict[str, set[str]]:
+    names = module_names(package)
+    return {name: imports_of(name, path, names) for name, path in names.items()}
+
+
+def rank(layers: list[tuple[str, set[str]]]) -> dict[str, tuple[int, str]]:
+    return {module: (i, layer) for i, (layer, modules) in enumerate(layers) for module in modules}
+
+
+def upward(edges: Mapping[str, set[str]], layers: list[tuple[str, set[str]]]) -> set[tuple[str, str]]:
+    """The imports that reach above their own layer, and the worker's imports outside what it may load."""
+    where = rank(layers)
+    bad = set()
+    for source, targets in edges.items():
+        for target in targets:
+            (low, _), (high, layer) = where[source], where[target]
+            if high > low or (where[source][1] == "worker" and layer not in WORKER_MAY_IMPORT):
+                bad.add((source, target))
+    return bad
+
+
+def circles(edges: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    placed = set().union(*(modules for _, modules in LAYERS))
+    names = set(module_names(PACKAGE))
+    assert names - placed == set(), "modules with no layer in LAYERS"
+    assert placed - names == set(), "LAYERS names modules that do not exist"
+
+
+def test_no_module_imports_upward_beyond_the_known_ones() -> None:
+    found = upward(graph(PACKAGE), LAYERS)
+    assert found - KNOWN_UPWARD == set(), "new upward imports"
+    assert KNOWN_UPWARD - found == set(), "gone from the code: take them off KNOWN_UPWARD"
+
+
+def test_the_import_graph_has_no_circle_but_through_the_known_upward_imports() -> None:
+    edges = graph(PACKAGE)
+    for source, target in KNOWN_UPWARD:
+        edges[source].discard(target)
+    assert circles(edges) == []
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    for relative, source in files.items():
+        path = tmp_path / "lloyal_pool" / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+    return graph(tmp_path / "lloyal_pool")
+
+
+def test_the_checks_find_a_planted_upward_import_and_circle(tmp_path: Path) -> None:
+    # An upward import inside a function, one under TYPE_CHECKING, and the circle they close.
+    edges = _plant(tmp_path, {
+        "__init__.py": "",
+        "errors.py": "def f():\n    from .client import Pool\n",
+        "client.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lloyal_pool import errors\n",
+        "worker/__init__.py": "",
+        "worker/engine.py": "from .. import protocol, client\n",
+        "protocol.py": "",
+    })
+    assert edges["errors"] == {"client"}
+    assert edges["client"] == {"errors"}
+    assert edges["worker.engine"] == {"protocol", "client"}
+    layers = [("wire", {"errors", "protocol"}), ("worker", {"worker", "worker.engine"}), ("handles", {"client"}),
+              ("fronts", {""})]
+    assert upward(edges, layers) == {("errors", "client"), ("worker.engine", "client")}
+    assert circles(edges) == [["client", "errors"]]
+
+
+def test_importing_the_package_loads_no_module_until_a_name_is_used() -> None:
+    # What a worker pays for `python -m lloyal_pool.worker`: the package's __init__ and nothing else.
+    code = ("import sys, lloyal_pool; print(sorted(m for m in sys.modules if m.startswith('lloyal_pool')));"
+            "lloyal_pool.Pool; print('lloyal_pool.client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout.splitlines()
+    assert out == ["['lloyal_pool']", "True"]
+
+
+def test_each_public_name_is_the_object_its_module_defines() -> None:
+    import importlib
+
+    import lloyal_pool
+
+    where = {**lloyal_pool._WHERE, "metrics": None}
+    assert sorted(where) == sorted(lloyal_pool.__all__) == sorted(dir(lloyal_pool))
+    for name, module in where.items():
+        defined = importlib.import_module(f"lloyal_pool.{module or name}")
+        assert getattr(lloyal_pool, name) is (defined if module is None else getattr(defined, name)), name
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        lloyal_pool.Nothing  # noqa: B018
