@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,10 @@ import pytest
 
 from lloyal_pool import protocol as p
 from lloyal_pool.errors import StaleHandleError
+from lloyal_pool.protocol import Kind
 from lloyal_pool.shm import Region
 from lloyal_pool.worker import engine as engine_mod
+from lloyal_pool.worker import loop
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +68,29 @@ def test_interrupt_word_in_process(engine, tiny_model: Path) -> None:  # type: i
     r = engine.handle(p.Generate(context=desc.context, prompt="", params={"n_predict": 3}, append=True), request_id=10)
     assert r.stop_reason == "length" and r.n_decoded == 3
     engine.handle(p.FreeModel(model=model))
+
+
+def test_the_loop_answers_bad_requests_and_keeps_serving() -> None:
+    """Unknown ops and mistyped fields fail their own request; the next one is served."""
+    import lloyal_pool.worker._native as native
+
+    engine = engine_mod.Engine(native, Region.anonymous(1 << 20))
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    worker = threading.Thread(target=loop.WorkerLoop(engine, req_r, rep_w).run, daemon=True)
+    worker.start()
+    try:
+        sent = [["no_such_op", {}], ["tokenize", {"model": "one", "text": "hi"}], ["ping", {"extra": 1}],
+                ["ping", {}]]
+        for i, payload in enumerate(sent, 1):
+            p.write_frame(req_w, p.pack(Kind.REQUEST, i, payload))
+        replies = [p.read_frame(rep_r) for _ in sent]
+        assert [r[:2] for r in replies] == [(Kind.ERROR, 1), (Kind.ERROR, 2), (Kind.ERROR, 3), (Kind.RESPONSE, 4)]
+        assert {r[2]["type"] for r in replies[:3]} == {"BadRequestError"}
+        assert "$.model" in replies[1][2]["message"]
+        assert p.parse_reply(p.Ping, replies[3][2]).pid == os.getpid()
+        p.write_frame(req_w, p.pack(Kind.SHUTDOWN, 0, None))
+        worker.join(5)
+    finally:
+        for fd in (req_r, req_w, rep_r, rep_w):
+            os.close(fd)

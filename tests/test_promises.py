@@ -1,6 +1,6 @@
 """Promises that small planted bugs used to slip past: each test here fails when the promise it names is
 broken (process lifecycle, hardening, shared-memory reuse, error plumbing, callbacks, sampling). Real
-workers and real models throughout; only the protocol tests (test_protocol_fuzz.py) use a fake worker."""
+workers and real models throughout; only the protocol tests (unit/test_frames_from_a_worker.py) use a fake worker."""
 
 from __future__ import annotations
 

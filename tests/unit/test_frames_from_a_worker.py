@@ -1,21 +1,16 @@
-"""The protocol under arbitrary input, in both directions (property-based, hypothesis).
-
-From a worker: whatever frames it writes, the parent never hangs or crashes. A frame that is malformed,
+"""The protocol under arbitrary input from a worker (property-based, hypothesis): whatever frames it
+writes, the parent never hangs or crashes. A frame that is malformed,
 of a kind a worker does not send, for a request not in flight (never sent, or already answered), or whose
 payload is not what its request declares, is a protocol violation: the worker is killed and its calls
-fail with WorkerCrashedError naming the violation. A fake worker (tests/fakeworker.py) writes the frames.
-
-Into a worker: a real worker answers every request frame, whatever its payload, with exactly one RESPONSE
-or ERROR for its id and serves on; a frame that does not decode, or one of a kind only a worker sends,
-ends it with exit code 70 and the violation named on stderr, never a signal or a hang.
+fail with WorkerCrashedError naming the violation. A fake worker (fakeworker.py, beside this file) writes
+the frames, so these tests need no native module; the other direction, into a real worker, is
+tests/test_frames_into_a_worker.py.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
-import select
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,33 +24,24 @@ from unittest import mock
 import msgspec
 import psutil
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzzing import FUZZ, LEN, values
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lloyal_pool import Pool, WorkerCrashedError, WorkerStartupError
 from lloyal_pool import protocol as p
 from lloyal_pool.errors import ProtocolError
-from lloyal_pool.protocol import MAX_FRAME, PROTOCOL_VERSION, Kind, pack, read_frame, write_frame
-from lloyal_pool.shm import Region
-from lloyal_pool.worker.loop import PROTOCOL_VIOLATION_EXIT
+from lloyal_pool.protocol import MAX_FRAME, PROTOCOL_VERSION
 
 PATIENCE = 60.0  # a guard against hanging forever, never a timing assertion
-_LEN = struct.Struct("<I")
 PONG = {"kind": 3, "id": None, "payload": {"pid": 1}}  # the answer to the first request, a Ping
-MALFORMED = {"raw": _LEN.pack(3) + b"\xc1\xc1\xc1"}  # a frame whose body is not msgpack
-FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
-    | st.text(max_size=12) | st.binary(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=8)
+MALFORMED = {"raw": LEN.pack(3) + b"\xc1\xc1\xc1"}  # a frame whose body is not msgpack
 
 
-# -- from a worker --------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An executable that runs tests/fakeworker.py with the arguments a worker gets."""
+    """An executable that runs fakeworker.py (beside this file) with the arguments a worker gets."""
     exe = tmp_path_factory.mktemp("fake") / "python"
     exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                    "import fakeworker\nsys.exit(fakeworker.main(sys.argv[1:]))\n")
@@ -317,7 +303,7 @@ def test_a_fallback_to_another_variant_is_a_warning(fake_python: Path, caplog: p
     ([{"kind": 1, "id": 0, "payload": {}}], "unexpected HELLO frame"),
     ([{"kind": 3, "id": "1", "payload": {"pid": 1}}], "must be integers"),
     ([MALFORMED], "malformed frame"),
-    ([{"raw": _LEN.pack(MAX_FRAME + 1)}], "exceeds"),
+    ([{"raw": LEN.pack(MAX_FRAME + 1)}], "exceeds"),
 ])
 def test_a_protocol_violation_kills_the_worker_and_names_itself(fake_python: Path, frames: list[dict[str, Any]],
                                                                  named: str) -> None:
@@ -448,7 +434,7 @@ errors = st.builds(_frame_item, st.just(4), st.none(), st.fixed_dictionaries(
     {"type": st.sampled_from(["ValueError", "ContextError", "NoSuchError", "WorkerCrashedError"]),
      "message": st.text(max_size=20), "traceback": st.none() | st.text(max_size=20)}) | values)
 anything = st.builds(_frame_item, st.integers(-1, 8) | values, st.none() | st.integers(-3, 5) | values, values)
-garbage = st.builds(lambda b: {"raw": _LEN.pack(len(b) + 1) + b"\xc1" + b}, st.binary(max_size=16))
+garbage = st.builds(lambda b: {"raw": LEN.pack(len(b) + 1) + b"\xc1" + b}, st.binary(max_size=16))
 frame_items = events | responses | errors | anything | garbage
 
 
@@ -508,112 +494,3 @@ def test_arbitrary_frames_from_a_worker_never_hang_or_crash_the_parent(fake_pyth
             assert died_of_a_violation(pool)
         else:
             assert isinstance(outcome(ping(pool)), p.Pong) and pool[0].alive
-
-
-# -- into a worker --------------------------------------------------------------------------------------
-class RawWorker:
-    """A real worker process on pipes of our own: frames go in as they are, replies are read raw."""
-
-    def __init__(self) -> None:
-        self.region = Region.create(16 << 20, backend="memfd")
-        req_r, self.req_w = os.pipe()
-        self.rep_r, rep_w = os.pipe()
-        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
-        cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker", "--fds", f"{req_r},{rep_w}",
-               "--shm", self.region.spec.to_arg(), "--parent-pid", str(os.getpid()), "--no-sandbox"]
-        self.proc = subprocess.Popen(cmd, pass_fds=[req_r, rep_w, self.region.spec.fd], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=self.stderr, env={}, start_new_session=True)
-        os.close(req_r)
-        os.close(rep_w)
-        self.region.close_fd()
-        kind, _, hello = self.read()
-        assert kind == Kind.HELLO and hello["protocol"] == PROTOCOL_VERSION
-
-    def read(self) -> tuple[Kind, int, Any]:
-        ready, _, _ = select.select([self.rep_r], [], [], PATIENCE)
-        if not ready:
-            pytest.fail("the worker sent nothing")
-        return read_frame(self.rep_r)
-
-    def send(self, data: bytes) -> None:
-        write_frame(self.req_w, data)
-
-    def answer(self, req_id: int) -> tuple[Kind, Any]:
-        """The RESPONSE or ERROR for req_id (after any EVENTs for it)."""
-        while True:
-            kind, got_id, payload = self.read()
-            assert got_id == req_id, (kind, got_id, payload)
-            if kind != Kind.EVENT:
-                assert kind in (Kind.RESPONSE, Kind.ERROR)
-                return kind, payload
-
-    def exit_code(self) -> int:
-        try:
-            return self.proc.wait(timeout=PATIENCE)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the worker did not exit")
-
-    def stderr_text(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode(errors="replace")
-
-    def close(self) -> None:
-        os.close(self.req_w)
-        self.proc.kill()
-        self.proc.wait()
-        os.close(self.rep_r)
-        self.stderr.close()
-        self.region.close()
-
-
-@pytest.fixture(scope="module")
-def raw_worker() -> Iterator[RawWorker]:
-    w = RawWorker()
-    yield w
-    w.close()
-
-
-def _request_shaped(op: p.Op, fields: dict[str, Any]) -> list[Any]:
-    return [op.value, fields]
-
-
-FIELD_NAMES = sorted({f for cls in p.REQUESTS.values() for f in cls.__struct_fields__})
-requests = values | st.builds(_request_shaped, st.sampled_from(list(p.Op)), st.dictionaries(
-    st.sampled_from(FIELD_NAMES), st.integers(-2, 2**33) | st.text(max_size=12) | values, max_size=5))
-
-
-@FUZZ
-@given(req_id=st.integers(0, 2**63 - 1), payload=requests)
-def test_arbitrary_requests_get_one_answer_and_the_worker_serves_on(raw_worker: RawWorker, req_id: int,
-                                                                    payload: Any) -> None:
-    raw_worker.send(pack(Kind.REQUEST, req_id, payload))
-    kind, answer = raw_worker.answer(req_id)
-    if kind == Kind.ERROR:
-        assert isinstance(answer["type"], str) and isinstance(answer["message"], str)
-    raw_worker.send(pack(Kind.REQUEST, 7, p.request_payload(p.Ping())))
-    assert raw_worker.answer(7)[0] == Kind.RESPONSE
-
-
-def _raw_frame(kind: int, req_id: int, payload: Any) -> bytes:
-    body = msgspec.msgpack.encode([kind, req_id, payload])
-    return _LEN.pack(len(body)) + body
-
-
-unreadable = (st.builds(lambda b: _LEN.pack(len(b) + 1) + b"\xc1" + b, st.binary(max_size=16))
-              | st.builds(_raw_frame, st.sampled_from([Kind.HELLO, Kind.RESPONSE, Kind.ERROR, Kind.EVENT]),
-                          st.integers(0, 9), values)
-              | st.builds(_raw_frame, st.integers(7, 200) | st.text(max_size=3), st.integers(0, 9), values)
-              | st.builds(_raw_frame, st.just(Kind.REQUEST), st.text(max_size=3) | st.floats(), values)
-              | st.just(_LEN.pack(MAX_FRAME + 1)))
-
-
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=unreadable)
-def test_a_frame_a_worker_cannot_take_ends_it_as_a_reported_violation(data: bytes) -> None:
-    w = RawWorker()
-    try:
-        w.send(data)
-        assert w.exit_code() == PROTOCOL_VIOLATION_EXIT
-        assert "[worker] [crash] protocol violation" in w.stderr_text()
-    finally:
-        w.close()
