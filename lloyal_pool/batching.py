@@ -9,9 +9,8 @@
 Each request gets a *slot*: one of the context's n_seq_max KV sequences, held between requests as a
 detached sequence, so a request whose prompt starts like what a slot last held reuses that prefix
 when it is ``AFFINITY_TOKENS`` (16, routing.py) or more (the slot chosen is the free one sharing the
-longest prefix). New
-prompts go in ``chunk`` tokens a step, in the same decode as the running requests' tokens, while more
-requests generate than wait for their prompt; all at once otherwise. In its slot a request is a root
+longest prefix). New prompts go in ``chunk`` tokens a step, in the same decode as the running requests'
+tokens, while more requests generate than wait for their prompt; all at once otherwise. In its slot a request is a root
 branch (branches.py): its own sampler chain, seed, grammar and logit bias. The loop drives the branches
 with the batched calls the Branch API already has (produce, then prefill with commits) over the
 context's link, one round trip each, which costs well under a millisecond against a decode of tens of
