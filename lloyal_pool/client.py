@@ -70,7 +70,7 @@ from .params import (
     wire_prompt,
 )
 from .protocol import Request
-from .routing import Router
+from .routing import ROUTER
 from .shm import DEFAULT_SIZE, check_size
 
 if TYPE_CHECKING:
@@ -1197,9 +1197,6 @@ def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, Worker
     return on_death
 
 
-_ROUTER = Router()
-
-
 class Pool(BatchedCalls, Subscribers):
     """N worker processes, each an isolated engine instance. The constructor starts ``size`` workers and
     blocks until every one has completed its handshake (WorkerStartupError otherwise, after the others
@@ -1406,7 +1403,7 @@ class Pool(BatchedCalls, Subscribers):
         if not batchers:
             raise InvalidArgumentError("no live worker can take the request: " + "; ".join(reasons))
         tokens = batchers[0].tokens(prompt)
-        return _ROUTER.pick(batchers, tokens), tokens
+        return ROUTER.pick(batchers, tokens), tokens
 
     def stats(self) -> list[dict[str, Any]]:
         """Instance.stats() of every worker, in index order."""

@@ -58,14 +58,13 @@ from .errors import (
 )
 from .models import default_model_path
 from .params import GenerateParams, Result, whole
-from .routing import Router, common_prefix
+from .routing import ROUTER, common_prefix
 
 __all__ = ["ModelActor", "RayPool", "RayWorker"]
 
 # Requests are routed as a Pool routes them (routing.Router), an actor's cached prefix being the longest
 # it shares with the prompts it was sent last.
 RECENT_PROMPTS = 32  # per actor, for affinity
-_ROUTER = Router()
 _END = object()
 _log = logging.getLogger(__name__)
 
@@ -440,7 +439,7 @@ class RayPool(BatchedCalls, Subscribers):
             if not live:
                 raise WorkerCrashedError("no live worker can take the request (their actors died; replace_dead "
                                          "starts fresh ones)")
-            chosen = _ROUTER.pick(live, key)
+            chosen = ROUTER.pick(live, key)
             chosen.load += 1
             chosen._recent.append(key)
         return chosen

@@ -61,6 +61,10 @@ class Router:
         return min(candidates, key=key)
 
 
+#: The policy as the library routes: a Pool's requests and a RayPool's.
+ROUTER = Router()
+
+
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """How many leading items ``a`` and ``b`` share."""
     n = min(len(a), len(b))

@@ -1,0 +1,22 @@
+"""The package's layers, bottom to top, by module name relative to the package: read from the source by
+tests/unit/test_layers.py, and from a running worker by tests/test_worker_imports.py."""
+
+from __future__ import annotations
+
+# Bottom to top. The wire layer is what a worker may import; `worker` sits on it alone.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("wire", {"errors", "params", "chat", "protocol", "shm", "variants", "_files", "metrics", "models",
+              "_futures", "_pieces"}),
+    ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.engine", "worker.zygote", "worker.loop",
+                "worker.__main__"}),
+    ("transport", {"_process", "_link", "_aio"}),
+    ("handles", {"branches", "client"}),
+    ("features", {"session", "snapshot", "_embedder"}),
+    ("serving", {"batching", "routing"}),
+    ("pool", {"_recovery"}),
+    # "" is lloyal_pool/__init__.py: the public names, loaded lazily (so importing it for __version__ is free).
+    ("fronts", {"serve", "serve.app", "serve.backend", "serve.schemas", "ray", "cli", "__main__", ""}),
+]
+
+# The worker imports only the wire layer and its own package, whatever their rank says.
+WORKER_MAY_IMPORT = {"wire", "worker"}
