@@ -29,7 +29,6 @@ from lloyal_pool.worker.loop import PROTOCOL_VIOLATION_EXIT
 PATIENCE = 60.0  # a guard against hanging forever, never a timing assertion
 
 
-# ----------------------------------------------------------------------------------------
 class RawWorker:
     """A real worker process on pipes of our own: frames go in as they are, replies are read raw."""
 

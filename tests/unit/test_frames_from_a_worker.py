@@ -1,10 +1,9 @@
 """The protocol under arbitrary input from a worker (property-based, hypothesis): whatever frames it
-writes, the parent never hangs or crashes. A frame that is malformed,
-of a kind a worker does not send, for a request not in flight (never sent, or already answered), or whose
-payload is not what its request declares, is a protocol violation: the worker is killed and its calls
-fail with WorkerCrashedError naming the violation. A fake worker (fakeworker.py, beside this file) writes
-the frames, so these tests need no native module; the other direction, into a real worker, is
-tests/test_frames_into_a_worker.py.
+writes, the parent never hangs or crashes. A frame that is malformed, of a kind a worker does not send,
+for a request not in flight (never sent, or already answered), or whose payload is not what its request
+declares, is a protocol violation: the worker is killed and its calls fail with WorkerCrashedError
+naming the violation. A fake worker (fakeworker.py, beside this file) writes the frames, so these tests
+need no native module; the other direction, into a real worker, is tests/test_frames_into_a_worker.py.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ PONG = {"kind": 3, "id": None, "payload": {"pid": 1}}  # the answer to the first
 MALFORMED = {"raw": LEN.pack(3) + b"\xc1\xc1\xc1"}  # a frame whose body is not msgpack
 
 
-# ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An executable that runs fakeworker.py (beside this file) with the arguments a worker gets."""
