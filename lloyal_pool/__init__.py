@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ._link import PromptProgress
     from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
     from .chat import ChatMessage, ToolCall
-    from .client import Context, Instance, LoraAdapter, Model, Pool, ProgressCallback, Stream, WorkerEvent
+    from .context import Context
     from .errors import (
         BranchError,
         CallTimeoutError,
@@ -60,6 +60,10 @@ if TYPE_CHECKING:
         WorkerHungError,
         WorkerStartupError,
     )
+    from .instance import Instance, ProgressCallback
+    from .lifecycle import WorkerEvent
+    from .lora import LoraAdapter
+    from .model import Model
     from .models import default_model_path
     from .params import (
         BufferMemory,
@@ -74,9 +78,11 @@ if TYPE_CHECKING:
         Score,
         StopReason,
     )
+    from .pool import Pool
     from .session import ChatReply, ChatStream, Session
     from .shm import shm_bytes_for
     from .snapshot import Snapshot
+    from .stream import Stream
 
 __version__ = "0.2.0"  # the one place: pyproject.toml reads it (tool.scikit-build.metadata.version)
 
@@ -156,7 +162,13 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "_link": ("PromptProgress",),
     "branches": ("KV", "Branch", "BranchInfo", "BranchStore", "KVPressure", "Produced"),
     "chat": ("ChatMessage", "ToolCall"),
-    "client": ("Context", "Instance", "LoraAdapter", "Model", "Pool", "ProgressCallback", "Stream", "WorkerEvent"),
+    "context": ("Context",),
+    "instance": ("Instance", "ProgressCallback"),
+    "lifecycle": ("WorkerEvent",),
+    "lora": ("LoraAdapter",),
+    "model": ("Model",),
+    "pool": ("Pool",),
+    "stream": ("Stream",),
     "errors": ("BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError", "DeadWorkerError",
                "DecodeError", "GrammarError", "InterruptedByClient", "InvalidArgumentError", "InvalidTokenError",
                "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError", "ProtocolError", "RemoteError",

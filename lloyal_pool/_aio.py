@@ -16,9 +16,10 @@ reader's to settle.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from ._link import ContextLink, check_timeout
 from ._pieces import PieceStream
@@ -27,6 +28,17 @@ if TYPE_CHECKING:
     from .params import Result
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class OnALink(Protocol):
+    """A handle whose requests go over one context's link (Context, BranchStore)."""
+
+    @property
+    def _link(self) -> ContextLink: ...
+
+
+H = TypeVar("H", bound=OnALink)
 
 
 def _hand_over(src: Future[Any], dst: asyncio.Future[Any]) -> None:
@@ -143,11 +155,35 @@ async def awaited(link: ContextLink, submit: Callable[[], Future[T]]) -> T:
     return await settle(fut, stop)
 
 
+def twin(submit: Callable[Concatenate[H, P], Future[T]],
+         doc: str) -> Callable[Concatenate[H, P], Coroutine[Any, Any, T]]:
+    """The asyncio method of a handle's ``*_async`` one (its *twin*): the same request, its future awaited;
+    cancelling the awaiting task interrupts the decoding requests it sent. ``doc`` is its docstring. Its
+    signature is ``submit``'s, returning what the future holds, so that help() and the API reference show
+    the parameters."""
+
+    async def method(self: H, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await awaited(self._link, lambda: submit(self, *args, **kwargs))
+
+    name = "a" + submit.__name__.removesuffix("_async")
+    method.__name__ = name
+    method.__module__ = submit.__module__
+    method.__qualname__ = submit.__qualname__.rsplit(".", 1)[0] + "." + name
+    method.__doc__ = doc
+    sig = inspect.signature(submit)
+    returns = sig.return_annotation  # a string, under ``from __future__ import annotations``
+    if isinstance(returns, str) and returns.startswith("Future[") and returns.endswith("]"):
+        sig = sig.replace(return_annotation=returns.removeprefix("Future[")[:-1])
+    method.__signature__ = sig  # type: ignore[attr-defined]
+    method.__annotations__ = {**submit.__annotations__, "return": sig.return_annotation}
+    return method
+
+
 async def closed_in_thread(close: Callable[[float], None], timeout: float) -> None:
     """A blocking close() run off the loop, so other tasks go on while workers exit."""
     check_timeout(timeout)
     await asyncio.to_thread(close, timeout)
 
 
-__all__ = ["AsyncStream", "awaited", "settle"]
+__all__ = ["AsyncStream", "awaited", "settle", "twin"]
 

@@ -12,7 +12,8 @@ import numpy as np
 from .params import ContextParams
 
 if TYPE_CHECKING:
-    from .client import Context, Model
+    from .context import Context
+    from .model import Model
 
 #: The context the embeddings route embeds with, mean-pooled.
 EMBEDDING_CONTEXT = ContextParams(n_ctx=2048, embeddings=True, pooling="mean")

@@ -41,7 +41,8 @@ from .params import MAX_SEED
 
 if TYPE_CHECKING:
     from ._process import WorkerProcess, _Pending
-    from .client import Instance, Pool
+    from .instance import Instance
+    from .pool import Pool
 
 log = logging.getLogger("lloyal_pool")
 
@@ -322,7 +323,7 @@ def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCr
     dead.recovering.set()
     log.warning("[recover] worker %d (pid %d) replaced by worker %d (pid %d): %d call(s) replayed, %d context(s) "
                 "lost", dead.worker_id, dead.pid, proc.worker_id, proc.pid, len(salvaged), len(handles.lost_contexts))
-    from .client import WorkerEvent
+    from .lifecycle import WorkerEvent
 
     pool._emit(WorkerEvent("recovered", proc.worker_id, proc.pid, error=error, instance=instance,
                            index=pool._index_of(instance)))

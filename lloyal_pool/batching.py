@@ -34,10 +34,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._aio import AsyncStream, settle
 from ._futures import running
+from ._link import check_timeout, wait
 from .branches import Branch
 from .errors import (
     ContextOverflowError,
@@ -48,11 +50,13 @@ from .errors import (
     WorkerError,
 )
 from .params import GenerateParams, Result, SamplerParams, StopReason, whole, wire_prompt
-from .routing import AFFINITY_TOKENS, common_prefix
+from .routing import AFFINITY_TOKENS
+from .scheduler import Decode, Job, Placement, Scheduler
+from .stream import Stream
 
 if TYPE_CHECKING:
-    from ._aio import AsyncStream
-    from .client import Context, Model, Stream
+    from .context import Context
+    from .model import Model
 
 _log = logging.getLogger("lloyal_pool.batching")
 T = TypeVar("T")
@@ -141,18 +145,14 @@ class _Output:
         return self.text[:end].decode("utf-8", "replace")
 
 
-@dataclass(eq=False)
-class _Request:
-    prompt: list[int]
+@dataclass(eq=False, kw_only=True)
+class _Request(Job):
+    """A job and what the loop keeps for it: its parameters, text, future and branch."""
+
     params: GenerateParams
     output: _Output
     future: Future[Result]
-    cancelled: bool = False
-    slot: _Slot | None = None
     branch: Branch | None = None
-    todo: list[int] = field(default_factory=list)  # prompt tokens still to prefill
-    n_cached: int = 0
-    n_decoded: int = 0
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     wake: threading.Event | None = None  # the loop of the batcher that holds it
@@ -161,13 +161,6 @@ class _Request:
         self.cancelled = True
         if self.wake is not None:
             self.wake.set()
-
-
-@dataclass(eq=False)
-class _Slot:
-    seq: int
-    tokens: list[int] = field(default_factory=list)  # what its KV sequence holds
-    request: _Request | None = None
 
 
 class BatchRequest:
@@ -209,11 +202,8 @@ class Batcher:
         self._eog = list(model.info.eog_tokens)
         self.context: Context = model.new_context(n_ctx=slots * n_ctx_slot, n_seq_max=slots,
                                                   n_batch=max(512, chunk, slots), n_threads=n_threads)
-        self._slots: list[_Slot] = []
-        for _ in range(slots):
-            self._slots.append(_Slot(self.context.branches.create().detach()))
-        self._lock = threading.Lock()
-        self._waiting: list[_Request] = []
+        self._plan = Scheduler([self.context.branches.create().detach() for _ in range(slots)], n_ctx_slot, chunk)
+        self._lock = threading.Lock()  # the scheduler's queue and slots, which callers' threads read
         self._wake = threading.Event()
         self._closed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lloyal-batcher", daemon=True)
@@ -252,7 +242,7 @@ class Batcher:
                                        f"{self.n_ctx_slot} (n_ctx_slot), generated tokens included")
         if on_piece is not None and not callable(on_piece):
             raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
-        req = _Request(tokens, gen, _Output(gen, self._hidden, on_piece), running())
+        req = _Request(tokens, gen.n_predict, params=gen, output=_Output(gen, self._hidden, on_piece), future=running())
         self._enqueue(req)
         return BatchRequest(req.future, req.cancel)
 
@@ -281,7 +271,7 @@ class Batcher:
     def affinity(self, prompt: Sequence[int]) -> int:
         """The longest prefix of prompt a free slot holds (0 when no slot is free): what a request would
         not have to decode again here."""
-        return max((common_prefix(s.tokens, prompt) for s in self._slots if s.request is None), default=0)
+        return self._plan.affinity(prompt)
 
     @property
     def load(self) -> int:
@@ -291,12 +281,12 @@ class Batcher:
     @property
     def active(self) -> int:
         """Requests in slots now."""
-        return sum(1 for s in self._slots if s.request is not None)
+        return len(self._plan.running())
 
     @property
     def queued(self) -> int:
         """Requests waiting for a slot."""
-        return len(self._waiting)
+        return len(self._plan.waiting)
 
     def _closed_error(self) -> BaseException:
         err = self._closed
@@ -332,75 +322,51 @@ class Batcher:
     def _iterate_while_busy(self) -> None:
         while self._closed is None:
             self._admit()
-            live = [s.request for s in self._slots if s.request is not None]
-            for req in live:
-                if req.cancelled:
-                    self._finish(req, StopReason.INTERRUPTED)
-            live = [r for r in live if not r.cancelled]
-            if not live:
+            step = self._plan.step()
+            for req in step.interrupted:
+                self._finish(_req(req), StopReason.INTERRUPTED)
+            if step.idle:
                 return
-            prefilling = [r for r in live if r.todo]
-            generating = [r for r in live if not r.todo]
             # Sample (no decode) and hand the pieces out first: a token reaches its client a decode
             # sooner than if it were sent after its own decode, and a request that ends on it spends no
             # decode on it. Then ONE decode takes the tokens of the requests that go on and the next part
             # of the new prompts, as llama-server's batches do: a running request waits one decode per
             # token whether or not a prompt is coming in.
-            going = self._sample(generating) if generating else []
-            if going or prefilling:
-                # A chunk at a time while more requests generate (and wait for it) than wait for their
-                # prompt; all at once otherwise: the fewer requests are kept waiting, the better.
-                budget = self.chunk if len(generating) > len(prefilling) else sum(len(r.todo) for r in prefilling)
-                self._decode(going, prefilling, budget)
+            going = self._sample([_req(j) for j in step.sample]) if step.sample else []
+            decode = self._plan.decode(step, going)
+            if decode is not None:
+                self._decode(decode)
 
     def _admit(self) -> None:
         with self._lock:
-            for req in [r for r in self._waiting if r.cancelled]:  # interrupted before it had a slot
-                self._waiting.remove(req)
-                req.future.set_result(self._result(req, StopReason.INTERRUPTED, ""))
-            free = [s for s in self._slots if s.request is None]
-            taken: list[tuple[_Request, _Slot]] = []
-            while self._waiting and free:
-                req = self._waiting.pop(0)
-                slot = max(free, key=lambda s: common_prefix(s.tokens, req.prompt))
-                free.remove(slot)
-                slot.request, req.slot = req, slot
-                taken.append((req, slot))
-        for req, slot in taken:
+            for req in self._plan.withdraw_cancelled():  # interrupted before it had a slot
+                _req(req).future.set_result(self._result(_req(req), StopReason.INTERRUPTED, ""))
+            placements = self._plan.admit()
+        for placement in placements:
+            req = _req(placement.job)
             try:
-                self._place(req, slot)
+                self._place(req, placement)
             except LloyalError as exc:  # this request's own fault (its grammar, say): the others go on
                 if isinstance(exc, _GONE):
                     raise
                 self._release(req)
                 req.future.set_exception(exc)
 
-    def _place(self, req: _Request, slot: _Slot) -> None:
-        keep = common_prefix(slot.tokens, req.prompt)
-        if keep == len(req.prompt):
-            keep -= 1  # decode the last prompt token again: its logits are this request's first choice
-        if keep < AFFINITY_TOKENS:
-            # A short prefix (every text prompt shares its BOS) is cheaper to decode again than to keep:
-            # a decode attends to every cell up to the highest one in use, and a kept cell or two sits
-            # wherever the slot's last request put it (a 1024-token prefill took 2.5% longer measured).
+    def _place(self, req: _Request, placement: Placement) -> None:
+        ctx, seq, keep = self.context, placement.slot.seq, placement.keep
+        if keep < len(placement.slot.tokens) and not ctx.kv.remove(seq, keep, -1):
             keep = 0
-        ctx = self.context
-        if keep < len(slot.tokens):
-            if not ctx.kv.remove(slot.seq, keep, -1):
-                keep = 0
-                ctx.kv.remove(slot.seq, 0, -1)
-            slot.tokens = slot.tokens[:keep]
+            ctx.kv.remove(seq, 0, -1)
+        self._plan.placed(placement, keep)
         gen = req.params
         sampler = SamplerParams(**{name: getattr(gen, name) for name in _SAMPLER_FIELDS})
-        branch = ctx.branches.adopt(slot.seq, sampler, grammar=gen.grammar or None)
+        branch = ctx.branches.adopt(seq, sampler, grammar=gen.grammar or None)
         req.branch = branch
         bias = dict(gen.logit_bias)
         if gen.ignore_eos:
             bias.update({t: float("-inf") for t in self._eog})
         if bias:
             branch.set_logit_bias(bias)
-        req.n_cached = keep
-        req.todo = req.prompt[keep:]
 
     def _batched(self, reqs: Sequence[_Request], call: Callable[[], T]) -> T | None:
         """call(), one request to the worker on behalf of reqs. An error of theirs (a decode that
@@ -414,53 +380,36 @@ class Batcher:
                 self._fail(req, exc)
             return None
 
-    def _decode(self, going: list[tuple[_Request, int]], prefilling: list[_Request], budget: int) -> None:
-        """One prefill call: the going requests' tokens committed in its first decode, beside up to
-        budget tokens of the prompts still to prefill."""
-        items: list[tuple[_Request, list[int]]] = []
-        for req in prefilling:
-            if budget <= 0:
-                break
-            part = req.todo[:budget]
-            budget -= len(part)
-            items.append((req, part))
-        ms = self._batched([r for r, _ in going] + [r for r, _ in items], lambda: self.context.branches.prefill(
-            [(r.branch, part) for r, part in items if r.branch is not None],
-            commits=[(r.branch, token) for r, token in going if r.branch is not None]))
+    def _decode(self, decode: Decode) -> None:
+        """One prefill call: the going requests' tokens committed in its first decode, beside the next
+        parts of the prompts still to prefill."""
+        ms = self._batched([_req(j) for j in decode.jobs], lambda: self.context.branches.prefill(
+            [(b, part) for j, part in decode.parts if (b := _req(j).branch) is not None],
+            commits=[(b, token) for j, token in decode.commits if (b := _req(j).branch) is not None]))
         if ms is None:
             return
-        for req, part in items:
-            req.todo = req.todo[len(part):]
-            req.prompt_ms += ms
-            assert req.slot is not None
-            req.slot.tokens.extend(part)
-        for req, token in going:
-            req.decode_ms += ms
-            assert req.slot is not None
-            req.slot.tokens.append(token)
+        self._plan.decoded(decode)
+        for job, _ in decode.parts:
+            _req(job).prompt_ms += ms
+        for job, _ in decode.commits:
+            _req(job).decode_ms += ms
 
-    def _sample(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
+    def _sample(self, reqs: list[_Request]) -> list[tuple[Job, int]]:
         """Samples every generating request and hands its piece out; the requests that go on, with
         their tokens (to commit). A request that ends here is finished."""
         produced = self._batched(reqs, lambda: self.context.branches.produce(
             [r.branch for r in reqs if r.branch is not None]))
         if produced is None:
             return []
-        going: list[tuple[_Request, int]] = []
+        going: list[tuple[Job, int]] = []
         for req, got in zip(reqs, produced, strict=True):
-            if got.is_stop:
-                self._finish(req, StopReason.EOS)
-                continue
-            req.n_decoded += 1
-            stopped = req.output.push(got.token, got.piece)
-            gen = req.params
-            assert req.slot is not None
-            if req.output.callback_error is not None or stopped:
-                self._finish(req, StopReason.STOP)
-            elif (gen.n_predict > 0 and req.n_decoded >= gen.n_predict) or len(req.slot.tokens) >= self.n_ctx_slot:
-                self._finish(req, StopReason.LENGTH)
-            else:
+            stopped = not got.is_stop and req.output.push(got.token, got.piece)
+            reason = self._plan.sampled(req, got.token, eog=got.is_stop,
+                                        stop=stopped or req.output.callback_error is not None)
+            if reason is None:
                 going.append((req, got.token))
+            else:
+                self._finish(req, reason)
         return going
 
     # -- ending a request --------------------------------------------------------------------------------
@@ -482,29 +431,23 @@ class Batcher:
             req.future.set_exception(exc)
 
     def _release(self, req: _Request) -> None:
-        slot, branch = req.slot, req.branch
-        req.slot = req.branch = None
-        if slot is None:
-            return
+        branch, req.branch = req.branch, None
+        kept = True
         try:
-            if branch is not None and branch.alive:
+            if req.slot is not None and branch is not None and branch.alive:
                 branch.detach()  # the sequence keeps its cells: the next prompt may start the same way
         except LloyalError:
-            slot.tokens = []
+            kept = False
         with self._lock:
-            slot.request = None
+            self._plan.release(req, cells_kept=kept)
 
     def _hand_over(self) -> None:
         """The worker died: requests that had not produced a token yet go to the model's next batcher,
         which crash recovery's replacement worker serves (Pool(recover=True)); without a replacement
         they fail with the death, as the others do."""
         with self._lock:
-            unstarted = [r for r in self._waiting + [s.request for s in self._slots if s.request is not None]
-                         if not r.output.tokens and not r.future.done()]
-            self._waiting = [r for r in self._waiting if r not in unstarted]
-        for s in self._slots:
-            if s.request in unstarted:
-                s.request = None
+            unstarted = [_req(j) for j in self._plan.take_unstarted()]
+        unstarted = [r for r in unstarted if not r.future.done()]
         if not unstarted:
             return
         try:
@@ -512,8 +455,7 @@ class Batcher:
         except LloyalError:
             successor = None
         for req in unstarted:
-            req.slot = req.branch = None
-            req.todo, req.n_cached, req.prompt_ms = [], 0, 0.0
+            req.branch, req.prompt_ms = None, 0.0
             if successor is None or successor is self:
                 req.future.set_exception(self._closed_error())
             else:
@@ -524,18 +466,22 @@ class Batcher:
         with self._lock:
             if self._closed is not None:
                 raise self._closed_error()
-            self._waiting.append(req)
+            self._plan.submit(req)
         self._wake.set()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            waiting, self._waiting = self._waiting, []
-        for req in waiting + [s.request for s in self._slots if s.request is not None]:
+            gone = [_req(j) for j in self._plan.take_all()]
+        for req in gone:
             if not req.future.done():
                 req.future.set_exception(exc)
-            req.slot = req.branch = None
-        for s in self._slots:
-            s.request = None
+            req.branch = None
+
+
+def _req(job: Job) -> _Request:
+    """A scheduler's job back as the request the batcher gave it (every job it holds is one)."""
+    assert isinstance(job, _Request)
+    return job
 
 
 __all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher"]
@@ -564,8 +510,6 @@ class BatchedCalls:
         """An independent generation, batched with the others running on the model (continuous
         batching): the same Result as Context.generate on a fresh context. ``timeout`` interrupts it
         (CallTimeoutError carrying the partial Result)."""
-        from ._link import check_timeout, wait
-
         check_timeout(timeout)
         handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
         return wait(handle.future, timeout, handle.interrupt, "generate")
@@ -573,8 +517,6 @@ class BatchedCalls:
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                model: Model | str | None = None, timeout: float | None = None, **overrides: Any) -> Stream:
         """generate() piece by piece: a Stream (closing it, or leaving its ``with`` block, interrupts)."""
-        from .client import Stream
-
         box: list[BatchRequest] = []
         stream = Stream(lambda _id: box[0].interrupt() if box else None, timeout)
         handle = self.submit(prompt, params, model=model, on_piece=stream._q.put, **overrides)
@@ -586,16 +528,12 @@ class BatchedCalls:
                         model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
                         **overrides: Any) -> Result:
         """generate() for asyncio; cancelling the awaiting task interrupts the request."""
-        from ._aio import settle
-
         handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
         return await settle(handle.future, handle.interrupt)
 
     def astream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                 model: Model | str | None = None, **overrides: Any) -> AsyncStream:
         """stream() for asyncio (inside a running loop): ``async for piece in ...``."""
-        from ._aio import AsyncStream
-
         box: list[BatchRequest] = []
         stream = AsyncStream(lambda _id: box[0].interrupt() if box else None)
         handle = self.submit(prompt, params, model=model, on_piece=stream._q.put, **overrides)

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import metrics
 from . import protocol as p
-from ._aio import awaited
+from ._aio import twin
 from ._futures import mapped, running
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from .errors import BadRequestError, BranchError, InvalidArgumentError, LloyalError, StaleHandleError
@@ -398,7 +398,7 @@ class BranchStore:
         and grammar, prompt prefilled (text gets the model's BOS; ``progress(done, total)`` follows it)."""
         return self.create_async(prompt, params, grammar=grammar, progress=progress, **overrides).result()
 
-    def create_async(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
+    def create_async(self, /, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
                      grammar: GrammarLike = None, progress: PromptProgress | None = None,
                      **overrides: object) -> Future[Branch]:
         """create() without waiting: a Future of the Branch."""
@@ -493,27 +493,6 @@ class BranchStore:
         """produce for every branch, then one batched commit of those whose token is not a stop."""
         return self.step_async(branches).result()
 
-    # -- asyncio: the same requests, awaited; cancelling the task interrupts the decode --------------
-    async def acreate(self, prompt: Sequence[int] | str | None = None, params: SamplerParams | None = None, *,
-                      grammar: GrammarLike = None, progress: PromptProgress | None = None,
-                      **overrides: object) -> Branch:
-        """create() for asyncio; cancelling the awaiting task interrupts the prompt's prefill."""
-        return await awaited(self._link, lambda: self.create_async(prompt, params, grammar=grammar,
-                                                                   progress=progress, **overrides))
-
-    async def acommit(self, pairs: Iterable[tuple[Branch, int]]) -> float:
-        """commit() for asyncio."""
-        return await awaited(self._link, lambda: self.commit_async(pairs))
-
-    async def aprefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
-                       commits: Iterable[tuple[Branch, int]] = (), progress: PromptProgress | None = None) -> float:
-        """prefill() for asyncio."""
-        return await awaited(self._link, lambda: self.prefill_async(items, commits=commits, progress=progress))
-
-    async def astep(self, branches: Sequence[Branch]) -> StepResult:
-        """step() for asyncio: every branch advances in one batched decode."""
-        return await awaited(self._link, lambda: self.step_async(branches))
-
     def step_async(self, branches: Sequence[Branch]) -> Future[StepResult]:
         """step() without waiting: a Future of the StepResult."""
         req = p.Step(context=self._link.handle, branches=[self._own(b) for b in branches])
@@ -524,6 +503,12 @@ class BranchStore:
             return out
 
         return mapped(self._link.call(req), done)
+
+    # -- asyncio: the same requests, awaited; cancelling the task interrupts the decode --------------
+    acreate = twin(create_async, "create() for asyncio; cancelling the awaiting task interrupts the prompt's prefill.")
+    acommit = twin(commit_async, """commit() for asyncio.""")
+    aprefill = twin(prefill_async, """prefill() for asyncio.""")
+    astep = twin(step_async, """step() for asyncio: every branch advances in one batched decode.""")
 
     def retain_only(self, winner: Branch) -> None:
         """Keeps winner's KV sequence (one llama_memory_seq_keep) and drops every other branch and

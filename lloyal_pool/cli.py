@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, variants
-from .client import Pool, Stream
 from .errors import LloyalError
 from .models import default_model_path
 from .params import ContextParams, GenerateParams
+from .pool import Pool
+from .stream import Stream
 
 
 class _ProgressBar:

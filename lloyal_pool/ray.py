@@ -46,7 +46,6 @@ from ._embedder import Embedder
 from ._futures import running
 from .batching import BatchedCalls, BatchRequest
 from .chat import ChatMessage
-from .client import Model, Pool, Subscribers, WorkerEvent
 from .errors import (
     InvalidArgumentError,
     LloyalError,
@@ -56,8 +55,11 @@ from .errors import (
     WorkerCrashedError,
     WorkerStartupError,
 )
+from .lifecycle import Subscribers, WorkerEvent
+from .model import Model
 from .models import default_model_path
 from .params import GenerateParams, Result, whole
+from .pool import Pool
 from .routing import ROUTER, common_prefix
 
 __all__ = ["ModelActor", "RayPool", "RayWorker"]

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
 from .chat import TOOL_CHOICES, ChatMessage, ToolCall
-from .client import Stream
 from .errors import BadRequestError, InvalidArgumentError, LloyalError
 from .params import GenerateParams, Grammar, Result, StopReason
+from .stream import Stream
 
 if TYPE_CHECKING:
-    from .client import Context
+    from .context import Context
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
+from .context import Context
 from .errors import SnapshotError
+from .instance import Instance
+from .lora import LoraAdapter
+from .model import Model
 
 if TYPE_CHECKING:
     from ._process import WorkerProcess
-    from .client import Context, Instance, LoraAdapter, Model, Pool
+    from .pool import Pool
 
-Handle = Union["Model", "Context", "LoraAdapter"]
-Prepare = Callable[["Instance"], "Mapping[str, Handle] | None"]
+Handle = Model | Context | LoraAdapter
+Prepare = Callable[[Instance], "Mapping[str, Handle] | None"]
 
 
 class Snapshot:
@@ -37,8 +41,6 @@ class Snapshot:
     close() closes it too); forks live on after it."""
 
     def __init__(self, pool: Pool, prepare: Prepare, fork: bool | None = None) -> None:
-        from .client import Context, Instance
-
         why_not = _why_no_fork(pool)
         if fork and why_not:
             raise SnapshotError(f"this snapshot cannot fork: {why_not}; use fork=False (replay)")
@@ -79,8 +81,6 @@ class Snapshot:
         history and last logits) and LoRA adapters; ``instance.prepared`` maps prepare()'s names to its
         handles. Each fork is an independent worker: a crash or a generate in one leaves the others and
         the snapshot untouched. SnapshotError once the snapshot is closed, or its worker has died."""
-        from .client import Instance
-
         if self.closed:
             raise SnapshotError("the snapshot is closed")
         zygote = self._zygote
@@ -131,8 +131,6 @@ def _why_no_fork(pool: Pool) -> str | None:
 
 
 def _check_handles(named: Mapping[str, Any], instance: Instance) -> dict[str, Handle]:
-    from .client import Context, LoraAdapter, Model
-
     if not isinstance(named, Mapping):
         raise SnapshotError(f"prepare() returns a mapping of names to handles, or None; got {type(named).__name__}")
     out: dict[str, Handle] = {}
@@ -153,8 +151,6 @@ def _check_handles(named: Mapping[str, Any], instance: Instance) -> dict[str, Ha
 def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Handle]:
     """The fork's own handle objects: the same handle numbers (the fork inherited the zygote's engine),
     bound to the fork's worker."""
-    from .client import Context, LoraAdapter, Model
-
     def model(old: Model) -> Model:
         return Model(instance, instance._proc, old._handle, old.info, old.path, old._load)
 
@@ -175,8 +171,6 @@ def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Hand
 def _replay(handles: Mapping[str, Handle], states: Mapping[int, bytes], instance: Instance) -> dict[str, Handle]:
     """Makes in a fresh worker what the named handles are: each model loaded as it was, each adapter
     loaded, each context created with its parameters, its adapters applied and its saved state loaded."""
-    from .client import Model
-
     def model(old: Model) -> Model:
         loaded = instance._proc.call(old._load).result()
         return Model(instance, instance._proc, loaded.model, loaded.info, old.path, old._load)
@@ -199,8 +193,6 @@ def _carry(handles: Mapping[str, Handle], make_model: Callable[[Model], Model],
            make_context: Callable[[Context, Model, list[tuple[LoraAdapter, float]]], Context]) -> dict[str, Handle]:
     """The named handles made anew by the make_* functions, each model and adapter once however many
     handles share it, a context's model and adapters before the context."""
-    from .client import LoraAdapter, Model
-
     models: dict[int, Model] = {}
     adapters: dict[int, LoraAdapter] = {}
 

@@ -58,7 +58,12 @@ def _config() -> dict[str, Any]:
 
 
 def _modules() -> dict[str, dict[str, Any]]:
-    return dict(_config()["sample"])
+    """The samples by module; ``tests = "same as X"`` takes sample X's subset."""
+    samples = dict(_config()["sample"])
+    for sample in samples.values():
+        if isinstance(sample["tests"], str):
+            sample["tests"] = samples[sample["tests"].removeprefix("same as ")]["tests"]
+    return samples
 
 
 def _session(module: str, seed: int) -> Path:

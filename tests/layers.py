@@ -10,12 +10,15 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.engine", "worker.zygote", "worker.loop",
                 "worker.__main__"}),
     ("transport", {"_process", "_link", "_aio"}),
-    ("handles", {"branches", "client"}),
-    ("features", {"session", "snapshot", "_embedder"}),
-    ("serving", {"batching", "routing"}),
-    ("pool", {"_recovery"}),
+    # What runs on one context. A context makes its conversations (Context.chat) and names its adapters.
+    ("handles", {"stream", "branches", "lora", "session", "context"}),
+    ("serving", {"scheduler", "batching", "routing"}),
+    # A model makes its contexts and its batcher; an instance holds the models and routes batched calls.
+    ("models", {"model", "instance"}),
+    ("features", {"_embedder"}),
+    ("pool", {"lifecycle", "_recovery", "snapshot", "pool"}),
     # "" is lloyal_pool/__init__.py: the public names, loaded lazily (so importing it for __version__ is free).
-    ("fronts", {"serve", "serve.app", "serve.backend", "serve.schemas", "ray", "cli", "__main__", ""}),
+    ("fronts", {"client", "serve", "serve.app", "serve.backend", "serve.schemas", "ray", "cli", "__main__", ""}),
 ]
 
 # The worker imports only the wire layer and its own package, whatever their rank says.

@@ -122,7 +122,7 @@ def assert_cut_short(batchers: list[Batcher]) -> None:
     while any(b.active for b in batchers):
         assert time.monotonic() < deadline, "the slot was never freed"
         time.sleep(0.01)
-    longest = max(len(s.tokens) for b in batchers for s in b._slots)
+    longest = max(len(s.tokens) for b in batchers for s in b._plan.slots)
     assert longest < batchers[0].n_ctx_slot // 2
 
 

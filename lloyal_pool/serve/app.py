@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from .._aio import AsyncStream, settle
 from ..batching import BatchRequest
-from ..client import Pool
 from ..params import GenerateParams, Result
+from ..pool import Pool
 from ..session import formatted_params
 from . import schemas
 from .backend import backend_of

@@ -15,8 +15,9 @@ from .. import protocol as p
 from .._embedder import Embedder
 from ..batching import BatchRequest
 from ..chat import ChatMessage
-from ..client import Model, Pool
+from ..model import Model
 from ..params import GenerateParams
+from ..pool import Pool
 from .schemas import APIError
 
 

@@ -1,0 +1,229 @@
+"""Model: a GGUF loaded in one worker, with its tokenizer and chat templates; it makes the contexts, LoRA
+adapters and the batcher that run on it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+
+from . import protocol as p
+from ._files import irregular_path
+from ._link import ContextLink
+from .batching import Batcher
+from .chat import ChatMessage
+from .context import Context
+from .errors import BadRequestError, InvalidArgumentError, LoraError, StaleHandleError
+from .lora import LoraAdapter
+from .params import ContextParams, ModelInfo, token_id, token_ids
+from .protocol import Request
+
+if TYPE_CHECKING:
+    from ._process import WorkerProcess
+    from .instance import Instance
+
+_model_serials = itertools.count()
+R = TypeVar("R")
+
+
+class Model:
+    """A model loaded in one worker (Instance.load_model). Contexts created from it share its weights.
+    ``info`` is its ModelInfo, ``path`` the absolute path it was loaded from, ``instance`` its worker.
+    Its methods that ask the worker block until it replies; once the model is closed, or its worker died,
+    they raise StaleHandleError (PoolClosedError once the pool is closed)."""
+
+    def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str,
+                 load: p.LoadModel | None = None) -> None:
+        self.instance = instance
+        self._proc = proc
+        self._handle = handle
+        self._load = load or p.LoadModel(path=path)  # how it was loaded: a replayed snapshot loads it so
+        self._closed = False
+        self.info = info
+        self.path = path
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # freed with the model
+        # ... and their links, which outlive a collected Context as long as one of its Branches lives:
+        # such a branch must go stale with the model too (its logits block is freed).
+        self._links: weakref.WeakSet[ContextLink] = weakref.WeakSet()
+        self._loras: weakref.WeakSet[LoraAdapter] = weakref.WeakSet()  # freed with the model too
+        self._batcher: Batcher | None = None
+        self._serial = next(_model_serials)
+        self._batcher_lock = threading.Lock()
+        instance._models.add(self)
+
+    def _rebind(self, proc: WorkerProcess, handle: int) -> None:
+        """Crash recovery loaded the model again in a replacement worker."""
+        self._proc, self._handle = proc, handle
+
+    def __repr__(self) -> str:
+        return f"<Model {self.info.desc!r} worker={self.instance.worker_id} handle={self._handle}>"
+
+    def _call(self, req: Request[R]) -> R:
+        if self._closed:
+            raise StaleHandleError(f"Model handle {self._handle} was closed")
+        if not self._proc.alive:
+            self._proc.await_recovery()  # rebinds this model when it succeeds
+            if getattr(req, "model", self._handle) != self._handle:
+                req = msgspec.structs.replace(req, model=self._handle)
+        return self._proc.call(req).result()
+
+    @property
+    def n_vocab(self) -> int:
+        """The vocabulary size: token ids are in [0, n_vocab)."""
+        return self.info.n_vocab
+
+    @property
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token of the vocabulary (eos, eot, ...)."""
+        return list(self.info.eog_tokens)
+
+    def is_eog(self, token: int) -> bool:
+        """Whether token ends a generation (no round trip: the ids came with the model's info)."""
+        return int(token) in self.info.eog_tokens
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of text, by the model's tokenizer. ``add_special`` adds BOS/EOS as the model asks;
+        ``parse_special`` reads control-token text such as ``<start_of_turn>`` as those tokens instead of
+        as plain text."""
+        return self._call(p.Tokenize(model=self._handle, text=text, add_special=add_special,
+                                     parse_special=parse_special))
+
+    def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False,
+                   unparse_special: bool = False) -> str:
+        """The text of tokens. ``remove_special`` drops a leading BOS and a trailing EOS (where the model
+        adds them);
+        ``unparse_special`` renders control tokens as their text instead of leaving them out. Bytes
+        that are not valid UTF-8 become U+FFFD. InvalidTokenError for an id outside [0, n_vocab)."""
+        return self._call(p.Detokenize(model=self._handle, tokens=token_ids(tokens, self.n_vocab),
+                                       remove_special=remove_special, unparse_special=unparse_special))
+
+    def token_to_piece(self, token: int, *, special: bool = True) -> bytes:
+        """Raw bytes: one token may be part of a multi-byte UTF-8 character."""
+        return self._call(p.TokenToPiece(model=self._handle, token=token_id(token, self.n_vocab), special=special))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Formats ``messages`` (``{"role": ..., "content": ...}`` mappings) as a prompt, through llama.cpp's
+        own Jinja engine and chat formats, with the model's chat template, or ``template``: a format name
+        from ``lloyal_pool.chat.CHAT_FORMATS`` ("gemma", "chatml", "llama3") or Jinja source.
+        ``add_generation_prompt`` ends it with the start of an assistant turn; ``tools`` (OpenAI-style tool
+        definitions) are rendered where the template places them. TemplateError when the model has no
+        template and none is given, or the template does not parse or render; ValueError for an unknown
+        format name."""
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise BadRequestError(f"messages is a list of {{'role': ..., 'content': ...}} mappings, got "
+                                  f"{type(messages).__name__}")
+        if not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            raise BadRequestError("each message is a mapping with a str 'role' and a str 'content'")
+        pairs = [(m["role"], m["content"]) for m in messages]
+        return self._call(p.ApplyChatTemplate(model=self._handle, messages=pairs, template=template,
+                                              add_generation_prompt=add_generation_prompt,
+                                              tools=json.dumps(list(tools)) if tools else ""))
+
+    def parse_chat_output(self, text: str, *, template: str | None = None,
+                          tools: Sequence[Mapping[str, Any]] | None = None) -> ChatMessage:
+        """Parses ``text``, an assistant turn the model generated, with llama.cpp's parser for the format
+        that the template (as for apply_chat_template) yields: a ChatMessage with the ``content``, the
+        ``reasoning`` (a ``<think>`` block, where the format has one) and the ``tool_calls`` (name,
+        arguments as JSON text, id) when ``tools`` were offered. TemplateError for text that the format
+        cannot parse, or a template that cannot be used."""
+        return self._parse_chat(text, template=template, tools=tools)
+
+    def _parse_chat(self, text: str, *, template: str | None, tools: Sequence[Mapping[str, Any]] | None,
+                    messages: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
+                    partial: bool = False) -> ChatMessage:
+        return self._call(p.ParseChatOutput(model=self._handle, text=text,
+                                            messages=json.dumps(list(messages)) if messages else "",
+                                            template=template, tools=json.dumps(list(tools)) if tools else "",
+                                            tool_choice=tool_choice, partial=partial))
+
+    def _format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
+                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str = "auto") -> p.ChatPrompt:
+        return self._call(p.ChatFormat(model=self._handle, messages=json.dumps(list(messages)), template=template,
+                                       tools=json.dumps(list(tools)) if tools else "",
+                                       tool_choice=tool_choice))
+
+    def batcher(self, *, slots: int | None = None, n_ctx_slot: int | None = None, chunk: int | None = None,
+                n_threads: int | None = None) -> Batcher:
+        """The model's Batcher (batching.py): continuous batching of independent generations on one
+        context of ``slots`` sequences (default 8) with ``n_ctx_slot`` tokens of room each (default 2048).
+        The first call makes it with the options given; Instance.generate and Pool.generate use it. A
+        later call with other options raises InvalidArgumentError (close the model to start over). When
+        its worker died and crash recovery replaced it, the next call makes a new one with the same
+        options."""
+        asked = {k: v for k, v in {"slots": slots, "n_ctx_slot": n_ctx_slot, "chunk": chunk,
+                                   "n_threads": n_threads}.items() if v is not None}
+        with self._batcher_lock:
+            if self._closed:
+                raise StaleHandleError(f"Model handle {self._handle} was closed")
+            if self._batcher is None or self._batcher.closed:
+                if self._batcher is not None:  # its context is gone: end its loop (which may be the caller)
+                    self._batcher.close(wait=False)
+                    # A batcher made again (after a crash) keeps the options the first was made with.
+                    asked = {**self._batcher.options, **asked}
+                self._batcher = Batcher(self, **asked)
+            elif any(getattr(self._batcher, k) != v for k, v in asked.items()):
+                raise InvalidArgumentError(f"this model's batcher already runs with other options: {self._batcher!r}")
+            return self._batcher
+
+    def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
+        """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
+        ContextParams fields (``model.new_context(n_ctx=2048)``; BadRequestError for a name that is not
+        one). ContextError for invalid parameters, a context llama.cpp cannot create, a worker that
+        already holds 512 contexts, or a shared-memory region with no room for the context's logits row
+        (n_vocab * 4 bytes: the message names the shm_bytes that holds one more; see shm_bytes_for). Free
+        it with Context.close(); the model's close() frees it too."""
+        if params is not None and not isinstance(params, ContextParams):
+            raise BadRequestError(f"params is a ContextParams, got {type(params).__name__}")
+        if overrides:
+            from dataclasses import fields, replace
+
+            unknown = set(overrides) - {f.name for f in fields(ContextParams)}
+            if unknown:
+                raise BadRequestError(f"unknown ContextParams field(s): {', '.join(sorted(unknown))}")
+            params = replace(params or ContextParams(), **overrides)
+        params = params or ContextParams()
+        ctx = Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
+        ctx._params = params
+        self._contexts.add(ctx)
+        return ctx
+
+    def load_lora(self, path: str | os.PathLike[str]) -> LoraAdapter:
+        """Loads a LoRA adapter GGUF for this model. It does nothing until a context applies it
+        (Context.set_lora); it is freed by close() or with the model. LoraError for a missing file, a file
+        that is not a LoRA adapter GGUF, or an adapter for another architecture or other tensor shapes."""
+        abspath = os.path.abspath(os.fspath(path))
+        why = irregular_path(abspath)
+        if why is not None:
+            raise LoraError(f"cannot load a LoRA adapter: {why}")
+        loaded = self._call(p.LoadLora(model=self._handle, path=abspath))
+        adapter = LoraAdapter(self, loaded.lora, abspath, loaded.alpha, loaded.meta)
+        self._loras.add(adapter)
+        return adapter
+
+    def close(self) -> None:
+        """Frees the model, every context created from it and every LoRA adapter loaded for it.
+        Idempotent; a dead worker has nothing to free."""
+        if self._closed:
+            return
+        if self._batcher is not None:
+            self._batcher.close(StaleHandleError(f"its model (handle {self._handle}) was closed"))
+        self._closed = True
+        self.instance._models.discard(self)
+        for ctx in list(self._contexts):
+            ctx._forget()  # the worker frees them with the model: their handles go stale here too
+        for link in list(self._links):
+            link.closed = True
+        for adapter in list(self._loras):
+            adapter._closed = True
+        if self._proc.alive:
+            self._proc.call(p.FreeModel(model=self._handle)).result()
+

@@ -1,0 +1,253 @@
+"""The batcher's engine logic (lloyal_pool/scheduler.py) in-process, driven by fake token streams: which
+slot a request gets and what of its prompt is kept, what each decode holds, when a request ends. No model,
+no worker, no thread; the loop that does the round trips is tested with Gemma in tests/test_batching.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lloyal_pool.params import StopReason
+from lloyal_pool.routing import AFFINITY_TOKENS
+from lloyal_pool.scheduler import Decode, Job, Scheduler
+
+EOG = -1  # what a fake stream yields to end generation
+
+
+def admit_all(sched: Scheduler, kept: Callable[[int], int] = lambda keep: keep) -> None:
+    """What the batcher's loop does with each placement: the sequence keeps what was asked (or less)."""
+    for placement in sched.admit():
+        sched.placed(placement, kept(placement.keep))
+
+
+def run(sched: Scheduler, streams: dict[int, list[int]], jobs: list[Job],
+        arrivals: dict[int, list[Job]] | None = None, cancel_at: dict[int, list[Job]] | None = None,
+        stop_on: Callable[[Job, int], bool] = lambda job, token: False) -> tuple[dict[int, StopReason], list[Decode]]:
+    """The batcher's loop with a fake model: job i samples streams[i] in order (EOG ends it). Returns each
+    job's end (by its index in ``jobs``) and every decode."""
+    ends: dict[int, StopReason] = {}
+    decodes: list[Decode] = []
+    sampled: dict[int, int] = {}
+    for job in jobs:
+        sched.submit(job)
+    last_arrival = max(arrivals or {0: []})
+    for iteration in range(10_000):
+        for job in (arrivals or {}).get(iteration, []):
+            sched.submit(job)
+        for job in (cancel_at or {}).get(iteration, []):
+            job.cancelled = True
+        for job in sched.withdraw_cancelled():
+            ends[id(job)] = StopReason.INTERRUPTED
+        admit_all(sched)
+        step = sched.step()
+        for job in step.interrupted:
+            sched.release(job)
+            ends[id(job)] = StopReason.INTERRUPTED
+        if step.idle:
+            if not sched.waiting and iteration >= last_arrival:
+                break
+            continue
+        going = []
+        for job in step.sample:
+            token = streams[id(job)][sampled.get(id(job), 0)]
+            sampled[id(job)] = sampled.get(id(job), 0) + 1
+            reason = sched.sampled(job, token, eog=token == EOG, stop=token != EOG and stop_on(job, token))
+            if reason is None:
+                going.append((job, token))
+            else:
+                sched.release(job)
+                ends[id(job)] = reason
+        decode = sched.decode(step, going)
+        if decode is not None:
+            sched.decoded(decode)
+            decodes.append(decode)
+        for slot in sched.slots:  # invariants of every iteration
+            assert slot.job is None or slot.job.slot is slot
+            assert len(slot.tokens) <= sched.n_ctx_slot
+    return ends, decodes
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_a_job_prefills_then_generates_until_its_stream_ends() -> None:
+    sched = Scheduler([0], n_ctx_slot=64, chunk=8)
+    job = Job(prompt(5))
+    streams = {id(job): [7, 8, 9, EOG]}
+    ends, decodes = run(sched, streams, [job])
+    assert ends == {id(job): StopReason.EOS}
+    assert job.n_decoded == 3
+    # The prompt goes in whole (nobody generates meanwhile), then one decode per kept token; the EOG is
+    # not decoded.
+    assert [(len(d.parts), [t for _, t in d.commits]) for d in decodes] == [(1, []), (0, [7]), (0, [8]), (0, [9])]
+    assert sched.slots[0].tokens == prompt(5) + [7, 8, 9]
+    assert sched.slots[0].job is None and job.slot is None
+
+
+def test_n_predict_and_the_slot_room_end_a_job_with_length() -> None:
+    sched = Scheduler([0, 1], n_ctx_slot=8, chunk=8)
+    short, roomy = Job(prompt(2), n_predict=3), Job(prompt(4, 500))
+    streams = {id(short): [1] * 10, id(roomy): [2] * 10}
+    ends, _ = run(sched, streams, [short, roomy])
+    assert ends == {id(short): StopReason.LENGTH, id(roomy): StopReason.LENGTH}
+    assert short.n_decoded == 3
+    # The slot holds 4 + 3 committed tokens when the 5th is sampled: 8 cells full then, without a commit.
+    assert roomy.n_decoded == 5
+    assert len(sched.slots[1].tokens) == 8
+
+
+def test_a_stop_string_ends_a_job_on_the_token_that_completes_it() -> None:
+    sched = Scheduler([0], n_ctx_slot=64, chunk=8)
+    job = Job(prompt(3))
+    ends, decodes = run(sched, {id(job): [5, 6, 42, 7, EOG]}, [job], stop_on=lambda j, t: t == 42)
+    assert ends == {id(job): StopReason.STOP}
+    assert job.n_decoded == 3  # the stop's token counts as decoded (it was sampled), and is not committed
+    assert [t for d in decodes for _, t in d.commits] == [5, 6]
+
+
+def test_new_prompts_go_in_a_chunk_at_a_time_while_more_jobs_generate() -> None:
+    sched = Scheduler([0, 1, 2, 3], n_ctx_slot=256, chunk=10)
+    a, b, c = Job(prompt(4, 100)), Job(prompt(4, 200)), Job(prompt(4, 300))
+    late = Job(prompt(35, 400))
+    streams = {id(a): [1] * 20 + [EOG], id(b): [2] * 20 + [EOG], id(c): [3] * 20 + [EOG], id(late): [4, EOG]}
+    _, decodes = run(sched, streams, [a, b, c], arrivals={3: [late]})
+    parts = [len(part) for d in decodes for job, part in d.parts if job is late]
+    # Three jobs generate, one prefills: 10 tokens a decode, beside the three commits.
+    assert parts == [10, 10, 10, 5]
+    for d in decodes:
+        if any(job is late for job, _ in d.parts):
+            assert len(d.commits) == 3
+
+
+def test_prompts_go_in_whole_while_as_many_prefill_as_generate() -> None:
+    sched = Scheduler([0, 1], n_ctx_slot=256, chunk=10)
+    a, b = Job(prompt(30, 100)), Job(prompt(50, 200))
+    _, decodes = run(sched, {id(a): [1, EOG], id(b): [2, EOG]}, [a, b])
+    assert [len(part) for job, part in decodes[0].parts] == [30, 50]
+    # One generating, one prefilling: the prompt goes in whole, beside the running job's token.
+    sched = Scheduler([0, 1], n_ctx_slot=256, chunk=10)
+    running, late = Job(prompt(4, 100)), Job(prompt(40, 200))
+    _, decodes = run(sched, {id(running): [1] * 5 + [EOG], id(late): [2, EOG]}, [running], arrivals={2: [late]})
+    assert [(len(part), len(d.commits)) for d in decodes for job, part in d.parts if job is late] == [(40, 1)]
+
+
+def test_a_job_takes_the_free_slot_that_holds_the_longest_prefix_of_its_prompt() -> None:
+    sched = Scheduler([0, 1, 2], n_ctx_slot=256, chunk=64)
+    base = prompt(40)
+    sched.slots[0].tokens = prompt(40, 900)
+    sched.slots[1].tokens = base[:30] + [1, 2]
+    sched.slots[2].tokens = base[:20]
+    job = Job(base)
+    sched.submit(job)
+    [placement] = sched.admit()
+    assert placement.slot is sched.slots[1] and placement.keep == 30
+    sched.placed(placement, placement.keep)
+    assert job.n_cached == 30 and job.todo == base[30:]
+    assert sched.slots[1].tokens == base[:30]
+
+
+def test_a_short_prefix_is_not_kept_and_a_whole_prompt_keeps_all_but_its_last_token() -> None:
+    sched = Scheduler([0, 1], n_ctx_slot=256, chunk=64)
+    sched.slots[0].tokens = prompt(AFFINITY_TOKENS - 1) + [1]
+    sched.slots[1].tokens = prompt(AFFINITY_TOKENS + 10)
+    short, whole = Job(prompt(AFFINITY_TOKENS - 1) + [2]), Job(prompt(AFFINITY_TOKENS + 10))
+    sched.submit(whole)
+    sched.submit(short)
+    placements = {id(p.job): p for p in sched.admit()}
+    assert placements[id(whole)].keep == AFFINITY_TOKENS + 9  # the last token is decoded again for its logits
+    assert placements[id(short)].keep == 0
+    # A sequence that could not keep its cells (kv.remove refused) starts from nothing.
+    sched.placed(placements[id(whole)], 0)
+    assert whole.todo == whole.prompt and whole.n_cached == 0 and sched.slots[1].tokens == []
+
+
+def test_jobs_wait_for_a_slot_first_come_first_served_and_a_cancelled_waiter_never_gets_one() -> None:
+    sched = Scheduler([0], n_ctx_slot=64, chunk=8)
+    first, second, third = Job(prompt(3)), Job(prompt(3, 300)), Job(prompt(3, 600))
+    streams = {id(first): [1, EOG], id(second): [2, EOG], id(third): [3, EOG]}
+    order: list[Job] = []
+    original = sched.admit
+
+    def admit() -> list:
+        placements = original()
+        order.extend(p.job for p in placements)
+        return placements
+
+    sched.admit = admit  # type: ignore[method-assign]
+    ends, _ = run(sched, streams, [first, second, third], cancel_at={0: [second]})
+    assert order == [first, third]
+    assert ends[id(second)] == StopReason.INTERRUPTED and second.n_decoded == 0
+
+
+def test_a_job_cancelled_in_its_slot_ends_at_the_next_step_and_frees_it() -> None:
+    sched = Scheduler([0], n_ctx_slot=64, chunk=8)
+    job, next_job = Job(prompt(3)), Job(prompt(3, 300))
+    streams = {id(job): [1] * 50, id(next_job): [2, EOG]}
+    ends, _ = run(sched, streams, [job, next_job], cancel_at={4: [job]})
+    assert ends == {id(job): StopReason.INTERRUPTED, id(next_job): StopReason.EOS}
+    assert 0 < job.n_decoded < 50
+
+
+def test_a_released_slot_keeps_its_cells_for_the_next_job_unless_they_were_lost() -> None:
+    sched = Scheduler([0], n_ctx_slot=256, chunk=64)
+    shared = prompt(AFFINITY_TOKENS + 4)
+    first = Job(shared + [1, 2])
+    run(sched, {id(first): [9, EOG]}, [first])
+    again = Job(shared + [3])
+    sched.submit(again)
+    [placement] = sched.admit()
+    assert placement.keep == len(shared)
+    sched.placed(placement, placement.keep)
+    sched.release(again, cells_kept=False)
+    assert sched.slots[0].tokens == [] and sched.slots[0].job is None
+
+
+def test_what_a_dead_worker_hands_over_is_every_job_that_produced_nothing() -> None:
+    sched = Scheduler([0, 1], n_ctx_slot=64, chunk=8)
+    started, placed, waiting = Job(prompt(3)), Job(prompt(5, 300)), Job(prompt(3, 600))
+    for job in (started, placed, waiting):
+        sched.submit(job)
+    admit_all(sched)
+    assert sched.sampled(started, 1, eog=False, stop=False) is None
+    taken = sched.take_unstarted()
+    assert taken == [waiting, placed]
+    assert placed.slot is None and placed.todo == [] and placed.n_cached == 0
+    assert sched.waiting == [] and sched.running() == [started]
+    assert sched.take_all() == [started] and started.slot is None and sched.running() == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 12), st.integers(0, 30), st.booleans()),
+                min_size=1, max_size=12),
+       st.integers(1, 4), st.integers(1, 48))
+def test_every_job_ends_once_with_the_tokens_its_stream_gave(
+        specs: list[tuple[int, int, int, bool]], n_slots: int, chunk: int) -> None:
+    # Jobs of random prompts (some sharing a prefix), arriving over time, some cancelled: each ends exactly
+    # once, with its stream's tokens committed in order into the slot it held, and no slot is shared.
+    sched = Scheduler(list(range(n_slots)), n_ctx_slot=96, chunk=chunk)
+    jobs, arrivals, cancels, streams = [], {}, {}, {}
+    for i, (n_prompt, n_gen, arrive, cancel) in enumerate(specs):
+        job = Job(prompt(n_prompt, 100 if i % 2 else 1000 * i), n_predict=-1)
+        streams[id(job)] = [1000 + i] * n_gen + [EOG]
+        arrivals.setdefault(arrive, []).append(job)
+        if cancel:
+            cancels.setdefault(arrive + 2, []).append(job)
+        jobs.append(job)
+    committed: dict[int, list[int]] = {id(j): [] for j in jobs}
+    ends, decodes = run(sched, streams, [], arrivals=arrivals, cancel_at=cancels)
+    for d in decodes:
+        assert len({id(j) for j in d.jobs}) == len(d.jobs)
+        for job, token in d.commits:
+            committed[id(job)].append(token)
+    assert set(ends) == {id(j) for j in jobs}
+    for i, job in enumerate(jobs):
+        tokens = committed[id(job)]
+        assert tokens == [1000 + i] * len(tokens)
+        if ends[id(job)] == StopReason.EOS:
+            assert job.n_decoded == specs[i][1] and tokens == streams[id(job)][:-1]
+        else:  # no room runs out: 40 + 12 tokens at most in 96
+            assert ends[id(job)] == StopReason.INTERRUPTED
+    assert sched.running() == [] and sched.waiting == []
