@@ -15,31 +15,36 @@ must move; one that stands still for hang_timeout is killed, and its calls fail 
 from __future__ import annotations
 
 import array
-import collections
 import itertools
 import logging
 import os
-import queue
 import select
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import psutil
 
 from ._futures import running
+from ._launch import (
+    START_DATA_BYTES,
+    ForkedChild,
+    StderrTail,
+    WorkerOptions,
+    spawner,
+    worker_command,
+    worker_env,
+)
 from .errors import (
     DeadWorkerError,
-    LloyalError,
     PoolClosedError,
     ProtocolError,
     SnapshotError,
@@ -54,7 +59,6 @@ from .protocol import (
     Fork,
     Kind,
     PeerClosed,
-    Reap,
     Request,
     pack,
     parse_reply,
@@ -62,38 +66,11 @@ from .protocol import (
     request_payload,
     write_frame,
 )
-from .shm import DEFAULT_SIZE, Region, TransferFile, WorkerTransfer
+from .shm import Region, TransferFile, WorkerTransfer
 
 log = logging.getLogger("lloyal_pool")
-STDERR_TAIL_BYTES = 64 << 10
-# The line native/abort_report.cpp writes when ggml aborts the worker (common.hpp, LLOYAL_ABORT_MARKER).
-ABORT_MARKER = "lloyal worker: GGML abort:"
 R = TypeVar("R")
-# What a worker's data segment (RLIMIT_DATA, Pool(memory_limit=)) holds once it has started: Python, numpy,
-# the native module. Measured: 105 MiB; it fails to start under about 110 MiB.
-_START_DATA_BYTES = 110 << 20
-LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
 
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    # What the pool resolved once (variants.py): its workers all run the same backends.
-    variant: str = "cpu"
-    strict_variant: bool = False
-    cpu: str = "auto"
-    shm_bytes: int = DEFAULT_SIZE
-    shm_backend: str = "auto"
-    memory_limit: int | None = None
-    start_timeout: float = 60.0
-    env: dict[str, str | None] = field(default_factory=dict)
-    native_log_level: str = "warning"
-    threads: int | None = None  # a context's default n_threads in this worker
-    # Landlock (worker/landlock.py): None reads anywhere; writes go only to the private cwd and these.
-    allowed_dirs: tuple[str, ...] | None = None
-    writable_dirs: tuple[str, ...] = ()
-    network: bool = False
-    sandbox: bool = True
-    temp_root: str | None = None  # where the workers' private directories go (the pool's TempRoot)
 
 
 class CallLedger(Protocol):
@@ -152,53 +129,8 @@ class _Pending:
 _request_ids = itertools.count(1)
 
 
-class _Spawner:
-    """Starts workers from one long-lived thread. A worker's parent-death signal fires when the *thread*
-    that spawned it exits, so spawning from a caller's short-lived thread would kill its workers."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="lloyal-spawner", daemon=True)
-                self._thread.start()
-        fut: Future[Any] = Future()
-        self._q.put((fn, fut))
-        return fut.result()
-
-    def _loop(self) -> None:
-        while True:
-            fn, fut = self._q.get()
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-
-_spawner = _Spawner()
-
 # The request pipe's write, one chunk at a time (a name of its own, so that a test can interrupt it).
 _pipe_write: Callable[[int, memoryview], int] = os.write
-
-
-def _worker_env(allowed: dict[str, str | None]) -> dict[str, str]:
-    """A worker's whole environment: only what Pool(env=...) names (None: our value, when we have one).
-
-    The interpreter needs none of ours: it is started by absolute path in isolated mode (-I), and with
-    no locale set Python coerces the C locale to UTF-8. Nothing of the parent's (tokens, proxies,
-    credentials) reaches code that parses untrusted model files unless it is asked for by name."""
-    env: dict[str, str] = {}
-    for name, value in allowed.items():
-        if value is None:
-            if name in os.environ:
-                env[name] = os.environ[name]
-        else:
-            env[name] = value
-    return env
 
 
 class WorkerProcess:
@@ -233,10 +165,7 @@ class WorkerProcess:
         self.recovery: Recovery | None = None
         self.recovering: threading.Event | None = None
         self._dead_event = threading.Event()
-        self._stderr_tail: collections.deque[str] = collections.deque()
-        self._stderr_bytes = 0
-        self._stderr_lock = threading.Lock()
-        self._stderr_log = logging.getLogger(f"lloyal_pool.worker.{worker_id}")
+        self._stderr = StderrTail(worker_id)
         self._psutil: psutil.Process | None = None
         self._transfer: WorkerTransfer | None = None
         self._control: socket.socket | None = None  # a zygote's: its forks' descriptors go through it
@@ -273,25 +202,15 @@ class WorkerProcess:
                 raise
             self._start_threads(req_r, rep_w, life_r)
             return
-        cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker",
-               "--fds", f"{req_r},{rep_w}", "--lifeline", str(life_r), "--shm", self.region.spec.to_arg(),
-               "--parent-pid", str(os.getpid()), "--worker-id", str(worker_id), "--variant", options.variant,
-               "--cpu", options.cpu, "--log-level", str(LOG_LEVELS[options.native_log_level])]
-        if options.strict_variant:
-            cmd.append("--strict-variant")
-        if options.threads:
-            cmd += ["--threads", str(int(options.threads))]
-        if options.memory_limit:
-            cmd += ["--memory-limit", str(int(options.memory_limit))]
-        cmd += _sandbox_args(options)
+        zygote_fd = None if zygote_end is None else zygote_end.fileno()
+        cmd = worker_command(worker_id, options, (req_r, rep_w), life_r, self.region.spec.to_arg(), zygote_fd)
         pass_fds = [req_r, rep_w, life_r] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
-        if zygote_end is not None:
-            cmd += ["--zygote", str(zygote_end.fileno())]
-            pass_fds.append(zygote_end.fileno())
+        if zygote_fd is not None:
+            pass_fds.append(zygote_fd)
         try:
-            self.proc = _spawner.run(lambda: subprocess.Popen(
+            self.proc = spawner.run(lambda: subprocess.Popen(
                 cmd, pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, cwd=self._cwd, env=_worker_env(options.env),
+                stderr=subprocess.PIPE, cwd=self._cwd, env=worker_env(options.env),
                 start_new_session=True))  # a terminal's Ctrl-C reaches only the parent
         except BaseException:
             for fd in (req_r, rep_w, life_r, self._req_w, self._rep_r, self._life_w):
@@ -313,7 +232,8 @@ class WorkerProcess:
         os.close(rep_w)
         os.close(life_r)
         self.pid = self.proc.pid
-        self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True,
+        assert self.proc.stderr is not None
+        self._stderr_thread = threading.Thread(target=self._stderr.drain, args=(self.proc.stderr,), daemon=True,
                                                name=f"lloyal-worker{self.worker_id}-stderr")
         self._stderr_thread.start()
         self._reader = threading.Thread(target=self._read_replies, daemon=True,
@@ -403,9 +323,9 @@ class WorkerProcess:
             code = None
         self._stderr_thread.join(timeout=1.0)
         limit = self.options.memory_limit
-        if limit and limit < _START_DATA_BYTES * 2:
+        if limit and limit < START_DATA_BYTES * 2:
             why += (f"; memory_limit={limit} bytes ({limit / 2**20:.0f} MiB) is likely too small for a worker to "
-                    f"start: one needs about {_START_DATA_BYTES >> 20} MiB of data before it loads a model")
+                    f"start: one needs about {START_DATA_BYTES >> 20} MiB of data before it loads a model")
         return WorkerStartupError(
             f"worker {self.worker_id} (pid {self.pid}) failed to start: {why}; {describe_exit(code)}",
             worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
@@ -585,7 +505,7 @@ class WorkerProcess:
                 hung_for=self._hung_for, returncode=code, worker_id=self.worker_id, pid=self.pid,
                 stderr_tail=self.stderr_tail())
         else:
-            failed = self._abort_line()
+            failed = self._stderr.abort_line()
             error = WorkerCrashedError(
                 f"worker {self.worker_id} (pid {self.pid}) {describe_exit(code)}; {why}"
                 + (f"; {failed}" if failed else ""),
@@ -638,29 +558,8 @@ class WorkerProcess:
                       self.worker_id, self.pid, self._hung_for)
             self._kill_tree()
 
-    # -- stderr ---------------------------------------------------------------------------------------
-    def _drain_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for raw in iter(self.proc.stderr.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            with self._stderr_lock:
-                self._stderr_tail.append(line)
-                self._stderr_bytes += len(line) + 1
-                while self._stderr_bytes > STDERR_TAIL_BYTES and len(self._stderr_tail) > 1:
-                    self._stderr_bytes -= len(self._stderr_tail.popleft()) + 1
-            self._stderr_log.log(_line_level(line), "%s", line)
-        self.proc.stderr.close()
-
-    def _abort_line(self) -> str:
-        """What a GGML abort said failed (native/abort_report.cpp marks the line), or ""."""
-        with self._stderr_lock:
-            found = [line for line in self._stderr_tail if line.startswith(ABORT_MARKER)]
-        return found[-1][len(ABORT_MARKER):].strip() if found else ""
-
     def stderr_tail(self, max_lines: int = 40) -> str:
-        with self._stderr_lock:
-            lines = list(self._stderr_tail)[-max_lines:]
-        return "\n".join(lines)
+        return self._stderr.tail(max_lines)
 
     # -- figures --------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -762,78 +661,6 @@ class WorkerProcess:
         shutil.rmtree(self._cwd, ignore_errors=True)
 
 
-class ForkedChild:
-    """A worker forked from a snapshot's zygote, as WorkerProcess sees it (what a Popen is for a spawned
-    one). Its parent is the zygote, so only the zygote can wait for it: wait() asks it (Reap). Should the
-    zygote be gone, the child was handed to init, which reaps it; its exit status is then unknown (None)."""
-
-    def __init__(self, pid: int, stderr_fd: int, zygote: WorkerProcess) -> None:
-        self.pid = pid
-        self.stderr = os.fdopen(stderr_fd, "rb")
-        self.returncode: int | None = None
-        self._zygote = zygote
-        self._done = False
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """The exit status once the child has exited; subprocess.TimeoutExpired after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done:
-            left = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
-            try:
-                code = self._zygote.call(Reap(pid=self.pid, timeout=left)).result()
-            except (LloyalError, OSError):
-                code = None
-                if not psutil.pid_exists(self.pid):
-                    self._done = True  # reaped by init: the status is gone with the zygote
-                    break
-                time.sleep(left)
-            if code is not None:
-                self.returncode, self._done = code, True
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
-        return self.returncode
-
-
-class TempRoot:
-    """A pool's temporary directory, which holds its workers' private directories, and a janitor that
-    removes it should this process die without closing the pool (SIGKILL, os._exit): a shell whose stdin
-    is a pipe only we hold the write end of. When we die, however, it reads EOF and removes the directory
-    (retrying while dying workers may still be writing there); when close() ends it, we have already."""
-
-    _SCRIPT = ('cat >/dev/null; for i in 1 2 3 4 5; do rm -rf -- "$1" 2>/dev/null; '
-               '[ -e "$1" ] || exit 0; sleep 1; done')
-
-    def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix="lloyal-pool-")
-        life_r, self._life_w = os.pipe()
-        try:
-            self._janitor: subprocess.Popen[bytes] | None = _spawner.run(lambda: subprocess.Popen(
-                ["/bin/sh", "-c", self._SCRIPT, "lloyal-janitor", self.path], stdin=life_r,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
-                start_new_session=True))
-        except OSError as exc:
-            # Without a shell the directory is still removed by close(), only not after a SIGKILL.
-            log.warning("[startup] no janitor for %s (%s): a killed parent would leave it behind", self.path, exc)
-            self._janitor = None
-        finally:
-            os.close(life_r)
-
-    def close(self) -> None:
-        """Removes the directory and ends the janitor. Idempotent."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        if self._life_w >= 0:
-            os.close(self._life_w)
-            self._life_w = -1
-        if self._janitor is not None:
-            try:
-                self._janitor.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                self._janitor.kill()
-                self._janitor.wait()
-            self._janitor = None
-
-
 class HangWatch:
     """A pool's hang watchdog: one daemon thread that, every tick, has each worker with calls waiting
     compare its heartbeat with the last one seen (WorkerProcess.check_hang). No round trip, no signal:
@@ -863,19 +690,6 @@ class HangWatch:
             self._thread.join(timeout=2.0)
 
 
-def _sandbox_args(options: WorkerOptions) -> list[str]:
-    import json
-
-    if not options.sandbox:
-        return ["--no-sandbox"]
-    out = ["--writable-dirs", json.dumps([os.path.realpath(d) for d in options.writable_dirs])]
-    if options.allowed_dirs is not None:
-        out += ["--allowed-dirs", json.dumps([os.path.realpath(d) for d in options.allowed_dirs])]
-    if options.network:
-        out.append("--network")
-    return out
-
-
 def _copy_error(err: BaseException) -> BaseException:
     """A fresh exception per waiting call, so tracebacks do not pile onto one shared instance."""
     if isinstance(err, WorkerCrashedError):
@@ -888,10 +702,3 @@ def _copy_error(err: BaseException) -> BaseException:
     else:
         new = type(err)(*err.args)
     return new
-
-
-def _line_level(line: str) -> int:
-    if line.startswith("[llama.cpp "):
-        return {"E": logging.ERROR, "W": logging.WARNING, "I": logging.DEBUG, "D": logging.DEBUG}.get(
-            line[11:12], logging.DEBUG)
-    return logging.INFO

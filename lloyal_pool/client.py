@@ -17,7 +17,7 @@ lifecycle.py); this module gathers them under the name they have always been imp
 from __future__ import annotations
 
 from .context import Context
-from .instance import Instance, ProgressCallback
+from .instance import Instance
 from .lifecycle import Subscribers, WorkerEvent
 from .lora import LoraAdapter
 from .model import Model

@@ -13,7 +13,8 @@ from typing import Any
 
 from . import variants
 from ._aio import closed_in_thread
-from ._process import LOG_LEVELS, HangWatch, TempRoot, WorkerOptions, WorkerProcess
+from ._launch import LOG_LEVELS, TempRoot, WorkerOptions
+from ._process import HangWatch, WorkerProcess
 from ._recovery import PoolRecovery
 from .batching import BatchedCalls, Batcher
 from .context import Context

@@ -15,7 +15,7 @@ import pytest
 from procs import FAULTS, PATIENCE, all_end
 
 from lloyal_pool import Pool, ProtocolError, StaleHandleError, WorkerCrashedError, WorkerStartupError
-from lloyal_pool._process import ABORT_MARKER
+from lloyal_pool._launch import ABORT_MARKER
 
 
 def _memfds() -> int:

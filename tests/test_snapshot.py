@@ -162,7 +162,7 @@ def test_waiting_on_a_running_fork_expires_at_its_timeout_asking_the_zygote_twic
     # A fork's parent is the zygote, so the pool waits for it by Reap requests, each of which blocks in
     # the zygote for up to half a second: a wait with a timeout must neither return early nor poll hot.
     from lloyal_pool import protocol as p
-    from lloyal_pool._process import ForkedChild
+    from lloyal_pool._launch import ForkedChild
 
     with snap_pool.snapshot(lambda instance: {"m": instance.load_model(tiny_model)}) as snapshot:
         fork = snapshot.fork()

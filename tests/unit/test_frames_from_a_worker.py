@@ -128,7 +128,7 @@ def test_a_failed_start_blames_the_memory_cap_only_when_it_is_small(fake_python:
 
 
 def test_the_stderr_tail_keeps_a_last_line_longer_than_the_tail_itself(fake_python: Path) -> None:
-    from lloyal_pool._process import STDERR_TAIL_BYTES
+    from lloyal_pool._launch import STDERR_TAIL_BYTES
 
     huge = "x" * (STDERR_TAIL_BYTES + 1000)
     stderr = "".join(f"line {i}\n" for i in range(10)) + huge + "\n"
@@ -152,7 +152,7 @@ def tail_kept(fake_python: Path, lines: list[str]) -> list[str]:
 @pytest.mark.parametrize("extra", [0, 1])
 def test_the_stderr_tail_holds_at_most_its_bytes(fake_python: Path, extra: int) -> None:
     # Lines (newlines counted) that fill the tail exactly are all kept; one byte more and the oldest goes.
-    from lloyal_pool._process import STDERR_TAIL_BYTES
+    from lloyal_pool._launch import STDERR_TAIL_BYTES
 
     first = "f" * (99 + extra)
     rest = ["r" * 99] * ((STDERR_TAIL_BYTES - 100) // 100)
@@ -166,7 +166,7 @@ def test_the_stderr_tail_holds_at_most_its_bytes(fake_python: Path, extra: int) 
 def test_a_crash_names_the_last_abort_line_in_the_tail(fake_python: Path, marks: int) -> None:
     # One marked line (a backtrace long enough can push the report's first copy out of the tail) or
     # several: the crash message quotes the last one.
-    from lloyal_pool._process import ABORT_MARKER
+    from lloyal_pool._launch import ABORT_MARKER
 
     stderr = "".join(f"noise {i}\n{ABORT_MARKER} k.cpp:{i}: GGML_ASSERT(x{i}) failed\n" for i in range(marks))
     with fake_pool(fake_python, [MALFORMED],

@@ -150,7 +150,7 @@ def test_the_back_references_are_the_owners_handles_name() -> None:
     # What the two checks leave out, spelled out: a change here is a change of who owns whom.
     assert back_references(PACKAGE) == {
         ("context", "model"), ("lora", "model"), ("batching", "model"), ("model", "instance"),
-        ("session", "context"), ("snapshot", "pool"), ("_recovery", "pool"),
+        ("session", "context"), ("snapshot", "pool"), ("_recovery", "pool"), ("_launch", "_process"),
     }
 
 

@@ -1,0 +1,249 @@
+"""How a worker process starts, and what stands around it: its options, its command line and environment,
+the thread that spawns it, the pool's temporary directory, a child forked from a snapshot's zygote, and its
+stderr (logged line by line, the tail kept for errors). _process.py runs the worker once it is started."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+import psutil
+
+from .errors import LloyalError
+from .protocol import Reap
+from .shm import DEFAULT_SIZE
+
+if TYPE_CHECKING:
+    from ._process import WorkerProcess
+
+log = logging.getLogger("lloyal_pool")
+STDERR_TAIL_BYTES = 64 << 10
+# The line native/abort_report.cpp writes when ggml aborts the worker (common.hpp, LLOYAL_ABORT_MARKER).
+ABORT_MARKER = "lloyal worker: GGML abort:"
+# What a worker's data segment (RLIMIT_DATA, Pool(memory_limit=)) holds once it has started: Python, numpy,
+# the native module. Measured: 105 MiB; it fails to start under about 110 MiB.
+START_DATA_BYTES = 110 << 20
+LOG_LEVELS = {"debug": 0, "info": 1, "warning": 2, "error": 3, "none": 4}
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    # What the pool resolved once (variants.py): its workers all run the same backends.
+    variant: str = "cpu"
+    strict_variant: bool = False
+    cpu: str = "auto"
+    shm_bytes: int = DEFAULT_SIZE
+    shm_backend: str = "auto"
+    memory_limit: int | None = None
+    start_timeout: float = 60.0
+    env: dict[str, str | None] = field(default_factory=dict)
+    native_log_level: str = "warning"
+    threads: int | None = None  # a context's default n_threads in this worker
+    # Landlock (worker/landlock.py): None reads anywhere; writes go only to the private cwd and these.
+    allowed_dirs: tuple[str, ...] | None = None
+    writable_dirs: tuple[str, ...] = ()
+    network: bool = False
+    sandbox: bool = True
+    temp_root: str | None = None  # where the workers' private directories go (the pool's TempRoot)
+
+
+def worker_command(worker_id: int, options: WorkerOptions, fds: tuple[int, int], lifeline: int, shm: str,
+                   zygote_fd: int | None) -> list[str]:
+    """The worker's command line: the interpreter by absolute path in isolated mode (-I: no user site, no
+    PYTHON* variables), its protocol pipes, lifeline and region, and its options."""
+    cmd = [sys.executable, "-I", "-m", "lloyal_pool.worker",
+           "--fds", f"{fds[0]},{fds[1]}", "--lifeline", str(lifeline), "--shm", shm,
+           "--parent-pid", str(os.getpid()), "--worker-id", str(worker_id), "--variant", options.variant,
+           "--cpu", options.cpu, "--log-level", str(LOG_LEVELS[options.native_log_level])]
+    if options.strict_variant:
+        cmd.append("--strict-variant")
+    if options.threads:
+        cmd += ["--threads", str(int(options.threads))]
+    if options.memory_limit:
+        cmd += ["--memory-limit", str(int(options.memory_limit))]
+    cmd += _sandbox_args(options)
+    if zygote_fd is not None:
+        cmd += ["--zygote", str(zygote_fd)]
+    return cmd
+
+
+def _sandbox_args(options: WorkerOptions) -> list[str]:
+    if not options.sandbox:
+        return ["--no-sandbox"]
+    out = ["--writable-dirs", json.dumps([os.path.realpath(d) for d in options.writable_dirs])]
+    if options.allowed_dirs is not None:
+        out += ["--allowed-dirs", json.dumps([os.path.realpath(d) for d in options.allowed_dirs])]
+    if options.network:
+        out.append("--network")
+    return out
+
+
+def worker_env(allowed: dict[str, str | None]) -> dict[str, str]:
+    """A worker's whole environment: only what Pool(env=...) names (None: our value, when we have one).
+
+    The interpreter needs none of ours: it is started by absolute path in isolated mode (-I), and with
+    no locale set Python coerces the C locale to UTF-8. Nothing of the parent's (tokens, proxies,
+    credentials) reaches code that parses untrusted model files unless it is asked for by name."""
+    env: dict[str, str] = {}
+    for name, value in allowed.items():
+        if value is None:
+            if name in os.environ:
+                env[name] = os.environ[name]
+        else:
+            env[name] = value
+    return env
+
+
+class Spawner:
+    """Starts workers from one long-lived thread. A worker's parent-death signal fires when the *thread*
+    that spawned it exits, so spawning from a caller's short-lived thread would kill its workers."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="lloyal-spawner", daemon=True)
+                self._thread.start()
+        fut: Future[Any] = Future()
+        self._q.put((fn, fut))
+        return fut.result()
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._q.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+
+spawner = Spawner()
+
+class TempRoot:
+    """A pool's temporary directory, which holds its workers' private directories, and a janitor that
+    removes it should this process die without closing the pool (SIGKILL, os._exit): a shell whose stdin
+    is a pipe only we hold the write end of. When we die, however, it reads EOF and removes the directory
+    (retrying while dying workers may still be writing there); when close() ends it, we have already."""
+
+    _SCRIPT = ('cat >/dev/null; for i in 1 2 3 4 5; do rm -rf -- "$1" 2>/dev/null; '
+               '[ -e "$1" ] || exit 0; sleep 1; done')
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="lloyal-pool-")
+        life_r, self._life_w = os.pipe()
+        try:
+            self._janitor: subprocess.Popen[bytes] | None = spawner.run(lambda: subprocess.Popen(
+                ["/bin/sh", "-c", self._SCRIPT, "lloyal-janitor", self.path], stdin=life_r,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
+                start_new_session=True))
+        except OSError as exc:
+            # Without a shell the directory is still removed by close(), only not after a SIGKILL.
+            log.warning("[startup] no janitor for %s (%s): a killed parent would leave it behind", self.path, exc)
+            self._janitor = None
+        finally:
+            os.close(life_r)
+
+    def close(self) -> None:
+        """Removes the directory and ends the janitor. Idempotent."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._life_w >= 0:
+            os.close(self._life_w)
+            self._life_w = -1
+        if self._janitor is not None:
+            try:
+                self._janitor.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._janitor.kill()
+                self._janitor.wait()
+            self._janitor = None
+
+
+class ForkedChild:
+    """A worker forked from a snapshot's zygote, as WorkerProcess sees it (what a Popen is for a spawned
+    one). Its parent is the zygote, so only the zygote can wait for it: wait() asks it (Reap). Should the
+    zygote be gone, the child was handed to init, which reaps it; its exit status is then unknown (None)."""
+
+    def __init__(self, pid: int, stderr_fd: int, zygote: WorkerProcess) -> None:
+        self.pid = pid
+        self.stderr = os.fdopen(stderr_fd, "rb")
+        self.returncode: int | None = None
+        self._zygote = zygote
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit status once the child has exited; subprocess.TimeoutExpired after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            left = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
+            try:
+                code = self._zygote.call(Reap(pid=self.pid, timeout=left)).result()
+            except (LloyalError, OSError):
+                code = None
+                if not psutil.pid_exists(self.pid):
+                    self._done = True  # reaped by init: the status is gone with the zygote
+                    break
+                time.sleep(left)
+            if code is not None:
+                self.returncode, self._done = code, True
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
+        return self.returncode
+
+
+class StderrTail:
+    """A worker's stderr: every line logged (``lloyal_pool.worker.<id>``, at the level a llama.cpp line
+    names) and the last STDERR_TAIL_BYTES of them kept, for the errors that report its death."""
+
+    def __init__(self, worker_id: int) -> None:
+        self._lines: collections.deque[str] = collections.deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._log = logging.getLogger(f"lloyal_pool.worker.{worker_id}")
+
+    def drain(self, stream: IO[bytes]) -> None:
+        """Reads stream to its end (a thread's whole life) and closes it."""
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with self._lock:
+                self._lines.append(line)
+                self._bytes += len(line) + 1
+                while self._bytes > STDERR_TAIL_BYTES and len(self._lines) > 1:
+                    self._bytes -= len(self._lines.popleft()) + 1
+            self._log.log(_line_level(line), "%s", line)
+        stream.close()
+
+    def abort_line(self) -> str:
+        """What a GGML abort said failed (native/abort_report.cpp marks the line), or ""."""
+        with self._lock:
+            found = [line for line in self._lines if line.startswith(ABORT_MARKER)]
+        return found[-1][len(ABORT_MARKER):].strip() if found else ""
+
+    def tail(self, max_lines: int = 40) -> str:
+        with self._lock:
+            lines = list(self._lines)[-max_lines:]
+        return "\n".join(lines)
+
+
+def _line_level(line: str) -> int:
+    if line.startswith("[llama.cpp "):
+        return {"E": logging.ERROR, "W": logging.WARNING, "I": logging.DEBUG, "D": logging.DEBUG}.get(
+            line[11:12], logging.DEBUG)
+    return logging.INFO
