@@ -19,10 +19,10 @@ milliseconds.
 When the worker dies, requests that have not produced a token yet go to the model's next batcher (on
 the replacement worker, with Pool(recover=True)); the others fail with WorkerCrashedError.
 
-Text is made here as generate makes it in the worker (native/generate.cpp): control tokens and
-markers are left out unless render_special, stop strings are matched across tokens on the bytes, and
-text that could still become a stop string or is an incomplete UTF-8 sequence is held back from the
-stream until it is known. So a request's Result is what Context.generate returns for the same prompt
+A request's text is made in the worker by the code generate uses (native/text_assembly.hpp), on its
+branch: control tokens and markers are left out unless render_special, stop strings are matched across
+tokens on the bytes, and text that could still become a stop string or is an incomplete UTF-8 sequence
+is held back from the stream until it is known. So a request's Result is what Context.generate returns for the same prompt
 and params (at greedy the same tokens, within the batch invariance docs/BRANCHES.md describes), except
 that repetition penalties see only the generated tokens, not the prompt.
 """
@@ -69,70 +69,28 @@ ADMIT_WINDOW = 0.005
 _GONE = (WorkerError, StaleHandleError, PoolClosedError)
 
 
-def _find_stop(text: bytes | bytearray, start: int, stops: Sequence[bytes]) -> int:
-    """Earliest start of a stop string in text[start:], or -1."""
-    found = [at for at in (text.find(s, start) for s in stops) if at >= 0]
-    return min(found) if found else -1
-
-
-def _stop_prefix_tail(text: bytes | bytearray, start: int, stops: Sequence[bytes]) -> int:
-    """Length of the longest suffix of text[start:] that is a proper prefix of a stop string."""
-    avail = len(text) - start
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, avail), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
-
-
-def _incomplete_utf8_tail(text: bytes | bytearray, start: int) -> int:
-    """Length of a UTF-8 sequence cut short at the end of text[start:] (0 when there is none)."""
-    n = len(text)
-    for back in range(1, min(4, n - start) + 1):
-        lead = text[n - back]
-        if 0x80 <= lead <= 0xBF:
-            continue  # a continuation byte: look further back for the lead
-        need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
-        return back if need > back else 0
-    return 0
-
-
 class _Output:
-    """One request's text as generate makes it: pieces in, final text and stream chunks out."""
+    """One request's text as its branch makes it in the worker, as generate makes it (native
+    text_assembly: stop strings, UTF-8 hold-back, control tokens): what became final goes to on_piece at
+    once; what is held back is final only when the request ends there."""
 
-    def __init__(self, params: GenerateParams, hidden: frozenset[int],
-                 on_piece: Callable[[str], None] | None) -> None:
-        self._stops = [s.encode() for s in params.stop]
-        self._hidden = frozenset() if params.render_special else hidden
+    def __init__(self, on_piece: Callable[[str], None] | None) -> None:
         self._on_piece = on_piece
         self.text = bytearray()
+        self.held = b""
         self.tokens: list[int] = []
-        self._emitted = 0
-        self._end = -1
         self.callback_error: BaseException | None = None
 
-    def push(self, token: int, piece: bytes) -> bool:
-        """Adds a sampled token (committed); True when a stop string completed."""
+    def push(self, token: int, final: bytes, held: bytes) -> None:
+        """A sampled token (committed, or the one that completed a stop string), with its text."""
         self.tokens.append(token)
-        if token not in self._hidden:
-            self.text += piece
-        at = _find_stop(self.text, self._emitted, self._stops) if self._stops else -1
-        if at >= 0:
-            self._end = at
-            self._emit(at)
-            return True
-        hold = max(_stop_prefix_tail(self.text, self._emitted, self._stops) if self._stops else 0,
-                   _incomplete_utf8_tail(self.text, self._emitted))
-        self._emit(len(self.text) - hold)
-        return False
+        self._emit(final)
+        self.held = held
 
-    def _emit(self, end: int) -> None:
-        if end <= self._emitted:
+    def _emit(self, chunk: bytes) -> None:
+        if not chunk:
             return
-        chunk = bytes(self.text[self._emitted:end])
-        self._emitted = end
+        self.text += chunk
         if self._on_piece is not None and self.callback_error is None:
             try:
                 self._on_piece(chunk.decode("utf-8", "replace"))
@@ -140,9 +98,9 @@ class _Output:
                 self.callback_error = exc
 
     def finish(self) -> str:
-        end = len(self.text) if self._end < 0 else self._end
-        self._emit(end)
-        return self.text[:end].decode("utf-8", "replace")
+        self._emit(self.held)
+        self.held = b""
+        return self.text.decode("utf-8", "replace")
 
 
 @dataclass(eq=False, kw_only=True)
@@ -198,7 +156,6 @@ class Batcher:
         self.slots = slots
         self.n_ctx_slot = n_ctx_slot
         self.chunk = chunk
-        self._hidden = frozenset(model.info.hidden_tokens)
         self._eog = list(model.info.eog_tokens)
         self.context: Context = model.new_context(n_ctx=slots * n_ctx_slot, n_seq_max=slots,
                                                   n_batch=max(512, chunk, slots), n_threads=n_threads)
@@ -242,7 +199,7 @@ class Batcher:
                                        f"{self.n_ctx_slot} (n_ctx_slot), generated tokens included")
         if on_piece is not None and not callable(on_piece):
             raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
-        req = _Request(tokens, gen.n_predict, params=gen, output=_Output(gen, self._hidden, on_piece), future=running())
+        req = _Request(tokens, gen.n_predict, params=gen, output=_Output(on_piece), future=running())
         self._enqueue(req)
         return BatchRequest(req.future, req.cancel)
 
@@ -362,6 +319,7 @@ class Batcher:
         sampler = SamplerParams(**{name: getattr(gen, name) for name in _SAMPLER_FIELDS})
         branch = ctx.branches.adopt(seq, sampler, grammar=gen.grammar or None)
         req.branch = branch
+        branch._set_text(gen.stop, gen.render_special)
         bias = dict(gen.logit_bias)
         if gen.ignore_eos:
             bias.update({t: float("-inf") for t in self._eog})
@@ -397,17 +355,18 @@ class Batcher:
     def _sample(self, reqs: list[_Request]) -> list[tuple[Job, int]]:
         """Samples every generating request and hands its piece out; the requests that go on, with
         their tokens (to commit). A request that ends here is finished."""
-        produced = self._batched(reqs, lambda: self.context.branches.produce(
+        produced = self._batched(reqs, lambda: self.context.branches._produce_text(
             [r.branch for r in reqs if r.branch is not None]))
         if produced is None:
             return []
         going: list[tuple[Job, int]] = []
-        for req, got in zip(reqs, produced, strict=True):
-            stopped = not got.is_stop and req.output.push(got.token, got.piece)
-            reason = self._plan.sampled(req, got.token, eog=got.is_stop,
-                                        stop=stopped or req.output.callback_error is not None)
+        for req, (token, is_stop, final, held, stop_string) in zip(reqs, produced, strict=True):
+            if not is_stop:
+                req.output.push(token, final, held)
+            reason = self._plan.sampled(req, token, eog=is_stop,
+                                        stop=stop_string or req.output.callback_error is not None)
             if reason is None:
-                going.append((req, got.token))
+                going.append((req, token))
             else:
                 self._finish(req, reason)
         return going

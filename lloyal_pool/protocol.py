@@ -37,7 +37,7 @@ from .chat import ChatMessage
 from .errors import BadRequestError, ProtocolError
 from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
@@ -98,6 +98,8 @@ class Op(str, enum.Enum):
     BRANCH_SET_LOGITS = "branch_set_logits"
     BRANCH_MERGE_LOGITS = "branch_merge_logits"
     PRODUCE = "produce"
+    BRANCH_SET_TEXT = "branch_set_text"
+    PRODUCE_TEXT = "produce_text"
     COMMIT = "commit"
     PREFILL = "prefill"
     STEP = "step"
@@ -517,6 +519,25 @@ class BranchMergeLogits(BranchRequest[None]):
 class Produce(ContextRequest[list[tuple[int, bytes, bool]]]):
     op = Op.PRODUCE
     decodes = True  # no llama_decode, but a grammar step can take seconds: interruptible all the same
+    branches: list[int]
+
+
+class BranchSetText(BranchRequest[None]):
+    """From now on the branch makes text of what it produces, as generate makes it (ProduceText hands it
+    out): these stop strings, control tokens' text left out unless render_special."""
+
+    op = Op.BRANCH_SET_TEXT
+    stop: list[str]
+    render_special: bool = False
+
+
+class ProduceText(ContextRequest[list[tuple[int, bool, bytes, bytes, bool]]]):
+    """Produce, for branches that make text (BranchSetText). Per branch: token (-1: nothing allowed),
+    is_stop, the text that became final with it, the text held back after that (final only if the
+    generation ends here), and whether a stop string completed (the text ends before it)."""
+
+    op = Op.PRODUCE_TEXT
+    decodes = True  # as Produce: a grammar step can take seconds
     branches: list[int]
 
 

@@ -188,6 +188,33 @@ void register_branch_methods(context_class & cls) {
             },
             py::arg("branches"), py::arg("request_id") = 0)
         .def(
+            "branch_set_text",
+            [](py_context & c, py::handle branch, py::handle stops, bool render_special) {
+                const uint32_t b = handle_arg(branch);
+                std::vector<std::string> ss;
+                for (const py::object & s : sequence_items(stops, "stop strings")) {
+                    if (!py::isinstance<py::str>(s)) {
+                        throw std::invalid_argument("a stop string is a str");
+                    }
+                    ss.push_back(s.cast<std::string>());
+                }
+                nogil([&] { c.branches->set_text(b, std::move(ss), render_special); });
+            },
+            py::arg("branch"), py::arg("stop"), py::arg("render_special") = false)
+        .def(
+            "produce_text",
+            [](py_context & c, py::handle handles, uint64_t request_id) {
+                const std::vector<uint32_t> hs = handles_arg(handles, "branch handles");
+                const std::vector<produced_text> out = nogil([&] { return c.branches->produce_text(hs, request_id); });
+                py::list result;
+                for (const produced_text & p : out) {
+                    result.append(py::make_tuple(p.token == LLAMA_TOKEN_NULL ? -1 : p.token, p.is_stop,
+                                                 py::bytes(p.text), py::bytes(p.held), p.stop_string));
+                }
+                return result;
+            },
+            py::arg("branches"), py::arg("request_id") = 0)
+        .def(
             "commit",
             [](py_context & c, py::handle pairs, uint64_t request_id) {
                 const std::vector<std::pair<uint32_t, llama_token>> ps = commit_pairs(pairs, c.core->model());

@@ -29,9 +29,7 @@ py_context::py_context(std::shared_ptr<Model> model, const py::dict & params, st
     }
     sequence = std::make_unique<sequence_driver>(*core);
     branches = std::make_unique<branch_driver>(*core);
-    sequence->set_branches(branches.get());
-    branches->set_sequence(sequence.get());
-    embedder = std::make_unique<embed_driver>(*core, *sequence, *branches);
+    embedder = std::make_unique<embed_driver>(*core, *sequence);
 }
 
 py_context::~py_context() = default;

@@ -4,7 +4,6 @@
 #include "errors.hpp"
 #include "logits.hpp"
 #include "parallel.hpp"
-#include "sequence.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -38,7 +37,7 @@ double perplexity(double sum, int64_t count) {
 
 }  // namespace
 
-branch_driver::branch_driver(context_core & core) : core_(core), store_(core.n_seq_max) {}
+branch_driver::branch_driver(context_core & core) : core_(core), store_(core.n_seq_max) { core.add_tenant(*this); }
 
 branch_driver::~branch_driver() = default;
 
@@ -105,10 +104,13 @@ std::vector<branch *> branch_driver::with_logits(const std::vector<uint32_t> & h
     return out;
 }
 
+std::string branch_driver::held() const {
+    return active() ? "branches or detached sequences (prune them, or reset the context)" : std::string();
+}
+
 void branch_driver::check_branch_capable() const {
-    if (sequence_ != nullptr && !sequence_->empty()) {
-        throw context_error("this context holds a sequence-mode history of " + std::to_string(sequence_->n_past()) +
-                            " tokens: reset it before creating branches");
+    if (const std::string other = core_.held_by_others(this); !other.empty()) {
+        throw context_error("branches need a context of their own, and this context holds " + other);
     }
     const llama_model * lm = core_.model().get();
     if (llama_model_has_encoder(lm) || !llama_model_has_decoder(lm)) {
@@ -217,6 +219,7 @@ branch_created branch_driver::fork(uint32_t src) {
         b->snap_lse = parent.snap_lse;
     }
     b->accepted = parent.accepted;
+    b->text = parent.text;
     b->nll_sum = parent.nll_sum;
     b->nll_count = parent.nll_count;
     b->samp_sum = parent.samp_sum;
@@ -427,6 +430,51 @@ std::vector<produced_token> branch_driver::produce(const std::vector<uint32_t> &
         saved.restore();
         throw;
     }
+}
+
+void branch_driver::set_text(uint32_t h, std::vector<std::string> stops, bool render_special) {
+    for (const std::string & stop : stops) {
+        if (stop.empty()) {
+            throw std::invalid_argument("a stop string must not be empty");
+        }
+    }
+    context_core::busy_guard busy(core_);
+    store_.get(h).text = branch_text{text_assembly(std::move(stops)), render_special, 0};
+}
+
+std::vector<produced_text> branch_driver::produce_text(const std::vector<uint32_t> & handles, uint64_t request_id) {
+    context_core::busy_guard busy(core_);
+    const std::vector<branch *> bs = with_logits(handles, "produce_text");
+    for (const branch * b : bs) {
+        if (!b->text) {
+            throw branch_error("branch " + std::to_string(b->handle) + " makes no text: set_text first");
+        }
+    }
+    sampling_checkpoint saved(bs);
+    std::vector<llama_token> toks;
+    try {
+        context_core::request_scope req(core_, request_id);
+        toks = produce_tokens(bs);
+    } catch (...) {
+        saved.restore();
+        throw;
+    }
+    const Model & model = core_.model();
+    std::vector<produced_text> out(bs.size());
+    for (size_t i = 0; i < bs.size(); ++i) {
+        branch_text & bt = *bs[i]->text;
+        produced_text & o = out[i];
+        o.token = toks[i];
+        o.is_stop = toks[i] == LLAMA_TOKEN_NULL || llama_vocab_is_eog(model.vocab(), toks[i]);
+        if (!o.is_stop) {
+            o.stop_string = bt.text.push(model.text_piece(toks[i], bt.render_special));
+        }
+        const std::string & s = bt.text.text();
+        o.text = s.substr(bt.handed, bt.text.final_end() - bt.handed);
+        bt.handed = bt.text.final_end();
+        o.held = s.substr(bt.handed, bt.text.end() - bt.handed);
+    }
+    return out;
 }
 
 }  // namespace lloyal

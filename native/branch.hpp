@@ -26,6 +26,7 @@
 #include "common.hpp"
 #include "context_core.hpp"
 #include "sampling.hpp"
+#include "text_assembly.hpp"
 
 #include <memory>
 #include <optional>
@@ -36,7 +37,6 @@
 
 namespace lloyal {
 
-class sequence_driver;
 
 // One piece of a sequence's KV cells: positions [p0, p1) of the cells some branch decoded itself
 // (origin). A branch's cells are its lineage: the segments it shares with its ancestors (capped at the
@@ -47,6 +47,14 @@ struct kv_segment {
     uint64_t origin;
     llama_pos p0;
     llama_pos p1;
+};
+
+// A branch's text, made as generate makes it (stop strings, UTF-8 hold-back, control tokens' text left out
+// unless render_special), for a caller that hands it out as the branch produces (produce_text).
+struct branch_text {
+    text_assembly text;
+    bool render_special = false;
+    size_t handed = 0;  // text.text()[:handed] was handed out
 };
 
 struct branch {
@@ -74,6 +82,7 @@ struct branch {
     llama_token last_token = LLAMA_TOKEN_NULL;  // the last produced token
     float last_surprisal = 0.0f;
     bool sample_pending = false;  // last_token was produced from the current snapshot
+    std::optional<branch_text> text;  // set_text; forks copy it
 
     logits_row row() const { return {snapshot, snap_max, snap_lse}; }
 };
@@ -179,6 +188,16 @@ struct produced_token {
     bool is_stop = true;                   // end of generation, or NULL
 };
 
+// A produced token of a branch that makes text (set_text): what of its text became final with it, and
+// what is held back after that (final only if the generation ends here). Text is left alone on a stop.
+struct produced_text {
+    llama_token token = LLAMA_TOKEN_NULL;  // NULL: nothing allowed
+    bool is_stop = true;                   // end of generation, or NULL
+    std::string text;
+    std::string held;
+    bool stop_string = false;  // a stop string completed with this token: the text ends before it
+};
+
 struct kv_pressure {
     uint32_t n_ctx = 0;
     uint64_t cells_used = 0;
@@ -191,11 +210,11 @@ struct kv_pressure {
 // Branches and raw sequences of one context. Every method takes the context's busy guard; those that
 // decode honour the interrupt word (checked before every llama_decode and inside it, through the abort
 // callback). None touches Python: the bindings call them without the GIL.
-class branch_driver {
+class branch_driver : public kv_tenant {
   public:
     explicit branch_driver(context_core & core);
-    ~branch_driver();
-    void set_sequence(const sequence_driver * sequence) { sequence_ = sequence; }
+    ~branch_driver() override;
+    std::string held() const override;
     bool active() const { return store_.active(); }  // branches or detached sequences exist
     void clear();  // every branch and detached sequence goes; the caller clears the KV memory
 
@@ -219,6 +238,10 @@ class branch_driver {
     void set_logits(uint32_t h, const float * z);  // n_vocab floats
     void merge_logits(uint32_t dst, const std::vector<uint32_t> & experts, double alpha);
     std::vector<produced_token> produce(const std::vector<uint32_t> & handles, uint64_t request_id = 0);
+    // From now on the branch makes text of what it produces, with these stop strings (none empty).
+    void set_text(uint32_t h, std::vector<std::string> stops, bool render_special);
+    // produce() for branches that make text: each token's text pushed, what became final handed out.
+    std::vector<produced_text> produce_text(const std::vector<uint32_t> & handles, uint64_t request_id = 0);
 
     // branch_decode.cpp
     void commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id);
@@ -293,7 +316,6 @@ class branch_driver {
     void adopt_loaded(branch * b, llama_seq_id seq);
 
     context_core & core_;
-    const sequence_driver * sequence_ = nullptr;
     branch_store store_;
 };
 

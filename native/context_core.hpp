@@ -1,6 +1,7 @@
 // The part of a context every way of driving it shares: the llama_context, the batch, llama_decode with
 // the abort callback, the interrupt word, the one-call-at-a-time guard. The drivers hold a reference to
-// it: sequence_driver (eval, generate: sequence.hpp) and branch_driver (branches and raw KV: branch.hpp).
+// it: sequence_driver (eval, generate: sequence.hpp) and branch_driver (branches and raw KV: branch.hpp),
+// which never see each other: the cache holds one driver's state at a time, and context_core says whose.
 #pragma once
 
 #include "arena.hpp"
@@ -13,8 +14,22 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace lloyal {
+
+// A driver whose state lives in the KV cache: a plain history (sequence_driver), branches and detached
+// sequences (branch_driver). The cache holds one driver's state at a time; a driver asks its context_core
+// whether another holds anything (held_by_others) before it starts, so that no driver knows the others.
+class kv_tenant {
+  public:
+    virtual ~kv_tenant() = default;
+    // What the cache holds of this driver's state, as the end of another driver's error ("a
+    // sequence-mode history of 12 tokens (reset it first)"); empty when it holds nothing.
+    virtual std::string held() const = 0;
+    // Cells of the cache the state takes, where the driver counts them itself (a plain history's n_past).
+    virtual size_t cells_held() const { return 0; }
+};
 
 class context_core {
   public:
@@ -56,6 +71,27 @@ class context_core {
     // cache sized to the window, which may already have dropped the cells), or empty when it can. What
     // branches (commit and prefill roll back) and speculative decoding (rejected drafts) both need.
     std::string why_ranges_cannot_be_removed() const;
+
+    // The drivers whose state lives in the cache register once (they outlive no context_core call).
+    void add_tenant(const kv_tenant & tenant) { tenants_.push_back(&tenant); }
+    // What the cache holds of the tenants other than `self` (null: of any tenant), or empty when nothing.
+    std::string held_by_others(const kv_tenant * self = nullptr) const {
+        for (const kv_tenant * t : tenants_) {
+            if (t != self) {
+                if (std::string what = t->held(); !what.empty()) {
+                    return what;
+                }
+            }
+        }
+        return {};
+    }
+    size_t cells_held_by_others(const kv_tenant * self) const {
+        size_t n = 0;
+        for (const kv_tenant * t : tenants_) {
+            n += t != self ? t->cells_held() : 0;
+        }
+        return n;
+    }
 
     // Points the abort callback and the between-token checks at a u64 in shared memory (null: none).
     void set_interrupt_word(const uint64_t * word) { interrupt_word_ = word; }
@@ -148,6 +184,7 @@ class context_core {
     const uint64_t * interrupt_word_ = nullptr;
     std::atomic<uint64_t> current_request_{0};
     std::atomic<bool> aborting_{false};  // the abort callback said stop during the current llama_decode
+    std::vector<const kv_tenant *> tenants_;
 };
 
 }  // namespace lloyal

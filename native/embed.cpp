@@ -1,6 +1,5 @@
 // The embed driver (embed.hpp): packing inputs into decodes, reading embeddings and answer logits.
 #include "embed.hpp"
-#include "branch.hpp"
 #include "errors.hpp"
 #include "logits.hpp"
 #include "sequence.hpp"
@@ -188,7 +187,7 @@ std::vector<double> embed_driver::score_tails(const std::vector<std::vector<llam
         throw context_error("scoring text with a causal LM needs a generation context; this one was created with "
                             "embeddings=True");
     }
-    if (!sequence_.empty() || branches_.active()) {
+    if (!core_.held_by_others().empty()) {
         throw context_error("rerank on a generation context uses its whole cache: it must hold nothing (no "
                             "history, no branches); reset() it first");
     }

@@ -13,7 +13,6 @@
 namespace lloyal {
 
 class sequence_driver;
-class branch_driver;
 
 struct embed_result {
     size_t offset = 0;           // of the first row in the region
@@ -23,8 +22,8 @@ struct embed_result {
 
 class embed_driver {
   public:
-    embed_driver(context_core & core, sequence_driver & sequence, const branch_driver & branches)
-        : core_(core), sequence_(sequence), branches_(branches) {}
+    // sequence: whose history a rerank on a generation context forgets (the logits become the scoring's).
+    embed_driver(context_core & core, sequence_driver & sequence) : core_(core), sequence_(sequence) {}
 
     // An embeddings=True context: the rows of every input, written one after the other into a block
     // of the region that stays the context's until its next embed call. normalize: each row scaled
@@ -54,7 +53,6 @@ class embed_driver {
 
     context_core & core_;
     sequence_driver & sequence_;
-    const branch_driver & branches_;
     region_arena::block result_;  // the last embed call's rows
 };
 

@@ -25,80 +25,6 @@ namespace lloyal {
 
 namespace {
 
-// Length of an incomplete but so far valid UTF-8 sequence at the end of s[from:], or 0.
-// Only a *valid* prefix is held back: bytes that can never become a character are final already
-// (the decoder replaces them the same whatever follows), and holding them would not help.
-size_t incomplete_utf8_tail(const std::string & s, size_t from) {
-    const size_t n = s.size();
-    for (size_t back = 1; back <= 3 && back <= n - from; ++back) {
-        const auto lead = static_cast<unsigned char>(s[n - back]);
-        if ((lead & 0xC0) == 0x80) {
-            continue;  // continuation byte: keep looking for the lead
-        }
-        size_t need = 0;
-        if (lead >= 0xC2 && lead <= 0xDF) {
-            need = 2;
-        } else if (lead >= 0xE0 && lead <= 0xEF) {
-            need = 3;
-        } else if (lead >= 0xF0 && lead <= 0xF4) {
-            need = 4;
-        } else {
-            return 0;  // ASCII or a byte that cannot start a sequence
-        }
-        if (back >= need) {
-            return 0;  // complete
-        }
-        // The second byte's range depends on the lead (no overlongs, no surrogates, <= U+10FFFF).
-        if (back >= 2) {
-            const auto b1 = static_cast<unsigned char>(s[n - back + 1]);
-            unsigned char lo = 0x80;
-            unsigned char hi = 0xBF;
-            if (lead == 0xE0) {
-                lo = 0xA0;
-            } else if (lead == 0xED) {
-                hi = 0x9F;
-            } else if (lead == 0xF0) {
-                lo = 0x90;
-            } else if (lead == 0xF4) {
-                hi = 0x8F;
-            }
-            if (b1 < lo || b1 > hi) {
-                return 0;
-            }
-        }
-        return back;
-    }
-    return 0;
-}
-
-// Earliest start of any stop string in s[from:], or npos.
-size_t find_stop(const std::string & s, size_t from, const std::vector<std::string> & stops) {
-    size_t best = std::string::npos;
-    for (const auto & stop : stops) {
-        const size_t at = s.find(stop, from);
-        if (at < best) {
-            best = at;
-        }
-    }
-    return best;
-}
-
-// Longest suffix of s[from:] that is a proper prefix of some stop string: text that may still turn
-// out to be the start of a stop, so it cannot be streamed yet.
-size_t stop_prefix_tail(const std::string & s, size_t from, const std::vector<std::string> & stops) {
-    const size_t avail = s.size() - from;
-    size_t hold = 0;
-    for (const auto & stop : stops) {
-        for (size_t k = std::min(stop.size() - 1, avail); k > hold; --k) {
-            if (s.compare(s.size() - k, k, stop, 0, k) == 0) {
-                hold = k;
-                break;
-            }
-        }
-    }
-    return hold;
-}
-
 // The caller's logit bias with every end-of-generation token banned (ignore_eos).
 std::vector<std::pair<llama_token, float>> with_eog_banned(std::vector<std::pair<llama_token, float>> bias,
                                                             const Model & model) {
@@ -161,7 +87,7 @@ void generation_output::stream(size_t end) {
         return;
     }
     try {
-        on_piece_(std::string_view(res_.text.data() + begin, end - begin));
+        on_piece_(std::string_view(text_.text().data() + begin, end - begin));
     } catch (...) {
         callback_error_ = std::current_exception();
     }
@@ -178,19 +104,11 @@ generation_output::verdict generation_output::push(llama_token tok) {
         return verdict::stop;
     }
     res_.tokens.push_back(tok);
-    std::string & gen = res_.text;
-    gen += model_.text_piece(tok, p_.render_special);
-    const size_t match = find_stop(gen, emitted_, p_.stop);
-    bool stop_string = false;
-    if (match != std::string::npos) {
-        text_end_ = match;
+    const bool stop_string = text_.push(model_.text_piece(tok, p_.render_special));
+    if (stop_string) {
         stop("stop");
-        stream(match);
-        stop_string = true;
-    } else {
-        const size_t hold = std::max(stop_prefix_tail(gen, emitted_, p_.stop), incomplete_utf8_tail(gen, emitted_));
-        stream(gen.size() - hold);
     }
+    stream(text_.final_end());
     if (callback_error_) {
         stop("stop");  // the error is what the caller gets (finish)
         return verdict::stop;
@@ -199,16 +117,13 @@ generation_output::verdict generation_output::push(llama_token tok) {
 }
 
 void generation_output::finish() {
-    if (text_end_ == std::string::npos) {
-        text_end_ = res_.text.size();
-    }
     // Whatever was held back is final now (a stop prefix that never completed, a truncated UTF-8
     // sequence that becomes U+FFFD here exactly as in text).
-    stream(text_end_);
+    stream(text_.end());
     if (callback_error_) {
         std::rethrow_exception(callback_error_);
     }
-    res_.text.resize(text_end_);
+    res_.text = text_.text().substr(0, text_.end());
     res_.n_decoded = n_sampled_;
     res_.stop_reason = stop_reason_.empty() ? std::string("length") : stop_reason_;
 }

@@ -5,6 +5,7 @@
 
 #include "sampling.hpp"
 #include "sequence.hpp"
+#include "text_assembly.hpp"
 
 #include <exception>
 #include <memory>
@@ -34,7 +35,7 @@ class generation_output {
     };
 
     generation_output(const gen_params & p, const Model & model, const piece_fn & on_piece, generate_result & res)
-        : p_(p), model_(model), on_piece_(on_piece), res_(res) {}
+        : p_(p), model_(model), on_piece_(on_piece), res_(res), text_(p.stop) {}
 
     // One sampled token (LLAMA_TOKEN_NULL: the grammar is complete, which ends the generation like EOG).
     verdict push(llama_token tok);
@@ -59,8 +60,8 @@ class generation_output {
     const Model & model_;
     const piece_fn & on_piece_;
     generate_result & res_;
-    size_t emitted_ = 0;  // res_.text[:emitted_] is final: streamed, or would have been
-    size_t text_end_ = std::string::npos;
+    text_assembly text_;
+    size_t emitted_ = 0;  // text_.text()[:emitted_] was streamed, or would have been
     int32_t n_sampled_ = 0;
     std::string stop_reason_;
     std::exception_ptr callback_error_;

@@ -3,7 +3,6 @@
 // vacant seq never carries cells a later lease would inherit.
 #include "branch.hpp"
 #include "errors.hpp"
-#include "sequence.hpp"
 
 #include <algorithm>
 #include <limits>
@@ -20,8 +19,8 @@ llama_seq_id branch_driver::seq_arg(int64_t seq) const {
 }
 
 void branch_driver::check_raw_write(llama_seq_id seq) {
-    if (sequence_ != nullptr && !sequence_->empty()) {
-        throw context_error("this context holds a sequence-mode history: raw KV writes would put it out of step");
+    if (const std::string other = core_.held_by_others(this); !other.empty()) {
+        throw context_error("raw KV writes would put it out of step: this context holds " + other);
     }
     branch_store & st = store_;
     if (const branch * b = st.owner(seq)) {
@@ -149,7 +148,7 @@ kv_pressure branch_driver::pressure() {
     } else {
         // Sequence mode holds what was asked for (eval/generate enforce n_ctx, not the padded size).
         room = core_.n_ctx_seq;
-        used = sequence_ != nullptr ? sequence_->n_past() : 0;
+        used = core_.cells_held_by_others(this);
         leased = used == 0 ? 0 : 1;
     }
     kv_pressure d;
@@ -182,9 +181,8 @@ std::vector<uint8_t> branch_driver::state_get(int64_t seq_obj) {
 }
 
 branch * branch_driver::load_target(llama_seq_id seq) {
-    if (sequence_ != nullptr && !sequence_->empty()) {
-        throw context_error("this context holds a sequence-mode history: state loads go to branches or detached "
-                            "sequences");
+    if (const std::string other = core_.held_by_others(this); !other.empty()) {
+        throw context_error("state loads go to branches or detached sequences, and this context holds " + other);
     }
     branch_store & st = store_;
     if (branch * b = st.owner(seq)) {

@@ -1,6 +1,5 @@
 // The sequence driver (sequence.hpp): eval, the history and what cache_prompt may reuse of it.
 #include "sequence.hpp"
-#include "branch.hpp"
 #include "errors.hpp"
 
 #include <algorithm>
@@ -28,10 +27,13 @@ void sequence_driver::clear() {
     has_logits_ = false;
 }
 
+std::string sequence_driver::held() const {
+    return empty() ? std::string() : "a sequence-mode history of " + std::to_string(n_past()) + " tokens (reset it first)";
+}
+
 void sequence_driver::require_sequence_mode(const char * what) const {
-    if (branches_ != nullptr && branches_->active()) {
-        throw context_error(std::string(what) + " works on a plain history, and this context holds branches or " +
-                            "detached sequences (prune them, or reset the context)");
+    if (const std::string other = core_.held_by_others(this); !other.empty()) {
+        throw context_error(std::string(what) + " works on a plain history, and this context holds " + other);
     }
 }
 

@@ -16,7 +16,6 @@
 
 namespace lloyal {
 
-class branch_driver;
 class sequence_driver;
 class chain_sampler;
 class generation_output;
@@ -78,10 +77,11 @@ class drafter {
 std::unique_ptr<drafter> make_ngram_drafter(size_t n_min, size_t n_max);
 std::unique_ptr<drafter> make_model_drafter(sequence_driver & target, sequence_driver & draft);
 
-class sequence_driver {
+class sequence_driver : public kv_tenant {
   public:
-    explicit sequence_driver(context_core & core) : core_(core) {}
-    void set_branches(const branch_driver * branches) { branches_ = branches; }
+    explicit sequence_driver(context_core & core) : core_(core) { core.add_tenant(*this); }
+    std::string held() const override;
+    size_t cells_held() const override { return n_past(); }
 
     bool empty() const;
     size_t n_past() const;
@@ -169,7 +169,6 @@ class sequence_driver {
     void keep_logits(const float * row);
 
     context_core & core_;
-    const branch_driver * branches_ = nullptr;
     mutable std::mutex history_mu_;  // writers hold the busy guard too; this only orders them against readers
     std::vector<llama_token> history_;
     bool has_logits_ = false;

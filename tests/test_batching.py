@@ -96,6 +96,31 @@ def test_stop_strings_are_matched_across_tokens_and_held_back(bpool: Pool) -> No
     assert "".join(pieces) == got.text and got.text.endswith("5, ")
 
 
+@pytest.mark.parametrize("render_special", [False, True])
+def test_control_tokens_and_multibyte_text_come_out_as_generate_makes_them(
+        bpool: Pool, model: Model, render_special: bool) -> None:
+    # The text of a batched request is made in the worker by generate's own code: a control token's text
+    # shows only with render_special, and characters are whole in every piece. A bias that makes the
+    # model write <start_of_turn> (a control token) every time, and a grammar that leaves it one Japanese
+    # sentence, make the output the same on every CPU.
+    [control] = model.tokenize("<start_of_turn>", add_special=False, parse_special=True)
+    cases = [dict(n_predict=4, logit_bias={control: 50.0}),
+             dict(n_predict=40, grammar='root ::= "日本語のテキストです。"')]
+    ctx = model.new_context(n_ctx=512)
+    texts = []
+    try:
+        for params in cases:
+            want = ctx.generate("Write:", render_special=render_special, **params)
+            pieces: list[str] = []
+            got = bpool[0].generate("Write:", render_special=render_special, on_piece=pieces.append, **params)
+            assert (got.text, got.tokens, got.stop_reason) == (want.text, want.tokens, want.stop_reason)
+            assert "".join(pieces) == got.text and all("\ufffd" not in piece for piece in pieces)
+            texts.append(got.text)
+    finally:
+        ctx.close()
+    assert texts == ["<start_of_turn>" * 4 if render_special else "", "日本語のテキストです。"]
+
+
 def test_interrupting_one_request_leaves_the_others_running(bpool: Pool) -> None:
     batcher = bpool[0]._model(None).batcher()
     long_one = bpool[0].submit("Tell me a long story.", n_predict=0, ignore_eos=True)

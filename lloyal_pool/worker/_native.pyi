@@ -469,6 +469,14 @@ class Context:
         Token -1 (piece b"", is_stop True) when nothing is allowed. BranchError: duplicates, no logits.
         InterruptedByClient when the interrupt word names request_id during a long grammar step: then
         no branch changed."""
+    def branch_set_text(self, branch: int, stop: Sequence[str], render_special: bool = False) -> None:
+        """From now on the branch makes text of what it produces, as generate does: stop strings matched
+        across tokens, what could still become one or is an incomplete UTF-8 sequence held back, control
+        tokens' text left out unless render_special. ValueError for an empty stop string."""
+    def produce_text(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bool, bytes, bytes, bool]]:
+        """produce() for branches that make text (branch_set_text; BranchError for one that does not):
+        (token, is_stop, text that became final, text held back after it, stop string completed) per
+        branch. A stop token adds no text; after a stop string the branch's text ends before it."""
     def commit(self, pairs: Sequence[tuple[int, int]], request_id: int = 0) -> None:
         """One llama_decode for every (branch, token) (at most n_batch, else ValueError). All or nothing:
         GrammarError (a token the grammar refuses), DecodeError (KV full), InterruptedByClient leave every

@@ -662,6 +662,14 @@ class Engine:
     def produce(self, req: p.Produce, call: Call) -> list[tuple[int, bytes, bool]]:
         return list(self._context(req.context).native.produce(req.branches, call.request_id))
 
+    @handles(p.BranchSetText)
+    def branch_set_text(self, req: p.BranchSetText, call: Call) -> None:
+        self._context(req.context).native.branch_set_text(req.branch, req.stop, req.render_special)
+
+    @handles(p.ProduceText)
+    def produce_text(self, req: p.ProduceText, call: Call) -> list[tuple[int, bool, bytes, bytes, bool]]:
+        return list(self._context(req.context).native.produce_text(req.branches, call.request_id))
+
     # The decoding calls report the time spent inside llama_decode, so a caller can tell its overhead,
     # and the state of every branch they changed, which the client's handles cache.
     def _decoded(self, entry: _ContextEntry, handles: Sequence[int]) -> p.Decoded:

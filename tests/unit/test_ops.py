@@ -67,6 +67,8 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.BranchSetLogits(context=2, branch=65537, logits=b"\x00\x00\x80\x3f"),
     p.BranchMergeLogits(context=2, branch=65537, experts=[131073], alpha=0.5),
     p.Produce(context=2, branches=[65537]),
+    p.BranchSetText(context=2, branch=65537, stop=["\n\n"], render_special=False),
+    p.ProduceText(context=2, branches=[65537]),
     p.Commit(context=2, pairs=[(65537, 11)]),
     p.Prefill(context=2, items=[(65537, [1, 2]), (131073, "text")], commits=[(196609, 5)]),
     p.Step(context=2, branches=[65537, 131073]),
