@@ -419,17 +419,20 @@ std::vector<produced_token> branch_driver::produced(const std::vector<llama_toke
     return out;
 }
 
-std::vector<produced_token> branch_driver::produce(const std::vector<uint32_t> & handles, uint64_t request_id) {
-    context_core::busy_guard busy(core_);
-    const std::vector<branch *> bs = with_logits(handles, "batch");
+std::vector<llama_token> branch_driver::produce_all_or_none(const std::vector<branch *> & bs, uint64_t request_id) {
     sampling_checkpoint saved(bs);  // an interrupt halfway through the branches changes none of them
     try {
         context_core::request_scope req(core_, request_id);
-        return produced(produce_tokens(bs));
+        return produce_tokens(bs);
     } catch (...) {
         saved.restore();
         throw;
     }
+}
+
+std::vector<produced_token> branch_driver::produce(const std::vector<uint32_t> & handles, uint64_t request_id) {
+    context_core::busy_guard busy(core_);
+    return produced(produce_all_or_none(with_logits(handles, "batch"), request_id));
 }
 
 void branch_driver::set_text(uint32_t h, std::vector<std::string> stops, bool render_special) {
@@ -450,15 +453,7 @@ std::vector<produced_text> branch_driver::produce_text(const std::vector<uint32_
             throw branch_error("branch " + std::to_string(b->handle) + " makes no text: set_text first");
         }
     }
-    sampling_checkpoint saved(bs);
-    std::vector<llama_token> toks;
-    try {
-        context_core::request_scope req(core_, request_id);
-        toks = produce_tokens(bs);
-    } catch (...) {
-        saved.restore();
-        throw;
-    }
+    const std::vector<llama_token> toks = produce_all_or_none(bs, request_id);
     const Model & model = core_.model();
     std::vector<produced_text> out(bs.size());
     for (size_t i = 0; i < bs.size(); ++i) {

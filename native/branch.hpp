@@ -292,6 +292,8 @@ class branch_driver : public kv_tenant {
     branch & distinct(uint32_t h, std::unordered_set<branch *> & seen, const char * call);
     std::vector<branch *> with_logits(const std::vector<uint32_t> & handles, const char * call);
     std::vector<llama_token> produce_tokens(const std::vector<branch *> & bs);
+    // produce_tokens under request_id's interrupt; an interrupt leaves every branch as it was.
+    std::vector<llama_token> produce_all_or_none(const std::vector<branch *> & bs, uint64_t request_id);
     std::vector<produced_token> produced(const std::vector<llama_token> & toks) const;
     void commit_tokens(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
     // A run of prompt tokens for one branch (prefill's items, checked).
