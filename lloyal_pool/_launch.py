@@ -10,6 +10,8 @@ import logging
 import os
 import queue
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,18 +20,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import psutil
 
 from .errors import LloyalError
 from .protocol import Reap
-from .shm import DEFAULT_SIZE
+from .shm import DEFAULT_SIZE, Region
 
 if TYPE_CHECKING:
     from ._process import WorkerProcess
 
 log = logging.getLogger("lloyal_pool")
+T = TypeVar("T")
 STDERR_TAIL_BYTES = 64 << 10
 # The line native/abort_report.cpp writes when ggml aborts the worker (common.hpp, LLOYAL_ABORT_MARKER).
 ABORT_MARKER = "lloyal worker: GGML abort:"
@@ -80,6 +83,73 @@ def worker_command(worker_id: int, options: WorkerOptions, fds: tuple[int, int],
     return cmd
 
 
+@dataclass
+class WorkerPipes:
+    """A worker's three pipes: requests (we write), replies (we read), and the lifeline, whose write end
+    only we hold: the worker exits when it reaches EOF, that is when every copy of our end is closed (we
+    died, however). Unlike the parent-death signal it does not depend on the spawning thread; os.pipe()
+    fds are close-on-exec, so no other child inherits our end."""
+
+    req_r: int
+    req_w: int
+    rep_r: int
+    rep_w: int
+    life_r: int
+    life_w: int
+
+    @classmethod
+    def open(cls) -> WorkerPipes:
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        life_r, life_w = os.pipe()
+        return cls(req_r, req_w, rep_r, rep_w, life_r, life_w)
+
+    def close_workers_ends(self) -> None:
+        for fd in (self.req_r, self.rep_w, self.life_r):
+            os.close(fd)
+
+    def close_all(self) -> None:
+        self.close_workers_ends()
+        for fd in (self.req_w, self.rep_r, self.life_w):
+            os.close(fd)
+
+
+def spawn(worker_id: int, options: WorkerOptions, pipes: WorkerPipes, region: Region, cwd: str,
+          zygote_end: socket.socket | None) -> subprocess.Popen[bytes]:
+    """Starts ``python -m lloyal_pool.worker`` from the spawner thread, in a session of its own (a
+    terminal's Ctrl-C reaches only the parent), with exactly its pipes, lifeline, region and (a zygote's)
+    control socket, in its private directory, with the environment Pool(env=...) allows."""
+    zygote_fd = None if zygote_end is None else zygote_end.fileno()
+    cmd = worker_command(worker_id, options, (pipes.req_r, pipes.rep_w), pipes.life_r, region.spec.to_arg(),
+                         zygote_fd)
+    pass_fds = [pipes.req_r, pipes.rep_w, pipes.life_r] + ([region.spec.fd] if region.spec.fd >= 0 else [])
+    if zygote_fd is not None:
+        pass_fds.append(zygote_fd)
+    return spawner.run(lambda: subprocess.Popen(
+        cmd, pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=cwd, env=worker_env(options.env), start_new_session=True))
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a worker and every process below it."""
+    try:
+        parent = psutil.Process(pid)
+        procs = [*parent.children(recursive=True), parent]
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        # A worker leads a session and process group of its own (start_new_session), which its
+        # children stay in after it exited and they were handed to init, out of reach of the above.
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def _sandbox_args(options: WorkerOptions) -> list[str]:
     if not options.sandbox:
         return ["--no-sandbox"]
@@ -116,12 +186,12 @@ class Spawner:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def run(self, fn: Callable[[], Any]) -> Any:
+    def run(self, fn: Callable[[], T]) -> T:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="lloyal-spawner", daemon=True)
                 self._thread.start()
-        fut: Future[Any] = Future()
+        fut: Future[T] = Future()
         self._q.put((fn, fut))
         return fut.result()
 

@@ -20,7 +20,6 @@ import logging
 import os
 import select
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -39,9 +38,9 @@ from ._launch import (
     ForkedChild,
     StderrTail,
     WorkerOptions,
-    spawner,
-    worker_command,
-    worker_env,
+    WorkerPipes,
+    kill_tree,
+    spawn,
 )
 from .errors import (
     DeadWorkerError,
@@ -184,37 +183,16 @@ class WorkerProcess:
         else:
             self.region = Region.create(options.shm_bytes, backend=options.shm_backend)
             self._cwd = tempfile.mkdtemp(prefix=f"worker{worker_id}-", dir=options.temp_root)
-        req_r, self._req_w = os.pipe()
-        self._rep_r, rep_w = os.pipe()
-        # The lifeline: the worker exits when this pipe reaches EOF, that is when every copy of our
-        # write end is closed (we died, however). Unlike the parent-death signal it does not depend on
-        # the spawning thread. os.pipe() fds are close-on-exec, so no other child inherits the write end.
-        life_r, self._life_w = os.pipe()
-        if fork_from is not None:
-            try:
-                self.proc: subprocess.Popen[bytes] | ForkedChild = fork_from.fork_child(
-                    worker_id, self._cwd, req_r, rep_w, life_r, self.region)
-            except BaseException:
-                for fd in (req_r, rep_w, life_r, self._req_w, self._rep_r, self._life_w):
-                    os.close(fd)
-                self.region.close()
-                shutil.rmtree(self._cwd, ignore_errors=True)
-                raise
-            self._start_threads(req_r, rep_w, life_r)
-            return
-        zygote_fd = None if zygote_end is None else zygote_end.fileno()
-        cmd = worker_command(worker_id, options, (req_r, rep_w), life_r, self.region.spec.to_arg(), zygote_fd)
-        pass_fds = [req_r, rep_w, life_r] + ([self.region.spec.fd] if self.region.spec.fd >= 0 else [])
-        if zygote_fd is not None:
-            pass_fds.append(zygote_fd)
+        pipes = WorkerPipes.open()
+        self._req_w, self._rep_r, self._life_w = pipes.req_w, pipes.rep_r, pipes.life_w
         try:
-            self.proc = spawner.run(lambda: subprocess.Popen(
-                cmd, pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, cwd=self._cwd, env=worker_env(options.env),
-                start_new_session=True))  # a terminal's Ctrl-C reaches only the parent
+            if fork_from is not None:
+                self.proc: subprocess.Popen[bytes] | ForkedChild = fork_from.fork_child(
+                    worker_id, self._cwd, pipes.req_r, pipes.rep_w, pipes.life_r, self.region)
+            else:
+                self.proc = spawn(worker_id, options, pipes, self.region, self._cwd, zygote_end)
         except BaseException:
-            for fd in (req_r, rep_w, life_r, self._req_w, self._rep_r, self._life_w):
-                os.close(fd)
+            pipes.close_all()
             self.region.close()
             if self._control is not None:
                 self._control.close()
@@ -224,13 +202,11 @@ class WorkerProcess:
             self.region.close_fd()
             if zygote_end is not None:
                 zygote_end.close()
-        self._start_threads(req_r, rep_w, life_r)
+        pipes.close_workers_ends()  # it has its copies
+        self._start_threads()
 
-    def _start_threads(self, req_r: int, rep_w: int, life_r: int) -> None:
-        """Closes the worker's ends of its pipes (it has its copies) and starts the stderr thread."""
-        os.close(req_r)
-        os.close(rep_w)
-        os.close(life_r)
+    def _start_threads(self) -> None:
+        """Starts the stderr thread; the reader starts with the handshake."""
         self.pid = self.proc.pid
         assert self.proc.stderr is not None
         self._stderr_thread = threading.Thread(target=self._stderr.drain, args=(self.proc.stderr,), daemon=True,
@@ -584,22 +560,7 @@ class WorkerProcess:
 
     # -- shutdown -------------------------------------------------------------------------------------
     def _kill_tree(self) -> None:
-        try:
-            parent = psutil.Process(self.pid)
-            procs = [*parent.children(recursive=True), parent]
-        except psutil.Error:
-            procs = []
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        try:
-            # A worker leads a session and process group of its own (start_new_session), which its
-            # children stay in after it exited and they were handed to init, out of reach of the above.
-            os.killpg(self.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        kill_tree(self.pid)
 
     def _kill_by_close(self) -> None:
         if self.proc.returncode is None:

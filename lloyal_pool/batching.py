@@ -22,9 +22,9 @@ the replacement worker, with Pool(recover=True)); the others fail with WorkerCra
 A request's text is made in the worker by the code generate uses (native/text_assembly.hpp), on its
 branch: control tokens and markers are left out unless render_special, stop strings are matched across
 tokens on the bytes, and text that could still become a stop string or is an incomplete UTF-8 sequence
-is held back from the stream until it is known. So a request's Result is what Context.generate returns for the same prompt
-and params (at greedy the same tokens, within the batch invariance docs/BRANCHES.md describes), except
-that repetition penalties see only the generated tokens, not the prompt.
+is held back from the stream until it is known. So a request's Result is what Context.generate returns
+for the same prompt and params (at greedy the same tokens, within the batch invariance docs/BRANCHES.md
+describes), except that repetition penalties see only the generated tokens, not the prompt.
 """
 
 from __future__ import annotations
