@@ -50,6 +50,7 @@ from .errors import (
     WorkerCrashedError,
     WorkerHungError,
     WorkerStartupError,
+    copy_error,
     describe_exit,
     rebuild,
 )
@@ -504,7 +505,7 @@ class WorkerProcess:
             self.recovering.set()
         for p in pending.values():
             if id(p) not in taken and not p.future.done():  # a timed-out call may have been failed already
-                p.future.set_exception(_copy_error(error))
+                p.future.set_exception(copy_error(error))
         if isinstance(error, WorkerCrashedError) and self.on_death is not None:
             try:
                 self.on_death(self, error)
@@ -620,46 +621,3 @@ class WorkerProcess:
         if self._control is not None:
             self._control.close()
         shutil.rmtree(self._cwd, ignore_errors=True)
-
-
-class HangWatch:
-    """A pool's hang watchdog: one daemon thread that, every tick, has each worker with calls waiting
-    compare its heartbeat with the last one seen (WorkerProcess.check_hang). No round trip, no signal:
-    reading a word of shared memory costs nothing to a worker that is busy decoding."""
-
-    def __init__(self, procs: list[WorkerProcess], hang_timeout: float) -> None:
-        # The pool's own list (it holds no reference to the Pool, whose finalizer stops this thread).
-        self._procs = procs
-        self.hang_timeout = hang_timeout
-        self._tick = min(0.25, hang_timeout / 4)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="lloyal-hang-watch")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._tick):
-            now = time.monotonic()
-            for proc in list(self._procs):
-                try:
-                    proc.check_hang(now, self.hang_timeout)
-                except Exception:  # one worker's trouble must not end the watch over the others
-                    log.exception("hang check of worker %d failed", proc.worker_id)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
-
-
-def _copy_error(err: BaseException) -> BaseException:
-    """A fresh exception per waiting call, so tracebacks do not pile onto one shared instance."""
-    if isinstance(err, WorkerCrashedError):
-        first = str(err).split("\n--- worker stderr")[0]
-        details: dict[str, Any] = {"returncode": err.returncode, "worker_id": err.worker_id, "pid": err.pid,
-                                   "stderr_tail": err.stderr_tail}
-        if isinstance(err, WorkerHungError):
-            details["hung_for"] = err.hung_for
-        new: BaseException = type(err)(first, **details)
-    else:
-        new = type(err)(*err.args)
-    return new

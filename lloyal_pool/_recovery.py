@@ -36,6 +36,7 @@ from .errors import (
     GrammarError,
     InvalidTokenError,
     WorkerCrashedError,
+    copy_error,
 )
 from .params import MAX_SEED
 
@@ -282,7 +283,6 @@ def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCr
             salvaged: list[Any]) -> None:
     """Runs on its own thread: replaces ``dead`` in place (module docstring); salvaged are its _Pending
     records that were replayable, in request order. Whatever cannot be recovered fails with ``error``."""
-    from ._process import _copy_error as copy_error
 
     def fail_all(why: BaseException) -> None:
         for pending in salvaged:

@@ -309,6 +309,20 @@ class _RemoteTraceback(Exception):
         return "\n\n--- remote traceback (worker) ---\n" + self.tb
 
 
+def copy_error(err: BaseException) -> BaseException:
+    """A fresh exception per waiting call, so tracebacks do not pile onto one shared instance."""
+    if isinstance(err, WorkerCrashedError):
+        first = str(err).split("\n--- worker stderr")[0]
+        details: dict[str, Any] = {"returncode": err.returncode, "worker_id": err.worker_id, "pid": err.pid,
+                                   "stderr_tail": err.stderr_tail}
+        if isinstance(err, WorkerHungError):
+            details["hung_for"] = err.hung_for
+        new: BaseException = type(err)(first, **details)
+    else:
+        new = type(err)(*err.args)
+    return new
+
+
 __all__ = [
     "BadRequestError", "BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError",
     "DeadWorkerError", "DecodeError", "GrammarError", "InterruptedByClient", "InvalidArgumentError",

@@ -14,8 +14,9 @@ from typing import Any
 from . import variants
 from ._aio import closed_in_thread
 from ._launch import LOG_LEVELS, TempRoot, WorkerOptions
-from ._process import HangWatch, WorkerProcess
+from ._process import WorkerProcess
 from ._recovery import PoolRecovery
+from ._watch import HangWatch
 from .batching import BatchedCalls, Batcher
 from .context import Context
 from .errors import InvalidArgumentError, LloyalError, PoolClosedError, WorkerCrashedError

@@ -9,7 +9,7 @@ LAYERS: list[tuple[str, set[str]]] = [
               "_futures", "_pieces"}),
     ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.engine", "worker.zygote", "worker.loop",
                 "worker.__main__"}),
-    ("transport", {"_launch", "_process", "_link", "_aio"}),
+    ("transport", {"_launch", "_process", "_watch", "_link", "_aio"}),
     # What runs on one context. A context makes its conversations (Context.chat) and names its adapters.
     ("handles", {"stream", "branches", "lora", "session", "context"}),
     ("serving", {"scheduler", "batching", "routing"}),
