@@ -184,15 +184,14 @@ class Scheduler:
             job.slot.tokens.append(token)
 
     # -- ending ----------------------------------------------------------------------------------------
-    def release(self, job: Job, *, cells_kept: bool = True) -> Slot | None:
-        """Frees the job's slot (the slot it had, or None). ``cells_kept``: its sequence still holds
-        what the job put there, for the next job to reuse; False forgets it."""
+    def release(self, job: Job, *, cells_kept: bool = True) -> None:
+        """Frees the job's slot, if it has one. ``cells_kept``: its sequence still holds what the job put
+        there, for the next job to reuse; False forgets it."""
         slot, job.slot = job.slot, None
         if slot is not None:
             slot.job = None
             if not cells_kept:
                 slot.tokens = []
-        return slot
 
     def take_unstarted(self) -> list[Job]:
         """Takes every job that has produced no token yet (waiting, or in a slot) off the scheduler, for
