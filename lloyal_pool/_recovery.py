@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -91,6 +91,12 @@ class Journal:
             self.checkpoint = state
             self.entries = self.entries[len(self.entries) - since:] if since else []
             self.lost = self._lora if not since else self.lost
+
+    @property
+    def restartable(self) -> bool:
+        """Whether a call that replaces the whole history rebuilds the context from nothing, lost or not:
+        not while LoRA adapters are applied (they are not loaded into the context again)."""
+        return self._lora is None
 
     def _start(self, entries: list[p.Request[Any]], lost: str | None = None) -> None:
         self.checkpoint, self.entries, self.lost = None, entries, lost or self._lora
@@ -223,6 +229,11 @@ class HandleMap:
         return msgspec.structs.replace(req, **changes) if changes else req
 
 
+def starts_afresh(req: p.Request[Any]) -> bool:
+    """Whether req replaces its context's whole history (the journal starts again from it)."""
+    return (isinstance(req, (p.Generate, p.GenerateWithDraft)) and not req.append) or isinstance(req, p.ScoreText)
+
+
 def replayable(req: p.Request[Any], journal_ok: Callable[[int], bool]) -> bool:
     """Whether a call in flight when its worker died can be sent again to the replacement and give the
     caller what the first worker would have: ``journal_ok(context)`` says whether a context's history is
@@ -298,7 +309,10 @@ def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCr
         assert dead.recovering is not None
         dead.recovering.set()
         return
-    handles = _rebuild(instance, proc, error)
+    # A context whose history cannot be rebuilt is made again all the same when a call sent again
+    # replaces that history (a Stop, then a new whole-prompt generation that the crash cut short).
+    afresh = {x.request_obj.context for x in salvaged if starts_afresh(x.request_obj)}
+    handles = _rebuild(instance, proc, error, afresh)
     pool._adopt(instance, dead, proc)
     for pending in salvaged:
         req = handles.remap(pending.request_obj)
@@ -342,9 +356,10 @@ def _chain(src: Future[Any], dst: Future[Any]) -> None:
     src.add_done_callback(done)
 
 
-def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError) -> HandleMap:
+def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError, afresh: set[int]) -> HandleMap:
     """Loads every live model of the instance into proc and creates every live context again, restored;
-    rebinds the handle objects. Returns the old->new handle numbers."""
+    rebinds the handle objects. A context in ``afresh`` (a call sent again replaces its whole history)
+    is created empty instead, whatever its journal says. Returns the old->new handle numbers."""
     handles = HandleMap()
     for model in list(instance._models):
         if model._closed:
@@ -371,9 +386,13 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError)
             if ctx.closed:
                 continue
             old_ctx = ctx.handle
-            journal = ctx._link.journal
-            why = journal.lost if journal is not None else "it keeps no journal"
-            if why is None:
+            journal = cast("Journal | None", ctx._link.journal)  # PoolRecovery.journal() made it
+            if journal is None:
+                why: str | None = "it keeps no journal"
+            else:
+                fresh = old_ctx in afresh and journal.restartable
+                why = None if fresh else journal.lost
+            if why is None and journal is not None:
                 try:
                     created = proc.call(p.NewContext(model=loaded.model, params=ctx._params.to_wire())).result()
                 except Exception as exc:
@@ -381,7 +400,10 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError)
                 else:
                     ctx._rebind(proc, created)
                     handles.contexts[old_ctx] = created.context
-                    why = _restore(ctx, journal, handles)  # type: ignore[arg-type]
+                    if fresh:
+                        journal._start([])  # empty: the call sent again fills it
+                    else:
+                        why = _restore(ctx, journal, handles)
                     if why is not None:
                         handles.contexts.pop(old_ctx, None)
                         proc.call(p.FreeContext(context=created.context))  # not waited for: nothing uses it

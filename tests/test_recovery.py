@@ -8,11 +8,12 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lloyal_pool import ContextError, DeadWorkerError, Pool, WorkerCrashedError, WorkerEvent
-from lloyal_pool.params import MAX_SEED
+from lloyal_pool.params import MAX_SEED, StopReason
 
 
 def _kill(pool: Pool) -> None:
@@ -49,6 +50,33 @@ def test_a_greedy_stream_killed_midway_completes_with_the_same_text(gemma_path: 
         assert result.n_decoded == 256
         assert pool[0].pid != first_pid and pool[0].alive
         assert [e.kind for e in events] == ["died", "recovered"] and events[1].instance is pool[0]
+
+
+def test_a_new_stream_after_a_stop_completes_when_the_worker_dies(gemma_path: Path) -> None:
+    # A desktop app's everyday path: Stop a seeded stream (an interrupted generation cannot be replayed,
+    # so the context's history is lost to recovery), then start a new whole-prompt stream, which a crash
+    # cuts short. That stream replaces the whole history: the replacement worker makes the context again,
+    # empty, and sends it again, and it completes with the text an uninterrupted run writes.
+    seeded: dict[str, Any] = dict(temperature=0.7, seed=3, n_predict=60, ignore_eos=True, cache_prompt=False)
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
+        prompt = "Tell me a story about a lighthouse keeper."
+        reference = ctx.generate(prompt, **seeded).text
+        with ctx.stream("Write a poem about the sea.", **seeded) as first:
+            for i, _ in enumerate(first):
+                if i == 9:
+                    break  # the Stop button: leaving the block interrupts it
+        assert first.result.stop_reason == StopReason.INTERRUPTED
+        pieces: list[str] = []
+        with ctx.stream(prompt, **seeded) as second:
+            for piece in second:
+                pieces.append(piece)
+                if len(pieces) == 10:
+                    _kill(pool)
+            result = second.result
+        assert "".join(pieces) == result.text == reference and result.n_decoded == 60
+        # The context holds the replayed conversation: it goes on from there.
+        assert ctx.tokens()[-60:] == result.tokens and ctx.generate("", append=True, n_predict=4).n_decoded == 4
 
 
 def test_the_journal_rebuilds_appended_history(tiny_model: Path) -> None:
