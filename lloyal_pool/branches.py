@@ -30,6 +30,7 @@ from ._futures import mapped, running
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from .errors import BadRequestError, BranchError, InvalidArgumentError, LloyalError, StaleHandleError
 from .params import (
+    MAX_SEED,
     BranchInfo,
     Grammar,
     KVPressure,
@@ -261,8 +262,12 @@ class Branch:
         self._call(p.BranchSetParams(context=self._ctx, branch=self._live(), params=wire))
 
     def reseed_sampler(self, seed: int) -> None:
-        """Reseeds the final draw (greedy chains have none and are left alone)."""
-        self._call(p.BranchReseed(context=self._ctx, branch=self._live(), seed=whole(seed, "seed")))
+        """Reseeds the final draw (greedy chains have none and are left alone). InvalidArgumentError for a
+        seed outside [0, MAX_SEED], as SamplerParams.seed."""
+        seed = whole(seed, "seed")
+        if not 0 <= seed <= MAX_SEED:
+            raise InvalidArgumentError(f"seed must be in [0, {MAX_SEED}], got {seed}")
+        self._call(p.BranchReseed(context=self._ctx, branch=self._live(), seed=seed))
 
     def set_grammar(self, grammar: GrammarLike) -> None:
         """GBNF text, a Grammar (JSON schema, lazy triggers), or None to remove. Invalid grammars raise

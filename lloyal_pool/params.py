@@ -152,6 +152,11 @@ def _flag(value: object, name: str) -> None:
 def _strings(value: object, name: str) -> None:
     if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(s, str) for s in value):
         raise BadRequestError(f"{name} must be a sequence of strings, got {value!r} ({type(value).__name__})")
+    for s in value:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no text the worker could match
+            raise InvalidArgumentError(f"{name}: {s!r} is not Unicode text ({exc.reason})") from None
 
 
 @dataclass(frozen=True)

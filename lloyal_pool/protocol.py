@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Generic, TypeVar, get_args
 import msgspec
 
 from .chat import ChatMessage
-from .errors import BadRequestError, ProtocolError
+from .errors import BadRequestError, InvalidArgumentError, ProtocolError
 from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
 PROTOCOL_VERSION = 7
@@ -770,12 +770,28 @@ def request_payload(req: Request[Any]) -> list[Any]:
     return [req.op.value, req]
 
 
+def _unencodable_field(payload: Any) -> str | None:
+    """The field of a request payload ([op, request]) that msgpack cannot carry, or None."""
+    req = payload[1] if isinstance(payload, list) and len(payload) == 2 else None
+    if not isinstance(req, msgspec.Struct):
+        return None
+    for name in req.__struct_fields__:
+        try:
+            _encoder.encode(getattr(req, name))
+        except (TypeError, ValueError, OverflowError):
+            return name
+    return None
+
+
 def pack(kind: Kind, req_id: int, payload: Any) -> bytes:
     """ProtocolError for a frame over MAX_FRAME, or for a payload msgpack cannot carry: refused by the
     side that would send it, since the receiving side must treat such a frame as a broken peer."""
     try:
         body = _encoder.encode([int(kind), req_id, payload])
     except (TypeError, ValueError, OverflowError) as exc:
+        field = _unencodable_field(payload) if kind == Kind.REQUEST else None
+        if field is not None:  # a value the caller gave: a str that is not Unicode, an int past 64 bits
+            raise InvalidArgumentError(f"{payload[0]}: {field} cannot be sent to the worker: {exc}") from None
         raise ProtocolError(f"a {kind.name} frame cannot be encoded: {exc}") from None
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"a {kind.name} frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")

@@ -186,6 +186,7 @@ BAD_PROMPTS: list[tuple[str, object, type[LloyalError]]] = [
     ("set", {1, 2}, BadRequestError),
     ("array_2d", np.ones((2, 2), dtype=np.int32), BadRequestError),
     ("float_list", [1.0, 2.5], InvalidTokenError),
+    ("lone_surrogate", "Hi \ud800 there", InvalidArgumentError),  # not Unicode: it cannot be sent as text
 ]
 PROMPT_ENTRIES: list[tuple[str, Callable[[Env, object], object]]] = [
     ("generate", lambda e, x: e.ctx.generate(x, n_predict=1)),  # type: ignore[arg-type]
@@ -395,6 +396,17 @@ BRANCH_MISUSE: list[tuple[str, Case, type[LloyalError]]] = [
 def test_branch_misuse(clean: Env, case: Case, error: type[LloyalError]) -> None:
     with pytest.raises(error):
         case(clean)
+
+
+def test_values_the_wire_cannot_carry_are_refused_naming_the_argument(clean: Env) -> None:
+    # A seed past 64 bits, a stop string that is not Unicode: the caller's mistake, named, not a broken frame.
+    with pytest.raises(InvalidArgumentError, match=r"seed must be in \[0, "):
+        _root(clean).reseed_sampler(2**64)
+    with pytest.raises(InvalidArgumentError, match="stop"):
+        clean.ctx.generate("Hi", n_predict=1, stop=["\udfff"])
+    with pytest.raises(InvalidArgumentError, match="text"):
+        clean.model.tokenize("\ud800")
+    clean.answers()
 
 
 def test_set_logits_takes_minus_inf_as_a_ban(clean: Env) -> None:
