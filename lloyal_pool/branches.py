@@ -48,7 +48,8 @@ GrammarLike = str | Grammar | None
 class Produced(NamedTuple):
     """One sampled token. ``text`` is its piece (bytes of a character split across tokens show as
     U+FFFD here; Branch.iterate() joins them properly). ``is_stop``: an end-of-generation token, or -1
-    when the grammar or logit bias allow no token at all."""
+    when the grammar or logit bias allow no token at all. ``piece``: the token's raw bytes, control
+    tokens rendered (what ``text`` decodes)."""
 
     token: int
     text: str

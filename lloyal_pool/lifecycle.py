@@ -19,8 +19,10 @@ _log = logging.getLogger("lloyal_pool")
 @dataclass(frozen=True)
 class WorkerEvent:
     """What Pool.subscribe() callbacks receive. ``kind``: "died" (the worker crashed, was killed or hung;
-    ``error`` says how: WorkerCrashedError, WorkerHungError) or "replaced" (Pool.replace() started
-    ``instance`` in its place, at ``index``). Not sent for workers that close() ended."""
+    ``error`` says how: WorkerCrashedError, WorkerHungError), "replaced" (Pool.replace() started
+    ``instance`` in its place, at ``index``) or "recovered" (Pool(recover=True) replaced the dead worker
+    under the same ``instance``, at ``index``, its models and contexts rebuilt; ``error`` is the death's).
+    Not sent for workers that close() ended."""
 
     kind: str
     worker_id: int
