@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -29,3 +30,9 @@ def irregular_path(path: str) -> str | None:
         return None
     kind = not_regular(mode)
     return None if kind is None else f"{path} is {kind}, not a regular file"
+
+
+def beneath(path: str, dirs: Sequence[str]) -> bool:
+    """Whether path (links followed) lies beneath one of dirs (real paths)."""
+    real = os.path.realpath(path)
+    return any(os.path.commonpath([real, d]) == d for d in dirs)

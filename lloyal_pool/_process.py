@@ -307,6 +307,11 @@ class WorkerProcess:
             f"worker {self.worker_id} (pid {self.pid}) failed to start: {why}; {describe_exit(code)}",
             worker_id=self.worker_id, pid=self.pid, stderr_tail=self.stderr_tail())
 
+    @property
+    def private_dir(self) -> str:
+        """The worker's own directory (its cwd): the one place it may write besides writable_dirs."""
+        return self._cwd
+
     def transfer(self) -> TransferFile | WorkerTransfer:
         """A file for one bulk transfer with this worker (a context's state). A Landlock-confined worker
         cannot open an unconfined process's /proc/<pid>/fd, so it gets its own memfd, made before it

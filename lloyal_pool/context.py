@@ -14,10 +14,18 @@ import numpy as np
 
 from . import protocol as p
 from ._aio import AsyncStream, twin
+from ._files import beneath
 from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress
 from ._pieces import PieceStream
 from .branches import KV, Branch, BranchStore, GrammarLike
-from .errors import BadRequestError, ContextError, InvalidArgumentError, LoraError, StaleHandleError
+from .errors import (
+    BadRequestError,
+    ContextError,
+    InvalidArgumentError,
+    LoraError,
+    StaleHandleError,
+    StateError,
+)
 from .lora import LoraAdapter
 from .params import (
     RERANK_PROMPT,
@@ -397,8 +405,15 @@ class Context:
 
     def save_state_file(self, path: str | os.PathLike[str]) -> int:
         """save_state() straight into a file, written by the worker (replaced whole: a reader sees the old
-        file or the new one); returns its size in bytes."""
-        return self._link.call(p.SaveState(context=self.handle, path=os.path.abspath(os.fspath(path)))).result()
+        file or the new one); returns its size in bytes. StateError for a path outside the pool's
+        ``writable_dirs`` where the worker's sandbox confines its writes (Instance.sandbox)."""
+        abspath = os.path.abspath(os.fspath(path))
+        if self.instance.sandbox.get("writes_scoped"):
+            dirs = self._proc.options.writable_dirs
+            if not beneath(os.path.dirname(abspath), (*dirs, os.path.realpath(self._proc.private_dir))):
+                raise StateError(f"{abspath} is outside the pool's writable_dirs {list(dirs)}: the worker may not "
+                                 "write there (Pool(writable_dirs=...))")
+        return self._link.call(p.SaveState(context=self.handle, path=abspath)).result()
 
     def load_state_file(self, path: str | os.PathLike[str]) -> int:
         """load_state() from a file the worker reads (StateError also for a missing file)."""

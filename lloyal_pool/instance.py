@@ -12,7 +12,7 @@ from typing import Any
 
 from . import protocol as p
 from ._aio import settle
-from ._files import irregular_path
+from ._files import beneath, irregular_path
 from ._futures import mapped
 from ._link import check_timeout, events, wait
 from ._process import WorkerProcess
@@ -176,7 +176,7 @@ class Instance(BatchedCalls):
         if why is not None:  # the worker refuses it too; here it costs no round trip
             raise ModelLoadError(f"cannot load a model: {why}")
         allowed = self._proc.options.allowed_dirs
-        if allowed is not None and self._proc.options.sandbox and not _beneath(abspath, allowed):
+        if allowed is not None and self._proc.options.sandbox and not beneath(abspath, allowed):
             raise ModelLoadError(f"{abspath} is outside the pool's allowed_dirs {list(allowed)}: the worker "
                                  "may not read it (Pool(allowed_dirs=...))")
         req = p.LoadModel(path=abspath, n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"), use_mmap=bool(use_mmap),
@@ -249,9 +249,3 @@ def _close_quietly(model: Model) -> None:
         model.close()
     except LloyalError:
         pass  # the worker or the pool went away meanwhile: nothing is left to free
-
-
-def _beneath(path: str, dirs: Sequence[str]) -> bool:
-    real = os.path.realpath(path)
-    return any(os.path.commonpath([real, d]) == d for d in dirs)
-

@@ -99,7 +99,7 @@ def test_by_default_a_state_file_outside_writable_dirs_is_refused(default_pool: 
                                                                    tmp_path: Path) -> None:
     ctx = default_pool[0].load_model(tiny_model).new_context(n_ctx=128)
     ctx.eval("one two three")
-    with pytest.raises(StateError):
+    with pytest.raises(StateError, match=r"outside the pool's writable_dirs \[\]"):
         ctx.save_state_file(tmp_path / "ctx.state")
     assert not (tmp_path / "ctx.state").exists()
     # The bytes API still works, through a memfd the worker made before it confined itself.
