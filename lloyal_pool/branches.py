@@ -48,8 +48,9 @@ GrammarLike = str | Grammar | None
 class Produced(NamedTuple):
     """One sampled token. ``text`` is its piece (bytes of a character split across tokens show as
     U+FFFD here; Branch.iterate() joins them properly). ``is_stop``: an end-of-generation token, or -1
-    when the grammar or logit bias allow no token at all. ``piece``: the token's raw bytes, control
-    tokens rendered (what ``text`` decodes)."""
+    when the grammar or logit bias allow no token at all; a stop token's ``text`` and ``piece`` are empty,
+    since it ends the output and is no part of it (as in generate's text). ``piece``: the token's raw
+    bytes, control tokens rendered (what ``text`` decodes)."""
 
     token: int
     text: str
@@ -73,7 +74,9 @@ def _grammar_wire(grammar: GrammarLike) -> dict[str, object] | None:
 
 
 def _produced(rows: Sequence[tuple[int, bytes, bool]]) -> list[Produced]:
-    return [Produced(t, piece.decode("utf-8", "replace"), stop, piece) for t, piece, stop in rows]
+    # A stop token ends the output and is no part of it, as in generate's text: no text, no piece.
+    return [Produced(t, "", True, b"") if stop else Produced(t, piece.decode("utf-8", "replace"), False, piece)
+            for t, piece, stop in rows]
 
 
 def _prune_quietly(branch: Branch) -> None:

@@ -338,6 +338,18 @@ def test_iterator_stops_anywhere_and_forks(ctx: Context) -> None:
     assert child.position == root.position
 
 
+def test_a_stop_token_adds_no_text(ctx: Context, gemma: Model) -> None:
+    # Best-of-n joins each candidate's pieces: the token that ends a candidate must add nothing to it,
+    # as generate leaves it out of its text. A bias makes the model end at once, on every CPU.
+    eos = gemma.eog_tokens[0]
+    root = ctx.branch(PROMPT, WARM)
+    root.set_logit_bias({eos: 50.0})
+    for produced in (root.produce(), ctx.branches.step([root])[0]):
+        assert produced.is_stop and produced.token in gemma.eog_tokens
+        assert (produced.text, produced.piece) == ("", b"")
+    assert list(root) == []
+
+
 def test_errors_are_typed_and_the_worker_keeps_serving(ctx: Context, gemma: Model) -> None:
     root = ctx.branch(PROMPT)
     fresh = ctx.branch()
