@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
+from ._link import PromptProgress
 from .chat import TOOL_CHOICES, ChatMessage, ToolCall
 from .errors import BadRequestError, InvalidArgumentError, LloyalError
 from .params import GenerateParams, Grammar, Result, StopReason
@@ -162,21 +163,24 @@ class Session:
         self._settle()
         return self._format(self._turn(text)).prompt
 
-    def send(self, text: str | None, params: GenerateParams | None = None, **overrides: Any) -> ChatReply:
+    def send(self, text: str | None, params: GenerateParams | None = None, *,
+             progress: PromptProgress | None = None, **overrides: Any) -> ChatReply:
         """Adds ``text`` as the user's turn (None: none, e.g. after a tool's result) and generates the
         assistant's reply, which joins the conversation. ``params`` replaces the session's generate
-        defaults for this turn; keyword overrides are GenerateParams fields."""
+        defaults for this turn; keyword overrides are GenerateParams fields. ``progress(done, total)``
+        follows the turn's prompt tokens as they are decoded (a long pasted text), as in generate()."""
         self._settle()
         turn = self._turn(text)
         prompt, gen = self._prepare(turn, params, overrides)
-        return self._finish(None, turn, self.context.generate(prompt, gen))
+        return self._finish(None, turn, self.context.generate(prompt, gen, progress=progress))
 
-    def stream(self, text: str | None, params: GenerateParams | None = None, **overrides: Any) -> ChatStream:
+    def stream(self, text: str | None, params: GenerateParams | None = None, *,
+               progress: PromptProgress | None = None, **overrides: Any) -> ChatStream:
         """send() piece by piece: returns at once with a ChatStream of the reply's raw text."""
         self._settle()
         turn = self._turn(text)
         prompt, gen = self._prepare(turn, params, overrides)
-        stream = self.context._start_stream(ChatStream(self, turn), prompt, gen, append=False, progress=None)
+        stream = self.context._start_stream(ChatStream(self, turn), prompt, gen, append=False, progress=progress)
         self._pending = stream
         return stream
 

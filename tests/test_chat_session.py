@@ -154,6 +154,24 @@ def test_a_streamed_turn_joins_the_conversation_and_an_interrupted_one_is_kept(g
         ctx.close()
 
 
+def test_a_turns_prompt_reports_its_progress(gemma: Model) -> None:
+    # A long pasted text in a chat: send and stream follow its prefill as generate does.
+    ctx = gemma.new_context(n_ctx=2048, n_batch=64)
+    try:
+        session = ctx.chat(template="gemma", n_predict=2)
+        pasted = "Summarize this: " + " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
+        seen: list[tuple[int, int]] = []
+        reply = session.send(pasted, progress=lambda done, total: seen.append((done, total)))
+        total = reply.result.n_prompt - reply.result.n_cached
+        assert len(seen) > 1 and seen[-1] == (total, total) and seen == sorted(seen)
+        streamed: list[tuple[int, int]] = []
+        with session.stream(pasted, progress=lambda done, total: streamed.append((done, total))) as stream:
+            list(stream)
+        assert streamed and streamed[-1][0] == streamed[-1][1]
+    finally:
+        ctx.close()
+
+
 def test_the_formats_extra_stop_strings_end_a_reply(gemma: Model) -> None:
     # llama.cpp's format analysis adds "</assistant>" as a stop string for templates of the Laguna family,
     # which it recognises by this name in the source.
