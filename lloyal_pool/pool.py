@@ -107,8 +107,9 @@ def _death_relay(pool_ref: weakref.ref[Pool]) -> Callable[[WorkerProcess, Worker
 class Pool(BatchedCalls, Subscribers):
     """N worker processes, each an isolated engine instance. The constructor starts ``size`` workers and
     blocks until every one has completed its handshake (WorkerStartupError otherwise, after the others
-    are stopped). ``pool[i]`` is the i-th Instance. ``generate``/``stream``/``submit`` (and their asyncio
-    twins) route independent requests to the live workers that hold the model, batched in each.
+    are stopped); ``Pool(0)`` starts none, for an application that only forks snapshots. ``pool[i]`` is
+    the i-th Instance. ``generate``/``stream``/``submit`` (and their asyncio twins) route independent
+    requests to the live workers that hold the model, batched in each.
 
     ``variant``: the GPU backend ("cuda", "vulkan", "auto"; default LLOYAL_POOL_VARIANT, else "cpu"),
     falling back to the CPU unless ``strict_variant``. ``cpu``: the level of ggml's CPU kernels ("auto",
@@ -151,8 +152,9 @@ class Pool(BatchedCalls, Subscribers):
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
                  sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InvalidArgumentError(f"a Pool needs an int of at least one worker, got size={size!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidArgumentError(f"a Pool's size is an int of workers >= 0 (0: only snapshots' forks), "
+                                       f"got size={size!r}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
                 hang_timeout, (int, float)) or not hang_timeout > 0):
             raise InvalidArgumentError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")
@@ -167,7 +169,7 @@ class Pool(BatchedCalls, Subscribers):
         if threads_per_worker is None:
             # Workers that together ask for more threads than there are CPUs make llama.cpp's spinning
             # thread barriers stall each other (10x slower on a loaded 2-core machine): share the CPUs.
-            threads_per_worker = max(1, len(os.sched_getaffinity(0)) // size) if hasattr(
+            threads_per_worker = max(1, len(os.sched_getaffinity(0)) // max(size, 1)) if hasattr(
                 os, "sched_getaffinity") else None
         self._options = WorkerOptions(variant=variants.requested(variant),
                                       strict_variant=variants.strict_requested(strict_variant),

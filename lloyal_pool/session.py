@@ -157,6 +157,13 @@ class Session:
                                   f"{type(content).__name__}")
         self._messages.append({"role": role, "content": content, **fields})
 
+    def pop(self) -> dict[str, Any]:
+        """Removes the last message of the conversation and returns it: a turn that was stopped, or one
+        to take back (pop() twice removes a reply and the user's turn before it). IndexError when there
+        is none. The context keeps its cache; the next turn reuses what it still shares with it."""
+        self._settle()
+        return self._messages.pop()
+
     def prompt(self, text: str | None = None) -> str:
         """The prompt the next turn would decode (the whole conversation, with ``text`` as the user's turn
         when given), as the template formats it."""

@@ -172,6 +172,24 @@ def test_a_turns_prompt_reports_its_progress(gemma: Model) -> None:
         ctx.close()
 
 
+def test_a_stopped_turn_can_be_taken_back(gemma: Model) -> None:
+    ctx = gemma.new_context(n_ctx=1024)
+    try:
+        session = ctx.chat("Answer briefly.", template="gemma", n_predict=400)
+        with session.stream("Tell me a long story.") as stream:
+            next(stream)  # the Stop button after the first piece
+        assert stream.reply.result.interrupted and len(session.messages) == 3
+        assert session.pop()["role"] == "assistant" and session.pop() == {"role": "user",
+                                                                          "content": "Tell me a long story."}
+        assert session.messages == [{"role": "system", "content": "Answer briefly."}]
+        assert session.send("Hi", n_predict=2).result.n_decoded == 2 and len(session.messages) == 3
+        session.pop(), session.pop(), session.pop()
+        with pytest.raises(IndexError):
+            session.pop()
+    finally:
+        ctx.close()
+
+
 def test_the_formats_extra_stop_strings_end_a_reply(gemma: Model) -> None:
     # llama.cpp's format analysis adds "</assistant>" as a stop string for templates of the Laguna family,
     # which it recognises by this name in the source.

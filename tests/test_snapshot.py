@@ -19,6 +19,7 @@ from procs import FAULTS, all_end, ended
 from lloyal_pool import (
     Context,
     Instance,
+    InvalidArgumentError,
     Model,
     Pool,
     Snapshot,
@@ -82,6 +83,28 @@ def test_a_fork_continues_as_a_cold_start_does(snap: Snapshot, snap_pool: Pool, 
     finally:
         fork.close()
         cold.model.close()
+
+
+def test_a_pool_of_no_workers_serves_snapshots(tiny_model: Path) -> None:
+    # An application that only forks snapshots keeps no idle worker: Pool(0) starts none.
+    def prepare(instance: Instance) -> dict[str, Model | Context]:
+        ctx = instance.load_model(tiny_model).new_context(n_ctx=128)
+        ctx.eval("once upon a time")
+        return {"ctx": ctx}
+
+    def workers() -> set[int]:
+        return {c.pid for c in psutil.Process().children() if "lloyal_pool.worker" in c.cmdline()}
+
+    before = workers()  # other tests' pools may be open
+    with Pool(0, cpu=CPU) as pool:
+        assert len(pool) == 0 and pool.instances == [] and workers() == before
+        with pytest.raises(InvalidArgumentError, match="no live worker"):
+            pool.generate("Hi", n_predict=1)
+        with pool.snapshot(prepare) as snapshot:
+            fork = snapshot.fork()
+            ctx = fork.prepared["ctx"]
+            assert isinstance(ctx, Context) and ctx.generate(" there", append=True, n_predict=2).n_decoded == 2
+        fork.close()
 
 
 def test_forks_are_independent_processes(snap: Snapshot) -> None:
