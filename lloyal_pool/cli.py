@@ -21,9 +21,11 @@ from typing import Any
 
 from . import __version__, variants
 from .errors import LloyalError
+from .model import Model
 from .models import default_model_path
 from .params import ContextParams, GenerateParams
 from .pool import Pool
+from .session import BASE_MODEL_END_BIAS, chat_fallback
 from .stream import Stream
 
 
@@ -85,11 +87,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The bias ``chat`` puts on <end_of_turn> when it falls back to the Gemma format for a model without a
-#: template: Gemma 3 270M, a base model, ranks that token far down and would not end a turn on its own.
-BASE_MODEL_END_BIAS = 12.0
-
-
 def _cmd_chat(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     with Pool(1, variant=args.variant, cpu=args.cpu) as pool:
@@ -97,16 +94,15 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         ctx = model.new_context(ContextParams(n_ctx=args.n_ctx, n_threads=args.threads))
         template = args.template
         end_bias = args.end_bias
-        if template is None and model.info.chat_template is None:
-            template = "gemma"
-            if end_bias is None:
-                end_bias = BASE_MODEL_END_BIAS
-            print(f"lloyal-pool chat: {path.name} has no chat template: using the Gemma format (--template to "
-                  f"choose another), with {end_bias:+g} on <end_of_turn> so that a base model ends its turns "
-                  f"(--end-bias)", file=sys.stderr)
+        tokenize = _special_tokenizer(model)
         bias: dict[int, float] = {}
-        if end_bias:
-            end = model.tokenize("<end_of_turn>", add_special=False, parse_special=True)
+        if template is None and model.info.chat_template is None:
+            fallback = chat_fallback(tokenize, BASE_MODEL_END_BIAS if end_bias is None else end_bias)
+            template, bias = fallback.template, fallback.logit_bias
+            print(f"lloyal-pool chat: {path.name} has no chat template: using {fallback} (--template to choose "
+                  "another, --end-bias)", file=sys.stderr)
+        elif end_bias:
+            end = tokenize("<end_of_turn>")
             if len(end) != 1:
                 raise SystemExit("lloyal-pool chat: --end-bias needs a vocabulary with an <end_of_turn> token")
             bias[end[0]] = end_bias
@@ -190,9 +186,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for inst in pool:
             model = inst.load_model(path)
             model.batcher(slots=args.slots, n_ctx_slot=args.n_ctx_slot)
-        template = _serve_template(args, path.name, model.info.chat_template is not None,
-                                   lambda text: model.tokenize(text, add_special=False, parse_special=True))
-        app = create_app(pool, model_name=args.name, chat_template=template, api_key=args.api_key)
+        template, bias = _serve_template(args, path.name, model.info.chat_template is not None,
+                                         _special_tokenizer(model))
+        app = create_app(pool, model_name=args.name, chat_template=template, chat_logit_bias=bias,
+                         api_key=args.api_key)
         print(f"lloyal-pool serve: {path.name} on {args.workers} worker(s), http://{args.host}:{args.port}/",
               file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -215,9 +212,10 @@ def _serve_on_ray(args: argparse.Namespace, run: Any, create_app: Any) -> int:
                  n_ctx_slot=args.n_ctx_slot, pool_options=options or None) as pool:
         first = pool[0]
         name = first.model_path.rsplit("/", 1)[-1]
-        template = _serve_template(args, name, first.has_chat_template,
-                                   lambda text: ray.get(first.actor.tokenize.remote(text, False, True)))
-        app = create_app(pool, model_name=args.name, chat_template=template, api_key=args.api_key)
+        template, bias = _serve_template(args, name, first.has_chat_template,
+                                         lambda text: ray.get(first.actor.tokenize.remote(text, False, True)))
+        app = create_app(pool, model_name=args.name, chat_template=template, chat_logit_bias=bias,
+                         api_key=args.api_key)
         nodes = len({w.node_id for w in pool})
         print(f"lloyal-pool serve: {name} on {args.workers} Ray actor(s) on {nodes} node(s), "
               f"http://{args.host}:{args.port}/", file=sys.stderr)
@@ -226,16 +224,21 @@ def _serve_on_ray(args: argparse.Namespace, run: Any, create_app: Any) -> int:
 
 
 def _serve_template(args: argparse.Namespace, name: str, has_template: bool,
-                    tokenize: Callable[[str], list[int]]) -> str | None:
-    """--template, or for a model without a chat template of its own the format its tokens suggest."""
+                    tokenize: Callable[[str], list[int]]) -> tuple[str | None, dict[int, float]]:
+    """--template, or for a model without a chat template of its own the fallback (session.chat_fallback):
+    the format its tokens suggest, and the bias that makes a base model end its turns."""
     if args.template is not None:
-        return str(args.template)
+        return str(args.template), {}
     if has_template:
-        return None
-    template = "gemma" if len(tokenize("<end_of_turn>")) == 1 else "chatml"
-    print(f"lloyal-pool serve: {name} has no chat template: chats use the {template} format "
-          "(--template to choose another)", file=sys.stderr)
-    return template
+        return None, {}
+    fallback = chat_fallback(tokenize)
+    print(f"lloyal-pool serve: {name} has no chat template: chats use {fallback} (--template to choose another)",
+          file=sys.stderr)
+    return fallback.template, fallback.logit_bias
+
+
+def _special_tokenizer(model: Model) -> Callable[[str], list[int]]:
+    return lambda text: model.tokenize(text, add_special=False, parse_special=True)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

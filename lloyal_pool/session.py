@@ -17,8 +17,10 @@ conversation formatted from scratch. The reply ends at the model's end-of-genera
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,8 @@ from .stream import Stream
 
 if TYPE_CHECKING:
     from .context import Context
+
+_log = logging.getLogger("lloyal_pool")
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,42 @@ class ChatStream(Stream):
             return self._reply
 
 
+#: The bias a chat puts on the format's end-of-turn token when a model without a chat template falls back to
+#: a format: a base model (Gemma 3 270M) ranks that token tens of thousands of places down and would not end
+#: a turn on its own.
+BASE_MODEL_END_BIAS = 12.0
+
+
+@dataclass(frozen=True)
+class ChatFallback:
+    """What a chat uses for a model without a chat template of its own: the format its vocabulary suggests
+    (``template``), and ``logit_bias`` on that format's end-of-turn token, without which a base model does
+    not end its turns. Session, ``lloyal-pool chat`` and ``lloyal-pool serve`` apply it, and say so."""
+
+    template: str
+    end: str  # the end-of-turn token's text
+    end_token: int | None
+    end_bias: float = BASE_MODEL_END_BIAS
+
+    @property
+    def logit_bias(self) -> dict[int, float]:
+        return {} if self.end_token is None or not self.end_bias else {self.end_token: self.end_bias}
+
+    def __str__(self) -> str:
+        bias = f", with {self.end_bias:+g} on {self.end} so that a base model ends its turns" if self.logit_bias else ""
+        return f"the {self.template} format{bias}"
+
+
+def chat_fallback(tokenize: Callable[[str], list[int]], end_bias: float = BASE_MODEL_END_BIAS) -> ChatFallback:
+    """The fallback for a model without a chat template: Gemma's format when its vocabulary has
+    <end_of_turn> as one token, else ChatML. ``tokenize``: text to token ids, special tokens parsed."""
+    for template, end in (("gemma", "<end_of_turn>"), ("chatml", "<|im_end|>")):
+        ids = tokenize(end)
+        if len(ids) == 1:
+            return ChatFallback(template, end, ids[0], end_bias)
+    return ChatFallback("chatml", "<|im_end|>", None, end_bias)
+
+
 class Session:
     """A multi-turn conversation on one context: ``send`` and ``stream`` add a user turn and generate the
     assistant's reply, ``add`` appends any message (a tool's result, say), ``messages`` is the
@@ -130,10 +170,20 @@ class Session:
         if tool_choice not in TOOL_CHOICES:
             raise InvalidArgumentError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {tool_choice!r}")
         self.context = context
-        self.template = template
         self.tools: list[dict[str, Any]] | None = [dict(t) for t in tools] if tools else None
         self.tool_choice = tool_choice
         self.defaults = GenerateParams.of(params, defaults)
+        #: What the session falls back to when neither ``template`` nor the model names a chat template.
+        self.fallback: ChatFallback | None = None
+        model = context.model
+        if template is None and model.info.chat_template is None:
+            self.fallback = chat_fallback(lambda text: model.tokenize(text, add_special=False, parse_special=True))
+            template = self.fallback.template
+            # The caller's own bias on that token, if any, wins.
+            self.defaults = replace(self.defaults, logit_bias={**self.fallback.logit_bias, **self.defaults.logit_bias})
+            _log.warning("%s has no chat template: the session uses %s (template= to choose another)",
+                         os.path.basename(model.path), self.fallback)
+        self.template = template
         self._messages: list[dict[str, Any]] = []
         if system is not None:
             self._messages.append({"role": "system", "content": system})
@@ -228,4 +278,5 @@ class Session:
                 self._pending = None  # that turn failed and is not recorded; its reader got the error
 
 
-__all__ = ["ChatReply", "ChatStream", "Session", "formatted_params"]
+__all__ = ["BASE_MODEL_END_BIAS", "ChatFallback", "ChatReply", "ChatStream", "Session", "chat_fallback",
+           "formatted_params"]

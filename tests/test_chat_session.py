@@ -24,6 +24,7 @@ from lloyal_pool import (
     TemplateError,
 )
 from lloyal_pool.chat import GEMMA
+from lloyal_pool.session import BASE_MODEL_END_BIAS
 
 pytestmark = pytest.mark.gemma
 
@@ -186,6 +187,25 @@ def test_a_stopped_turn_can_be_taken_back(gemma: Model) -> None:
         session.pop(), session.pop(), session.pop()
         with pytest.raises(IndexError):
             session.pop()
+    finally:
+        ctx.close()
+
+
+def test_a_model_without_a_template_falls_back_and_says_so(gemma: Model, caplog: pytest.LogCaptureFixture) -> None:
+    # Gemma 3 270M's file has no chat template: a session uses the Gemma format, with the bias that makes
+    # a base model end its turns, as `lloyal-pool chat` does; the caller's own bias on that token wins.
+    [eot] = gemma.tokenize("<end_of_turn>", add_special=False, parse_special=True)
+    ctx = gemma.new_context(n_ctx=512)
+    try:
+        with caplog.at_level("WARNING", logger="lloyal_pool"):
+            session = ctx.chat(n_predict=4)
+        assert session.template == "gemma" and session.fallback is not None
+        assert dict(session.defaults.logit_bias) == {eot: BASE_MODEL_END_BIAS}
+        assert "has no chat template: the session uses the gemma format, with +12 on <end_of_turn>" in caplog.text
+        assert session.send("Hello").result.n_decoded > 0
+        assert dict(ctx.chat(logit_bias={eot: 1.0}).defaults.logit_bias) == {eot: 1.0}
+        chosen = ctx.chat(template="chatml")
+        assert chosen.fallback is None and dict(chosen.defaults.logit_bias) == {}
     finally:
         ctx.close()
 

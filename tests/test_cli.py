@@ -93,7 +93,7 @@ def test_chat_streams_each_reply_on_a_line_in_the_gemma_format(gemma: Model) -> 
                          input="".join(t + "\n" for t in turns), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     # The default model's file has no template: the CLI says which format it uses instead.
-    assert "has no chat template: using the Gemma format" in out.stderr
+    assert "has no chat template: using the gemma format" in out.stderr
     ctx = gemma.new_context(n_ctx=1024)
     try:
         (eot,) = gemma.tokenize("<end_of_turn>", add_special=False, parse_special=True)

@@ -462,6 +462,26 @@ def test_the_chat_page_streams_a_reply_in_a_browser(served: Served, tmp_path: Pa
     assert len(shot) > 5000  # text and colours, not a blank page
 
 
+def test_a_chat_logit_bias_applies_to_chats_and_a_requests_own_bias_wins(spool: Pool) -> None:
+    # What `lloyal-pool serve` passes for a model without a template (the bias that ends a base model's
+    # turns), shown with a bias no reply could miss.
+    [banana] = spool[0].models[0].tokenize(" banana", add_special=False)
+    s = Served(spool, chat_logit_bias={banana: 50.0})
+    try:
+        client = s.client()
+        hi = [{"role": "user", "content": "Hi"}]
+        biased = client.chat.completions.create(model="m", messages=hi, max_tokens=3, temperature=0)  # type: ignore[arg-type]
+        assert biased.choices[0].message.content == " banana banana banana"
+        own = client.chat.completions.create(model="m", messages=hi, max_tokens=3, temperature=0,  # type: ignore[arg-type]
+                                             logit_bias={str(banana): -100})
+        assert "banana" not in (own.choices[0].message.content or "")
+        plain = client.completions.create(model="m", prompt="Hi", max_tokens=3, temperature=0)
+        assert plain.choices[0].text.count("banana") < 3  # chats only
+    finally:
+        s.close()
+
+
 def test_the_serve_command(gemma_path: Path) -> None:
     err = chat_with_the_serve_command(["-m", str(gemma_path), "--workers", "1", "--slots", "2", "--n-ctx-slot", "512"])
-    assert "has no chat template: chats use the gemma format" in err and "on 1 worker(s)" in err
+    assert "has no chat template: chats use the gemma format, with +12 on <end_of_turn>" in err
+    assert "on 1 worker(s)" in err

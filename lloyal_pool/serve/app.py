@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import threading
@@ -68,11 +69,12 @@ class Server:
     the metrics."""
 
     def __init__(self, pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
-                 api_key: str | None = None) -> None:
+                 chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None) -> None:
         self.pool = pool
         self.backend = backend_of(pool)
         self.model_name = model_name or self.backend.model_path().rsplit("/", 1)[-1].removesuffix(".gguf")
         self.chat_template = chat_template
+        self.chat_logit_bias = dict(chat_logit_bias or {})
         self.api_key = api_key
         self.metrics = _Metrics()
 
@@ -189,6 +191,8 @@ async def chat_completions(request: Request, server: Server) -> Response:
     fmt = await asyncio.to_thread(server.backend.format_chat, messages, template=server.chat_template, tools=tools,
                                   tool_choice=tool_choice)
     gen = formatted_params(fmt, gen)
+    if server.chat_logit_bias:  # the request's own bias on a token wins
+        gen = dataclasses.replace(gen, logit_bias={**server.chat_logit_bias, **gen.logit_bias})
     reply = schemas.Reply("chatcmpl", server.model_name)
 
     async def parse(result: Result) -> Any:
@@ -306,13 +310,16 @@ def _route(path: str, fn: Callable[[Request, Server], Awaitable[Response]], serv
 
 
 def create_app(pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
-               api_key: str | None = None) -> Starlette:
+               chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None) -> Starlette:
     """The ASGI app serving ``pool`` (a Pool, or a lloyal_pool.ray.RayPool), whose workers each hold the
     one model it serves (any ``model`` a
     request names maps to it; ``model_name`` is the id /v1/models shows, default the file's stem).
-    ``chat_template``: a chat format name or Jinja source for models without one. ``api_key``: every
+    ``chat_template``: a chat format name or Jinja source for models without one. ``chat_logit_bias``:
+    added to every chat completion's logit bias, the request's own bias on a token winning (what
+    ``lloyal-pool serve`` passes for a model without a template: session.chat_fallback). ``api_key``: every
     /v1 route then needs ``Authorization: Bearer <api_key>``."""
-    server = Server(pool, model_name=model_name, chat_template=chat_template, api_key=api_key)
+    server = Server(pool, model_name=model_name, chat_template=chat_template, chat_logit_bias=chat_logit_bias,
+                    api_key=api_key)
     routes = [
         _route("/v1/completions", completions, server, ["POST"], "completions"),
         _route("/v1/chat/completions", chat_completions, server, ["POST"], "chat_completions"),
