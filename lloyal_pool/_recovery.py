@@ -358,8 +358,8 @@ def _chain(src: Future[Any], dst: Future[Any]) -> None:
 
 def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError, afresh: set[int]) -> HandleMap:
     """Loads every live model of the instance into proc and creates every live context again, restored;
-    rebinds the handle objects. A context in ``afresh`` (a call sent again replaces its whole history)
-    is created empty instead, whatever its journal says. Returns the old->new handle numbers."""
+    rebinds the handle objects. A lost context in ``afresh`` (a call sent again replaces its whole
+    history) is created empty instead. Returns the old->new handle numbers."""
     handles = HandleMap()
     for model in list(instance._models):
         if model._closed:
@@ -390,7 +390,8 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError,
             if journal is None:
                 why: str | None = "it keeps no journal"
             else:
-                fresh = old_ctx in afresh and journal.restartable
+                # Only a lost one: a restorable context is restored, for calls sent before that one.
+                fresh = journal.lost is not None and old_ctx in afresh and journal.restartable
                 why = None if fresh else journal.lost
             if why is None and journal is not None:
                 try:
