@@ -140,6 +140,7 @@ class ChatFallback:
 
     @property
     def logit_bias(self) -> dict[int, float]:
+        """The bias to add to a chat's own (empty where the format has no single end-of-turn token)."""
         return {} if self.end_token is None or not self.end_bias else {self.end_token: self.end_bias}
 
     def __str__(self) -> str:
