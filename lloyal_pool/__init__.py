@@ -79,6 +79,7 @@ if TYPE_CHECKING:
         StopReason,
     )
     from .pool import Pool
+    from .sampler import Sampler
     from .session import ChatReply, ChatStream, Session
     from .shm import shm_bytes_for
     from .snapshot import Snapshot
@@ -133,6 +134,7 @@ __all__ = [
     "RemoteError",
     "Result",
     "ResultTooLargeError",
+    "Sampler",
     "SamplerParams",
     "Score",
     "Session",
@@ -168,6 +170,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "lora": ("LoraAdapter",),
     "model": ("Model",),
     "pool": ("Pool",),
+    "sampler": ("Sampler",),
     "stream": ("Stream",),
     "errors": ("BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError", "DeadWorkerError",
                "DecodeError", "GrammarError", "InterruptedByClient", "InvalidArgumentError", "InvalidTokenError",

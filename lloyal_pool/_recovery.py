@@ -366,7 +366,7 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError,
             continue
         old_model = model._handle
         try:
-            loaded = proc.call(model._load).result()
+            loaded = model._load_into(proc).result()
         except Exception as exc:
             log.error("[recover] model %s could not be loaded again: %s", model.path, exc)
             for ctx in list(model._contexts):

@@ -33,6 +33,7 @@ from .params import (
     ContextParams,
     EvalResult,
     GenerateParams,
+    Grammar,
     Result,
     SamplerParams,
     Score,
@@ -40,6 +41,7 @@ from .params import (
     whole,
     wire_prompt,
 )
+from .sampler import Sampler
 from .session import Session
 from .stream import Stream
 
@@ -80,6 +82,7 @@ class Context:
         self.branches = BranchStore(self._link, model.n_vocab)
         self.kv = KV(self._link, self.branches)
         self._lora: list[tuple[LoraAdapter, float]] = []
+        self._logits_reads = 0  # logits() calls: a view shows the row as the one that made it wrote it
 
     def _rebind(self, proc: WorkerProcess, desc: p.ContextCreated) -> None:
         """Crash recovery created the context again in a replacement worker."""
@@ -254,10 +257,60 @@ class Context:
 
     def logits(self, *, copy: bool = False) -> np.ndarray:
         """Logits (n_vocab float32) of the last decoded position. Without copy, a read-only view of the
-        worker's shared memory: valid until the next logits() call on this context."""
+        context's row in the worker's shared memory, which the next logits() call writes again: the view
+        is valid until then (or until the context closes or its worker dies), and reading it afterwards
+        raises StaleHandleError instead of showing other logits. Keep a copy (copy=True) to hold on."""
         at = self._link.call(p.Logits(context=self.handle)).result()
-        arr = self._proc.region.floats(at.offset, at.count)
-        return arr.copy() if copy else arr
+        self._logits_reads += 1
+        if copy:
+            row: np.ndarray = self._proc.region.floats(at.offset, at.count).copy()
+            return row
+        read, proc = self._logits_reads, self._proc
+
+        def stale() -> str:
+            if self._logits_reads != read:
+                return "the context's logits() was called again since"
+            if self._link.closed or self._proc is not proc or not proc.alive:
+                return "its context was closed, or its worker died"
+            return ""
+
+        return self._proc.region.floats(at.offset, at.count, guard=stale)
+
+    # -- lloyal.node's low-level loop: decode at a position, sample, grammar handles ---------------------
+    def decode(self, tokens: Sequence[int], pos: int, seq: int = 0) -> float:
+        """Decodes tokens at positions pos, pos + 1, ... of KV sequence ``seq`` (lloyal.node's
+        ``decode(tokens, pos, seqId)``); the last token's logits become logits() and what sample() draws
+        from. ``seq`` is a raw sequence of ``kv``: a free one is leased (as a detached sequence; kv.free
+        gives it back), and each call continues it: ``pos`` must be one past its last position
+        (InvalidArgumentError otherwise; kv.remove drops positions to decode again). BranchError for a
+        branch's sequence; ContextError while the context holds an eval/generate history (reset() it).
+        All or nothing: an error or an interrupt leaves the sequence as it was. Returns the ms decoding."""
+        return self._link.call(p.RawDecode(context=self.handle, tokens=token_ids(tokens, self.model.n_vocab),
+                                           pos=whole(pos, "pos"), seq=whole(seq, "seq"))).result()
+
+    def sample(self, params: SamplerParams | None = None, *, sampler: Sampler | None = None,
+               **overrides: Any) -> int:
+        """A token drawn from the context's last logits (a decode()'s, else eval's or generate's) by a
+        sampler chain of ``params`` (keyword overrides are SamplerParams fields; greedy by default) that
+        the context keeps while the params stay the same: its PRNG and penalty windows go on from call
+        to call, and each token sampled is accepted into it. ``sampler``: a grammar handle applied first,
+        which then accepts the token. GrammarError when no token is allowed."""
+        handle = 0
+        if sampler is not None:
+            if sampler._link is not self._link:
+                raise InvalidArgumentError("sampler belongs to another context")
+            handle = sampler._live()
+        return self._link.call(p.Sample(context=self.handle, params=SamplerParams.of(params, overrides).to_wire(),
+                                        grammar=handle)).result()
+
+    def sampler(self, grammar: str | Grammar) -> Sampler:
+        """A grammar handle in this context (lloyal.node's createSampler): GBNF text or a Grammar (a JSON
+        schema too). GrammarError for a grammar that does not parse."""
+        if not isinstance(grammar, (str, Grammar)):
+            raise InvalidArgumentError(f"sampler() needs GBNF text or a Grammar, got {type(grammar).__name__}")
+        spec = Grammar(gbnf=grammar) if isinstance(grammar, str) else grammar
+        h = self._link.call(p.GrammarNew(context=self.handle, grammar=spec.to_wire())).result()
+        return Sampler(self._link, h, self.model.n_vocab)
 
     # -- embeddings and rerank ------------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ from .batching import BatchedCalls, Batcher
 from .context import Context
 from .errors import BadRequestError, InvalidArgumentError, LloyalError, ModelLoadError, PoolClosedError
 from .lora import LoraAdapter
-from .model import Model
+from .model import MemorySource, Model, ModelBytes
 from .params import Device, whole
 
 ProgressCallback = Callable[[float], None]
@@ -179,8 +179,28 @@ class Instance(BatchedCalls):
         if allowed is not None and self._proc.options.sandbox and not beneath(abspath, allowed):
             raise ModelLoadError(f"{abspath} is outside the pool's allowed_dirs {list(allowed)}: the worker "
                                  "may not read it (Pool(allowed_dirs=...))")
-        req = p.LoadModel(path=abspath, n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"), use_mmap=bool(use_mmap),
+        return self._load(abspath, p.LoadModel(path=abspath, n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"),
+                                               use_mmap=bool(use_mmap), vocab_only=bool(vocab_only)), progress)
+
+    def load_model_from_memory(self, data: ModelBytes, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                               vocab_only: bool = False, progress: ProgressCallback | None = None,
+                               timeout: float | None = None) -> Model:
+        """load_model() for a GGUF held in memory (go-llama's in-memory filesystem): its bytes (bytes,
+        bytearray, a memoryview, e.g. of an mmap) or an open descriptor or binary file that reads it from
+        offset 0 (a memfd, a file; not a pipe). It reaches the worker as a sealed memfd that the worker
+        reads like a file, never through a frame, and without any path: the pool's ``allowed_dirs`` do
+        not apply. ``data`` is kept (a descriptor duplicated) while the model lives, to load it again in a
+        recovered worker: do not change it meanwhile. ``Model.path`` is ``"<memory: N bytes>"``.
+        ModelLoadError for data that is not a GGUF file, as for a path."""
+        check_timeout(timeout)
+        source = MemorySource(data)
+        req = p.LoadModel(path="", n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"), use_mmap=bool(use_mmap),
                           vocab_only=bool(vocab_only))
+        return wait(self._load(f"<memory: {source.size} bytes>", req, progress, source), timeout,
+                    what="load_model_from_memory")
+
+    def _load(self, path: str, req: p.LoadModel, progress: ProgressCallback | None,
+              source: MemorySource | None = None) -> Future[Model]:
         if progress is not None and not callable(progress):
             raise BadRequestError(f"the progress callback must be callable, got {type(progress).__name__}")
         failed: list[BaseException] = []
@@ -193,7 +213,7 @@ class Instance(BatchedCalls):
                     failed.append(exc)
 
         def loaded(r: p.ModelLoaded) -> Model:
-            model = Model(self, self._proc, r.model, r.info, abspath, req)
+            model = Model(self, self._proc, r.model, r.info, path, req, source)
             if failed:
                 # The worker loaded it all the same: free it, from a thread of its own (this runs on the
                 # reader thread, which must not wait for a reply), and fail the call with the error.
@@ -202,7 +222,8 @@ class Instance(BatchedCalls):
                 raise failed[0]
             return model
 
-        fut = self._live().call(req, events(progress=None if progress is None else guarded))
+        on_event = events(progress=None if progress is None else guarded)
+        fut = self._live().call(req, on_event) if source is None else source.load(self._live(), req, on_event)
         return mapped(fut, loaded)
 
     async def aload_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,

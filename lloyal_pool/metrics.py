@@ -49,4 +49,55 @@ def surprisal(logits: np.ndarray, token: int, base: str = "nats") -> float:
     return max(0.0, lse - x) * scale
 
 
-__all__ = ["entropy", "surprisal"]
+class PerplexityTracker:
+    """A running perplexity: exp of the mean surprisal (in nats) of the tokens added so far, the measure a
+    branch keeps natively, kept here for tokens scored anywhere (logits from score_choices, a Context's
+    logits() before each commit, another model's view of the same text). ``clone()`` forks it, so a
+    tracker can follow each branch of a tree. Plain Python: it lives in the parent, not in a worker."""
+
+    __slots__ = ("_count", "_total")
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._total = 0.0
+
+    def add(self, surprisal: float) -> None:
+        """Adds one token's surprisal in nats (metrics.surprisal(logits, token)); inf for a token the
+        logits banned makes the perplexity inf."""
+        value = float(surprisal)
+        if math.isnan(value) or value < 0.0:
+            raise ValueError(f"a surprisal is a non-negative number of nats, got {surprisal!r}")
+        self._count += 1
+        self._total += value
+
+    def add_logits(self, logits: np.ndarray, token: int) -> float:
+        """Adds token's surprisal under logits and returns it."""
+        value = surprisal(logits, token)
+        self.add(value)
+        return value
+
+    @property
+    def count(self) -> int:
+        """Tokens added."""
+        return self._count
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean surprisal); inf before the first token, as a branch's perplexity is."""
+        return math.exp(self._total / self._count) if self._count else math.inf
+
+    def clone(self) -> PerplexityTracker:
+        """An independent copy that goes on from the same sums."""
+        twin = PerplexityTracker()
+        twin._count, twin._total = self._count, self._total
+        return twin
+
+    def reset(self) -> None:
+        self._count = 0
+        self._total = 0.0
+
+    def __repr__(self) -> str:
+        return f"PerplexityTracker(count={self._count}, perplexity={self.perplexity:.4g})"
+
+
+__all__ = ["PerplexityTracker", "entropy", "surprisal"]

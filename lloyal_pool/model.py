@@ -8,8 +8,9 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -19,7 +20,7 @@ from ._link import ContextLink
 from .batching import Batcher
 from .chat import ChatMessage
 from .context import Context
-from .errors import BadRequestError, InvalidArgumentError, LoraError, StaleHandleError
+from .errors import BadRequestError, InvalidArgumentError, LoraError, ModelLoadError, StaleHandleError
 from .lora import LoraAdapter
 from .params import ContextParams, ModelInfo, token_id, token_ids
 from .protocol import Request
@@ -30,6 +31,65 @@ if TYPE_CHECKING:
 
 _model_serials = itertools.count()
 R = TypeVar("R")
+ModelBytes = bytes | bytearray | memoryview | int | IO[bytes]
+"""A GGUF in memory: its bytes, or an open descriptor (or binary file object) that reads it from the start."""
+GGUF_MAGIC = b"GGUF"
+
+
+class MemorySource:
+    """A model given in memory (go-llama's in-memory filesystem): kept by reference (a descriptor is
+    duplicated) so that a recovered worker or a snapshot's replay loads it again. Each load copies it into
+    a transfer memfd the worker reads as a file (shm.TransferFile): the bytes never ride in a frame."""
+
+    def __init__(self, data: ModelBytes) -> None:
+        self._view: memoryview | None = None
+        self._fd = -1
+        if isinstance(data, bool):
+            raise BadRequestError("a model in memory is bytes, a memoryview, a descriptor or a binary file")
+        if isinstance(data, int) or hasattr(data, "fileno"):
+            fd = data if isinstance(data, int) else data.fileno()
+            try:
+                self._fd = os.dup(fd)
+            except OSError as exc:
+                raise ModelLoadError(f"cannot read the model's descriptor {fd}: {exc}") from exc
+            # Closed once no model (a snapshot's forks share one source) holds it any more.
+            weakref.finalize(self, os.close, self._fd)
+            try:
+                head = os.pread(self._fd, 4, 0)
+                self.size = os.fstat(self._fd).st_size
+            except OSError as exc:  # a pipe or a socket: a model is read at offsets
+                raise ModelLoadError(f"cannot read the model from descriptor {fd} at offsets: {exc}") from exc
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            self._view = memoryview(data).cast("B")
+            head = bytes(self._view[:4])
+            self.size = len(self._view)
+        else:
+            raise BadRequestError(f"a model in memory is bytes, a memoryview, a descriptor or a binary file, not "
+                                  f"{type(data).__name__}")
+        if head != GGUF_MAGIC:
+            raise ModelLoadError(f"the model in memory is not a GGUF file (it starts with {head!r}, not "
+                                 f"{GGUF_MAGIC!r})")
+
+    def load(self, proc: WorkerProcess, req: p.LoadModel,
+             on_event: Callable[[dict[str, Any]], None] | None = None) -> Future[p.ModelLoaded]:
+        """req with the path of a transfer file that holds the model, sent to proc; the file goes once
+        the worker replied. A mapping survives that only where the file is the worker's alone to keep
+        (a sealed memfd, or an unlinked file): the worker's reused memfd is emptied after each transfer,
+        so the model is read into memory instead."""
+        from .shm import TransferFile
+
+        transfer = proc.transfer()
+        transfer.__enter__()
+        try:
+            transfer.write(self._view if self._view is not None else self._fd)
+            keeps = isinstance(transfer, TransferFile)
+            sent = msgspec.structs.replace(req, path=transfer.path, use_mmap=req.use_mmap and keeps)
+            fut = proc.call(sent, on_event)
+        except BaseException:
+            transfer.__exit__(None, None, None)
+            raise
+        fut.add_done_callback(lambda _: transfer.__exit__(None, None, None))
+        return fut
 
 
 class Model:
@@ -39,11 +99,12 @@ class Model:
     they raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
     def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str,
-                 load: p.LoadModel | None = None) -> None:
+                 load: p.LoadModel | None = None, source: MemorySource | None = None) -> None:
         self.instance = instance
         self._proc = proc
         self._handle = handle
         self._load = load or p.LoadModel(path=path)  # how it was loaded: a replayed snapshot loads it so
+        self._source = source  # a model loaded from memory: what loads it again
         self._closed = False
         self.info = info
         self.path = path
@@ -60,6 +121,10 @@ class Model:
     def _rebind(self, proc: WorkerProcess, handle: int) -> None:
         """Crash recovery loaded the model again in a replacement worker."""
         self._proc, self._handle = proc, handle
+
+    def _load_into(self, proc: WorkerProcess) -> Future[p.ModelLoaded]:
+        """Loads this model again, as it was loaded, in another worker (recovery, a snapshot's replay)."""
+        return self._source.load(proc, self._load) if self._source is not None else proc.call(self._load)
 
     def __repr__(self) -> str:
         return f"<Model {self.info.desc!r} worker={self.instance.worker_id} handle={self._handle}>"

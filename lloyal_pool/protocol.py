@@ -37,7 +37,7 @@ from .chat import ChatMessage
 from .errors import BadRequestError, InvalidArgumentError, ProtocolError
 from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
@@ -112,6 +112,14 @@ class Op(str, enum.Enum):
     KV_POS_MAX = "kv_pos_max"
     KV_FREE = "kv_free"
     KV_PRESSURE = "kv_pressure"
+    # lloyal.node's low-level loop (Context.decode / sample) and grammar handles (sampler.Sampler).
+    RAW_DECODE = "raw_decode"
+    SAMPLE = "sample"
+    GRAMMAR_NEW = "grammar_new"
+    GRAMMAR_CLONE = "grammar_clone"
+    GRAMMAR_MASK = "grammar_mask"
+    GRAMMAR_ACCEPT = "grammar_accept"
+    GRAMMAR_FREE = "grammar_free"
     STATE_SEQ_SIZE = "state_seq_size"
     STATE_SEQ_GET = "state_seq_get"
     STATE_SEQ_SET = "state_seq_set"
@@ -605,6 +613,54 @@ class KvFree(ContextRequest[None]):
 
 class KvPressureRequest(ContextRequest[KVPressure]):
     op = Op.KV_PRESSURE
+
+
+class RawDecode(ContextRequest[float]):
+    """Reply: the ms spent decoding."""
+
+    op = Op.RAW_DECODE
+    decodes = True
+    tokens: list[int]
+    pos: int
+    seq: int
+
+
+class Sample(ContextRequest[int]):
+    op = Op.SAMPLE
+    decodes = True  # no decode, but a grammar step can take seconds: interruptible
+    params: dict[str, Any]
+    grammar: int = 0  # a grammar handle, 0: none
+
+
+class GrammarNew(ContextRequest[int]):
+    op = Op.GRAMMAR_NEW
+    decodes = True  # a large grammar's set-up takes seconds: interruptible
+    grammar: dict[str, Any]
+
+
+class GrammarClone(ContextRequest[int]):
+    op = Op.GRAMMAR_CLONE
+    handle: int
+
+
+class GrammarMask(ContextRequest[int]):
+    """Reply: the offset of the handle's mask in the region (n_vocab float32)."""
+
+    op = Op.GRAMMAR_MASK
+    decodes = True  # a grammar step over the whole vocabulary: interruptible
+    handle: int
+
+
+class GrammarAccept(ContextRequest[None]):
+    op = Op.GRAMMAR_ACCEPT
+    decodes = True
+    handle: int
+    token: int
+
+
+class GrammarFree(ContextRequest[None]):
+    op = Op.GRAMMAR_FREE
+    handle: int
 
 
 class StateSeqSize(ContextRequest[int]):

@@ -24,11 +24,13 @@ import mmap
 import os
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .errors import LloyalError
+from .errors import LloyalError, StaleHandleError
 
 MAGIC = 0x4C4C4F59414C5348  # "LLOYALSH"
 LAYOUT_VERSION = 1
@@ -181,11 +183,12 @@ class Region:
         return region
 
     # -- use ----------------------------------------------------------------------------------------
-    def floats(self, offset: int, count: int) -> np.ndarray:
-        """A read-only float32 view of count floats at offset (no copy)."""
+    def floats(self, offset: int, count: int, guard: Callable[[], str] | None = None) -> np.ndarray:
+        """A read-only float32 view of count floats at offset (no copy). With ``guard``, a GuardedView
+        that raises StaleHandleError once guard() names a reason (its owner wrote the floats again)."""
         arr = np.frombuffer(self.view, dtype=np.float32, count=count, offset=offset)
         arr.flags.writeable = False
-        return arr
+        return arr if guard is None else GuardedView.of(arr, guard)
 
     @property
     def heartbeat(self) -> int:
@@ -237,6 +240,74 @@ class Region:
                 pass
 
 
+class GuardedView(np.ndarray):
+    """A view of the region that refuses to be read once what it shows is gone: its owner wrote the
+    floats again, or freed them. numpy cannot revoke a buffer it handed out, so the checks sit where the
+    data is read: indexing, every ufunc and numpy function, iteration, conversions and the methods
+    listed in _CHECKED. ``np.asarray(view)`` and ``copy()`` give a plain array; asarray's is unguarded."""
+
+    _guard: Callable[[], str] | None = None
+
+    @classmethod
+    def of(cls, arr: np.ndarray, guard: Callable[[], str]) -> GuardedView:
+        view = arr.view(cls)
+        view._guard = guard
+        return view
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._guard = getattr(obj, "_guard", None)
+
+    def _plain(self) -> np.ndarray:
+        if self._guard is not None and (why := self._guard()):
+            raise StaleHandleError(f"this logits view is stale: {why} (copy what you keep: logits(copy=True))")
+        return self.view(np.ndarray)
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        args = [x._plain() if isinstance(x, GuardedView) else x for x in inputs]
+        return getattr(ufunc, method)(*args, **kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        def plain(x: Any) -> Any:
+            if isinstance(x, GuardedView):
+                return x._plain()
+            if isinstance(x, (list, tuple)):
+                return type(x)(plain(y) for y in x)
+            return x
+
+        return func(*plain(args), **{k: plain(v) for k, v in kwargs.items()})
+
+    def __getitem__(self, key: Any) -> Any:
+        self._plain()
+        return super().__getitem__(key)
+
+    def __iter__(self) -> Any:
+        return iter(self._plain())
+
+    def __array__(self, dtype: Any = None, /, *, copy: bool | None = None) -> np.ndarray:  # type: ignore[override]
+        plain = self._plain()
+        return plain if dtype is None else plain.astype(dtype)
+
+    def __repr__(self) -> str:
+        return repr(self._plain())
+
+
+def _checked(name: str) -> Callable[..., Any]:
+    def method(self: GuardedView, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._plain(), name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+# ndarray's own methods read the buffer in C without asking __array_ufunc__ or __array_function__.
+_CHECKED = ("copy", "astype", "tolist", "tobytes", "argmax", "argmin", "argsort", "argpartition", "max", "min",
+            "sum", "mean", "std", "var", "sort", "partition", "nonzero", "item", "dot", "round", "clip", "cumsum",
+            "__str__", "__float__", "__int__", "__bool__", "__reduce__", "__reduce_ex__", "__copy__",
+            "__deepcopy__")
+for _name in _CHECKED:
+    setattr(GuardedView, _name, _checked(_name))
+
+
 class TransferFile:
     """A temporary file for bulk data that must not ride in a frame (a context's state, gigabytes for a
     long context), created by the parent; the worker reads or writes it by ``path``.
@@ -275,13 +346,11 @@ class TransferFile:
 
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """The worker's input: all of data, then sealed (no write, shrink or grow from then on)."""
-        view = memoryview(data).cast("B")
+    def write(self, data: bytes | bytearray | memoryview | int) -> None:
+        """The worker's input: all of data (or of the file an int descriptor reads, from its start),
+        then sealed (no write, shrink or grow from then on)."""
         os.ftruncate(self._fd, 0)
-        off = 0
-        while off < len(view):
-            off += os.pwrite(self._fd, view[off:off + (1 << 30)], off)
+        _write_all(self._fd, data)
         if self._memfd:
             import fcntl
 
@@ -342,12 +411,9 @@ class WorkerTransfer:
         finally:
             self.lock.release()
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """The worker's input: all of data."""
-        view = memoryview(data).cast("B")
-        off = 0
-        while off < len(view):
-            off += os.pwrite(self._fd, view[off:off + (1 << 30)], off)
+    def write(self, data: bytes | bytearray | memoryview | int) -> None:
+        """The worker's input: all of data (or of the file an int descriptor reads, from its start)."""
+        _write_all(self._fd, data)
 
     def read(self) -> bytes:
         """What the worker wrote, once it replied."""
@@ -359,6 +425,22 @@ class WorkerTransfer:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview | int) -> None:
+    if isinstance(data, int):  # a descriptor: copied in pieces, never all of it in this process at once
+        off = 0
+        while chunk := os.pread(data, 8 << 20, off):
+            _write_all_at(fd, memoryview(chunk), off)
+            off += len(chunk)
+        return
+    _write_all_at(fd, memoryview(data).cast("B"), 0)
+
+
+def _write_all_at(fd: int, view: memoryview, at: int) -> None:
+    off = 0
+    while off < len(view):
+        off += os.pwrite(fd, view[off:off + (1 << 30)], at + off)
 
 
 def _pread_all(fd: int) -> bytes:

@@ -152,7 +152,7 @@ def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Hand
     """The fork's own handle objects: the same handle numbers (the fork inherited the zygote's engine),
     bound to the fork's worker."""
     def model(old: Model) -> Model:
-        return Model(instance, instance._proc, old._handle, old.info, old.path, old._load)
+        return Model(instance, instance._proc, old._handle, old.info, old.path, old._load, old._source)
 
     def adapter(old: LoraAdapter, owner: Model) -> LoraAdapter:
         new = LoraAdapter(owner, old._handle, old.path, old.alpha, old.meta)
@@ -172,8 +172,8 @@ def _replay(handles: Mapping[str, Handle], states: Mapping[int, bytes], instance
     """Makes in a fresh worker what the named handles are: each model loaded as it was, each adapter
     loaded, each context created with its parameters, its adapters applied and its saved state loaded."""
     def model(old: Model) -> Model:
-        loaded = instance._proc.call(old._load).result()
-        return Model(instance, instance._proc, loaded.model, loaded.info, old.path, old._load)
+        loaded = old._load_into(instance._proc).result()
+        return Model(instance, instance._proc, loaded.model, loaded.info, old.path, old._load, old._source)
 
     def adapter(old: LoraAdapter, owner: Model) -> LoraAdapter:
         return owner.load_lora(old.path)

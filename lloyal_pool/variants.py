@@ -16,7 +16,11 @@ ggml's backends are libraries beside it that each worker loads at start-up (nati
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidArgumentError
@@ -78,3 +82,35 @@ def requested_cpu(cpu: str | None) -> str:
         raise InvalidArgumentError(f"unknown CPU level {value!r} ({source}); this install has {', '.join(levels)} "
                                    "or 'auto'")
     return value
+
+
+@dataclass(frozen=True)
+class VariantProbe:
+    """One native variant as probe() found it: whether it ``loads`` (for a GPU backend: loads and sees a
+    device), the GPU ``devices`` it sees, and ``detail``: the CPU kernels chosen, or why it does not load."""
+
+    name: str
+    loads: bool
+    devices: int
+    detail: str
+
+
+def probe(cpu: str | None = None, timeout: float = 120.0) -> list[VariantProbe]:
+    """Which native variants can load on this machine (lloyal.node's loadBinary probe): the CPU kernels a
+    worker would run (``cpu`` as Pool(cpu=...)), then each GPU backend of KNOWN, in that order. Tried in a
+    throwaway child process, as a worker loads them: this process never loads llama.cpp. A worker asked
+    for a variant that does not load here falls back to the CPU (or fails to start, strict)."""
+    level = requested_cpu(cpu)
+    code = (f"import json; from lloyal_pool.worker.__main__ import probe_variants; "
+            f"print(json.dumps(probe_variants({level!r})))")
+    env = {k: v for k, v in os.environ.items() if k != ENV_CPU}
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return [VariantProbe("cpu", False, 0, f"the probe process did not finish in {timeout:g} s")]
+    try:
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return [VariantProbe("cpu", False, 0, f"the probe process failed (exit {out.returncode}): "
+                                              f"{out.stderr[-2000:].strip()}")]
+    return [VariantProbe(str(v["name"]), bool(v["loads"]), int(v["devices"]), str(v["detail"])) for v in found]

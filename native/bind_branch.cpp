@@ -49,6 +49,14 @@ std::vector<std::pair<uint32_t, llama_token>> commit_pairs(py::handle pairs, con
     return out;
 }
 
+uint32_t grammar_handle_arg(py::handle h) {
+    const int64_t v = int_arg(h, "a grammar handle");
+    if (v <= 0 || v > 0xFFFFFFFFll) {
+        throw stale_handle_error("grammar handle " + std::to_string(v) + " is not live (handles are positive u32)");
+    }
+    return static_cast<uint32_t>(v);
+}
+
 // Runs fn on the driver without the GIL.
 template <class F> auto nogil(F && fn) {
     gil_release release;
@@ -259,6 +267,74 @@ void register_branch_methods(context_class & cls) {
                 nogil([&] { c.branches->free_seq(s); });
             },
             py::arg("seq"))
+        .def(
+            "decode",
+            [](py_context & c, const py::object & toks, py::handle pos, py::handle seq, uint64_t request_id) {
+                const std::vector<llama_token> tokens = tokens_from_py(toks, c.core->model());
+                const llama_pos at = pos_arg(pos, "pos");
+                const int64_t s = int_arg(seq, "a sequence id");
+                return nogil([&] { return c.branches->raw_decode(tokens, at, s, request_id); });
+            },
+            py::arg("tokens"), py::arg("pos"), py::arg("seq"), py::arg("request_id") = 0)
+        .def(
+            "sample",
+            [](py_context & c, const py::dict & params, py::handle grammar, uint64_t request_id) {
+                const sampler_params p = parse_sampler_params(params);
+                const std::optional<uint32_t> g =
+                    grammar.is_none() ? std::nullopt : std::optional<uint32_t>(grammar_handle_arg(grammar));
+                return nogil([&] {
+                    if (!c.branches->raw_logits_current()) {
+                        try {
+                            c.sequence->write_logits();  // eval's or generate's last logits, into the row
+                        } catch (const lloyal_error &) {
+                            throw lloyal_error("no logits to sample from: sample() draws from the last decode(), "
+                                               "eval() or generate() of this context, and none has left any "
+                                               "since (a branch keeps its own: Branch.sample())");
+                        }
+                    }
+                    return c.branches->raw_sample(p, g ? &c.grammars->sampler(*g) : nullptr, request_id);
+                });
+            },
+            py::arg("params"), py::arg("grammar") = py::none(), py::arg("request_id") = 0)
+        .def(
+            "grammar_new",
+            [](py_context & c, py::handle grammar, uint64_t request_id) {
+                const auto g = parse_grammar(grammar, c.core->model());
+                if (!g) {
+                    throw std::invalid_argument("grammar_new needs a grammar, not None");
+                }
+                return nogil([&] { return c.grammars->create(*g, request_id); });
+            },
+            py::arg("grammar"), py::arg("request_id") = 0)
+        .def(
+            "grammar_clone",
+            [](py_context & c, py::handle h) {
+                const uint32_t g = grammar_handle_arg(h);
+                return nogil([&] { return c.grammars->clone(g); });
+            },
+            py::arg("handle"))
+        .def(
+            "grammar_mask",
+            [](py_context & c, py::handle h, uint64_t request_id) {
+                const uint32_t g = grammar_handle_arg(h);
+                return nogil([&] { return c.grammars->mask(g, request_id); });
+            },
+            py::arg("handle"), py::arg("request_id") = 0)
+        .def(
+            "grammar_accept",
+            [](py_context & c, py::handle h, py::handle token, uint64_t request_id) {
+                const uint32_t g = grammar_handle_arg(h);
+                const llama_token t = token_from_py(token, c.core->model());
+                nogil([&] { c.grammars->accept(g, t, request_id); });
+            },
+            py::arg("handle"), py::arg("token"), py::arg("request_id") = 0)
+        .def(
+            "grammar_free",
+            [](py_context & c, py::handle h) {
+                const uint32_t g = grammar_handle_arg(h);
+                nogil([&] { c.grammars->free(g); });
+            },
+            py::arg("handle"))
         .def(
             "kv_seq_cp",
             [](py_context & c, py::handle src, py::handle dst, py::handle p0, py::handle p1) {

@@ -30,6 +30,7 @@ py_context::py_context(std::shared_ptr<Model> model, const py::dict & params, st
     sequence = std::make_unique<sequence_driver>(*core);
     branches = std::make_unique<branch_driver>(*core);
     embedder = std::make_unique<embed_driver>(*core, *sequence);
+    grammars = std::make_unique<grammar_handles>(*core);
 }
 
 py_context::~py_context() = default;
@@ -399,7 +400,9 @@ void register_context(py::module_ & m) {
             "write_logits",
             [](py_context & c) {
                 gil_release nogil;
-                c.sequence->write_logits();
+                if (!c.branches->raw_logits_current()) {  // else a raw decode's logits are there already
+                    c.sequence->write_logits();
+                }
             })
         .def(
             "save_state",

@@ -6,6 +6,7 @@
 #include "branch.hpp"
 #include "context_core.hpp"
 #include "embed.hpp"
+#include "grammar_handles.hpp"
 #include "sequence.hpp"
 
 #include <memory>
@@ -27,6 +28,7 @@ struct py_context {
     std::unique_ptr<sequence_driver> sequence;
     std::unique_ptr<branch_driver> branches;
     std::unique_ptr<embed_driver> embedder;
+    std::unique_ptr<grammar_handles> grammars;
     std::unique_ptr<held_buffer> control;  // the interrupt word's buffer
 };
 

@@ -41,7 +41,11 @@ branch_driver::branch_driver(context_core & core) : core_(core), store_(core.n_s
 
 branch_driver::~branch_driver() = default;
 
-void branch_driver::clear() { store_.release_all(); }
+void branch_driver::clear() {
+    store_.release_all();
+    raw_chain_.reset();
+    raw_stamp_ = ~uint64_t{0};
+}
 
 std::unique_ptr<branch> branch_driver::unlink_branch(uint32_t handle) {
     std::unique_ptr<branch> b = store_.remove(handle);

@@ -123,6 +123,7 @@ class branch_store {
     std::vector<uint32_t> release_all(uint32_t keep = 0);
 
     llama_seq_id lease();  // -1 when none is free; seq 0 first, then LIFO reuse
+    void lease_detached(llama_seq_id seq);  // a free seq becomes detached (raw), taken off the free list
     void release(llama_seq_id seq);
     bool is_free(llama_seq_id seq) const { return owner_[static_cast<size_t>(seq)] == k_free; }
     bool is_detached(llama_seq_id seq) const { return owner_[static_cast<size_t>(seq)] == k_detached; }
@@ -267,6 +268,18 @@ class branch_driver : public kv_tenant {
     size_t state_save_file(int64_t seq, const std::string & path, const std::vector<llama_token> & tokens);
     std::pair<std::vector<llama_token>, size_t> state_load_file(int64_t seq, const std::string & path);
 
+    // raw.cpp: lloyal.node's low-level loop. tokens decoded at positions pos, pos + 1, ... into seq, a
+    // detached sequence (a free one is leased as detached), continuing it (pos is one past its last
+    // position); the last token's logits become the context's logits row. All or nothing: a failed or
+    // interrupted decode removes what it added. Returns the ms spent decoding.
+    double raw_decode(const std::vector<llama_token> & toks, llama_pos pos, int64_t seq, uint64_t request_id);
+    // Whether the context's logits row holds the last raw decode's logits (nothing decoded since).
+    bool raw_logits_current() const { return raw_stamp_ == core_.n_decodes(); }
+    // A token from those logits, with a chain of p kept across calls (rebuilt when p changes: the PRNG
+    // and penalty windows go on while the params stay the same) and accepted into it. `grammar`: a
+    // grammar handle's sampler, applied, then replaced by its state after the token.
+    llama_token raw_sample(const sampler_params & p, sampler_ptr * grammar, uint64_t request_id);
+
   private:
     // The cells of every branch and detached sequence (a union over shared prefixes).
     uint64_t cells_used();
@@ -319,6 +332,9 @@ class branch_driver : public kv_tenant {
 
     context_core & core_;
     branch_store store_;
+    uint64_t raw_stamp_ = ~uint64_t{0};  // core_.n_decodes() after the last raw decode
+    std::unique_ptr<chain_sampler> raw_chain_;
+    std::vector<llama_token_data> raw_scratch_;
 };
 
 }  // namespace lloyal

@@ -93,6 +93,14 @@ llama_seq_id branch_store::lease() {
     return s;
 }
 
+void branch_store::lease_detached(llama_seq_id seq) {
+    if (owner_[static_cast<size_t>(seq)] != k_free) {
+        return;
+    }
+    owner_[static_cast<size_t>(seq)] = k_detached;
+    free_seqs_.erase(std::find(free_seqs_.begin(), free_seqs_.end(), seq));
+}
+
 void branch_store::release(llama_seq_id seq) {
     if (owner_[static_cast<size_t>(seq)] == k_free) {
         return;

@@ -52,7 +52,19 @@ void branch_driver::seq_cp(int64_t src_obj, int64_t dst_obj, llama_pos a, llama_
     context_core::busy_guard busy(core_);
     const llama_seq_id src = seq_arg(src_obj);
     const llama_seq_id dst = seq_arg(dst_obj);
-    check_raw_write(dst);
+    // A free destination is leased, as decode() leases one: lloyal.node's kvSeqCopy(0, n) needs no lease.
+    const bool lease = store_.is_free(dst) && core_.held_by_others(this).empty();
+    if (lease) {
+        store_.lease_detached(dst);
+    }
+    try {
+        check_raw_write(dst);
+    } catch (...) {
+        if (lease) {
+            store_.release(dst);
+        }
+        throw;
+    }
     llama_memory_seq_cp(core_.memory(), src, dst, a, b);
 }
 

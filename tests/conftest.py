@@ -3,6 +3,7 @@ always close, and llama.cpp's own reference programs built from the same vendore
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,25 @@ from reference_tools import tool  # noqa: E402
 from tinymodel import tiny_model_path  # noqa: E402
 
 from lloyal_pool import Pool, default_model_path  # noqa: E402
+
+
+TEST_MODEL_ENV = "LLOYAL_POOL_TEST_MODEL"
+
+
+def your_model_path() -> Path:
+    """The model tests/test_your_model.py runs on: LLOYAL_POOL_TEST_MODEL=/path/to.gguf (go-llama's
+    GO_LLAMA_TEST_MODEL), else the default model."""
+    chosen = os.environ.get(TEST_MODEL_ENV)
+    if not chosen:
+        return default_model_path()
+    path = Path(chosen).expanduser().resolve()
+    if not path.is_file():
+        raise pytest.UsageError(f"{TEST_MODEL_ENV}={chosen!r} is not a file")
+    return path
+
+
+def pytest_report_header() -> str:
+    return f"model of test_your_model.py ({TEST_MODEL_ENV}): {os.environ.get(TEST_MODEL_ENV) or 'the default model'}"
 
 
 @pytest.fixture(scope="session")

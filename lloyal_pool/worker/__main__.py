@@ -41,6 +41,22 @@ def load_native(cpu: str, requested: str, strict: bool) -> tuple[ModuleType, str
                       + "; ".join(failures))
 
 
+def probe_variants(cpu: str = "auto") -> list[dict[str, Any]]:
+    """What variants.probe() reports, found in this (throwaway) process: the CPU kernels a worker would
+    run, then each GPU backend: whether it loads and sees a device, and why not."""
+    try:
+        native = importlib.import_module(variants.MODULE)
+        chosen = native.load_cpu_backend(cpu)
+    except Exception as exc:  # what went wrong is the probe's answer
+        return [{"name": "cpu", "loads": False, "devices": 0, "detail": f"{type(exc).__name__}: {exc}"}]
+    out = [{"name": "cpu", "loads": True, "devices": 0, "detail": f"CPU kernels {chosen['kernels']}"}]
+    for name in variants.KNOWN:
+        if name != "cpu":
+            n, why = native.load_gpu_backend(name)
+            out.append({"name": name, "loads": n > 0, "devices": n, "detail": why or f"{n} GPU device(s)"})
+    return out
+
+
 def imported_modules() -> list[str]:
     """What this worker has imported beyond the standard library: lloyal_pool's modules by name, other
     packages by their top-level name. A worker should hold the wire modules and its own, not the client

@@ -504,6 +504,25 @@ class Context:
         """With exactly one branch and no detached sequence (else BranchError): clears the cache and
         decodes sinks + tail from position 0 into it, keeping handle, sampler, grammar and perplexity.
         ValueError when both are empty. On failure the branch's cells are restored."""
+    def decode(self, tokens: Sequence[int], pos: int, seq: int, request_id: int = 0) -> float:
+        """Decodes tokens at positions pos, pos + 1, ... of seq, a detached sequence (a free one is
+        leased as detached), which they continue: ValueError unless pos is one past its last position.
+        The last token's logits go to the context's row (write_logits leaves them). BranchError for a
+        branch's sequence, ContextError in sequence mode, ContextOverflowError past n_ctx; a failed or
+        interrupted decode removes what it added. Returns the ms spent decoding."""
+    def sample(self, params: dict[str, Any], grammar: int | None = None, request_id: int = 0) -> int:
+        """A token from the context's last logits (a decode()'s, else eval's or generate's) with a chain
+        of params kept across calls while params stay the same, and accepted into it. grammar: a grammar
+        handle applied first and moved on by the token. GrammarError when nothing can be sampled."""
+    def grammar_new(self, grammar: dict[str, Any] | None, request_id: int = 0) -> int:
+        """A grammar handle of this context (positive). GrammarError for one that does not parse."""
+    def grammar_clone(self, handle: int) -> int: ...
+    def grammar_mask(self, handle: int, request_id: int = 0) -> int:
+        """Writes n_vocab float32 (0 allowed next, -inf not) into the handle's block; its offset."""
+    def grammar_accept(self, handle: int, token: int, request_id: int = 0) -> None:
+        """Moves the grammar on by token; GrammarError (unchanged) for a token it does not allow."""
+    def grammar_free(self, handle: int) -> None:
+        """StaleHandleError (as every grammar_* call) for a handle that is not live."""
     def kv_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         """Raw KV writes (cp, keep, rm) only go to detached sequences: BranchError for a branch's or a free
         sequence (and for keep while branches live), ContextError in sequence mode, ValueError for a seq

@@ -731,6 +731,37 @@ class Engine:
     def kv_pressure(self, req: p.KvPressureRequest, call: Call) -> KVPressure:
         return msgspec.convert(self._context(req.context).native.kv_pressure(), KVPressure)
 
+    # -- lloyal.node's low-level loop and grammar handles ---------------------------------------------
+    @handles(p.RawDecode)
+    def raw_decode(self, req: p.RawDecode, call: Call) -> float:
+        return float(self._context(req.context).native.decode(req.tokens, req.pos, req.seq, call.request_id))
+
+    @handles(p.Sample)
+    def sample(self, req: p.Sample, call: Call) -> int:
+        native = self._context(req.context).native
+        return int(native.sample(req.params, req.grammar or None, call.request_id))
+
+    @handles(p.GrammarNew)
+    def grammar_new(self, req: p.GrammarNew, call: Call) -> int:
+        entry = self._context(req.context)
+        return int(entry.native.grammar_new(self._grammar(req.grammar), call.request_id))
+
+    @handles(p.GrammarClone)
+    def grammar_clone(self, req: p.GrammarClone, call: Call) -> int:
+        return int(self._context(req.context).native.grammar_clone(req.handle))
+
+    @handles(p.GrammarMask)
+    def grammar_mask(self, req: p.GrammarMask, call: Call) -> int:
+        return int(self._context(req.context).native.grammar_mask(req.handle, call.request_id))
+
+    @handles(p.GrammarAccept)
+    def grammar_accept(self, req: p.GrammarAccept, call: Call) -> None:
+        self._context(req.context).native.grammar_accept(req.handle, req.token, call.request_id)
+
+    @handles(p.GrammarFree)
+    def grammar_free(self, req: p.GrammarFree, call: Call) -> None:
+        self._context(req.context).native.grammar_free(req.handle)
+
     @handles(p.StateSeqSize)
     def state_seq_size(self, req: p.StateSeqSize, call: Call) -> int:
         return int(self._context(req.context).native.state_seq_size(req.seq))
