@@ -409,6 +409,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     n_past: int
     interrupted: bool
     prompt_ms: float
+    n_threads: int = 0  # the threads its last decode computed with: fewer than asked while the machine was busy
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

@@ -147,6 +147,7 @@ py::dict eval(py_context & c, py::handle tokens, uint64_t request_id, const py::
     d["n_past"] = r.n_past;
     d["interrupted"] = r.interrupted;
     d["prompt_ms"] = r.prompt_ms;
+    d["n_threads"] = c.core->last_decode_threads();
     return d;
 }
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -26,29 +27,37 @@ constexpr int64_t min_wall_us = 1000;
 // would otherwise cost a slow decode at every gap.
 constexpr int64_t hold_us = 200000;
 
+// What the governors have learnt about the machine, shared by every context of the process: a new
+// context (a conversation, a batcher's, a fork's) starts from it instead of finding out again with a
+// decode at full threads, which on a busy machine takes 65 times as long as one at the cap.
+std::atomic<int32_t> machine_cap{0};  // 0: no cap
+std::atomic<int64_t> machine_lowered_at_us{0};
+
 }  // namespace
 
 void thread_governor::set_wanted(int32_t n_threads, int32_t n_threads_batch) {
     n_threads_ = std::max(n_threads, 1);
     n_threads_batch_ = std::max(n_threads_batch, 1);
-    cap_ = 0;
 }
 
 int32_t thread_governor::cap() const {
-    return cap_ == 0 ? wanted_max() : std::min(cap_, wanted_max());
+    const int32_t c = machine_cap.load(std::memory_order_relaxed);
+    return !enabled_ || c == 0 ? wanted_max() : std::min(c, wanted_max());
 }
 
 thread_governor::threads thread_governor::before_decode(int64_t now_us) {
     if (!enabled_ || wanted_max() <= 1) {
-        cap_ = 0;
         return last_ = {n_threads_, n_threads_batch_};
     }
-    if (cap_ != 0 && now_us - lowered_at_us_ >= hold_us) {
+    const int32_t c0 = machine_cap.load(std::memory_order_relaxed);
+    if (c0 != 0 && c0 < wanted_max() && now_us - machine_lowered_at_us.load(std::memory_order_relaxed) >= hold_us) {
         // Our own threads are asleep under a lowered cap, except this one.
         const int32_t running = runnable_tasks();
-        const int32_t free_cpus = running < 0 ? wanted_max() : usable_cpus() - (running - 1);
-        if (free_cpus > cap_) {
-            cap_ = free_cpus >= wanted_max() ? 0 : free_cpus;
+        const int32_t cpus = usable_cpus();
+        const int32_t free_cpus = running < 0 ? cpus : cpus - (running - 1);
+        if (free_cpus > c0) {
+            int32_t expected = c0;
+            machine_cap.compare_exchange_strong(expected, free_cpus >= cpus ? 0 : free_cpus);
         }
     }
     const int32_t c = cap();
@@ -63,8 +72,8 @@ void thread_governor::after_decode(bool batched, int64_t wall_us, int64_t cpu_us
     }
     const double share = static_cast<double>(cpu_us) / (static_cast<double>(used) * static_cast<double>(wall_us));
     if (share < low_share) {
-        cap_ = std::max(1, static_cast<int32_t>(std::lround(share * used)));
-        lowered_at_us_ = now_us;
+        machine_cap.store(std::max(1, static_cast<int32_t>(std::lround(share * used))), std::memory_order_relaxed);
+        machine_lowered_at_us.store(now_us, std::memory_order_relaxed);
     }
 }
 

@@ -14,7 +14,9 @@
 //   - before a decode under a lowered cap, the runnable tasks the kernel counts (/proc/stat
 //     procs_running) say whether cores have come free; if they have, the cap goes back up, and the next
 //     decode's share confirms it.
-// A quiet machine never lowers the cap (its share is about 1), so its speed is unchanged.
+// A quiet machine never lowers the cap (its share is about 1), so its speed is unchanged. The cap is the
+// process's (what the machine gives it), shared by the governors of all its contexts; the thread counts
+// asked for are each context's.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +39,7 @@ class thread_governor {
     // What the decode just made of its threads: batched (more than one token: n_batch threads ran),
     // wall time, and the process's CPU time and involuntary context switches over it.
     void after_decode(bool batched, int64_t wall_us, int64_t cpu_us, int64_t preempted, int64_t now_us);
-    // The cap (threads at most) in force: the wanted count when nothing lowered it.
+    // The cap (threads at most) in force for this context: the wanted count when nothing lowered it.
     int32_t cap() const;
 
   private:
@@ -46,9 +48,7 @@ class thread_governor {
     bool enabled_ = true;
     int32_t n_threads_ = 1;
     int32_t n_threads_batch_ = 1;
-    int32_t cap_ = 0;  // 0: no cap
     threads last_{0, 0};
-    int64_t lowered_at_us_ = 0;
 };
 
 // Runnable tasks on the whole machine now (procs_running of /proc/stat), or -1 where it cannot be read.

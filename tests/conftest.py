@@ -24,7 +24,6 @@ from tinymodel import tiny_model_path  # noqa: E402
 
 from lloyal_pool import Pool, default_model_path  # noqa: E402
 
-
 TEST_MODEL_ENV = "LLOYAL_POOL_TEST_MODEL"
 
 

@@ -353,6 +353,30 @@ def test_a_busy_machine_lowers_the_threads_and_a_quiet_one_restores_them(gemma_p
         assert after[-1] == 2, after
 
 
+def test_a_new_context_starts_from_what_the_worker_learnt_of_the_machine(gemma_path: Path) -> None:
+    # A context made while the machine is busy (a new conversation, a batcher's) computes its first decode
+    # with the cap its worker's other contexts found, not with every thread asked for: on 2 busy cores
+    # that first decode took 65 times as long.
+    with Pool(1, threads_per_worker=2) as pool:
+        model = pool[0].load_model(gemma_path)
+        ctx = model.new_context(n_ctx=256)
+        hogs = _hogs()
+        try:
+            busy = [ctx.generate("Hello", n_predict=16, ignore_eos=True).n_threads for _ in range(3)]
+            assert busy[-1] == 1, busy
+            fresh = model.new_context(n_ctx=256)
+            t0 = time.perf_counter()
+            first = fresh.eval("Hello there, how are you today?")  # one decode
+            took = time.perf_counter() - t0
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        print(f"first decode of a new context on a busy machine: {took * 1000:.0f} ms, {first.n_threads} thread(s)")
+        assert first.n_threads == 1
+        assert _threads_until(fresh, 2)[-1] == 2  # and it goes back up with the machine
+
+
 def test_a_worker_that_beat_many_times_is_still_found_hung(tiny_model: Path) -> None:
     # The heartbeat is a counter: a worker hangs once it stops changing, however high it got (past the
     # small ints Python keeps one object of), and the error says for how long it saw no change (over a

@@ -246,8 +246,8 @@ class Context:
              on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Decodes tokens at the end of sequence 0, one ubatch per llama_decode, without sampling; logits
         only for the last position; on_progress(done, total) after each ubatch.
-        -> {n_tokens, n_past, interrupted, prompt_ms}. On interrupt the KV is trimmed back to the last
-        whole chunk, so n_past always matches what is cached. Raises InvalidTokenError,
+        -> {n_tokens, n_past, interrupted, prompt_ms, n_threads (of its last decode)}. On interrupt the KV
+        is trimmed back to the last whole chunk, so n_past always matches what is cached. Raises InvalidTokenError,
         ContextOverflowError (more tokens than n_ctx has room for: nothing is decoded), DecodeError.
 
         n_tokens: how many of these tokens are now in the cache (fewer than given when interrupted).
