@@ -3,6 +3,7 @@ documentation that does not run is wrong."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,6 @@ CASES = {
     "speculative": (["-k", "3", "-t", "16"], "tokens per target step"),
     "entropy": (["-t", "20"], "explored"),
     "grammar": (["-n", "2"], "fork 1:"),
-    "streaming": (["-t", "150", "--n-ctx", "96", "--tail", "32"], "reseeds"),
     "snapshot": (["-n", "2", "-t", "8"], "Q: Where is the cafe? ->"),
 }
 
@@ -31,6 +31,41 @@ def test_example_runs(name: str, gemma_path: Path) -> None:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert expect in out.stdout, out.stdout[-2000:]
+
+
+STREAMING = ["-t", "160", "--n-ctx", "96", "--tail", "24", "--summary-tokens", "24"]
+
+
+def test_streaming_example_summarizes_what_it_evicts(gemma_path: Path) -> None:
+    # Only what holds on every CPU: reseeds happen, each one (with the sidecar) prints a non-empty
+    # summary of bounded size that goes into the cache, and --no-summary prints none. Never the words.
+    script = EXAMPLES / "streaming" / "streaming.py"
+    assert (EXAMPLES / "streaming" / "README.md").exists()
+
+    def run(*extra: str) -> tuple[str, list[re.Match[str]], list[re.Match[str]], re.Match[str]]:
+        out = subprocess.run([sys.executable, str(script), "-m", str(gemma_path), *STREAMING, *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        summaries = list(re.finditer(r"^\[summary (\d+): (\d+) tokens of (\d+) evicted, [\d.]+ s\] (.*)$",
+                                     out.stdout, re.M))
+        reseeds = list(re.finditer(r"^--- reseed (\d+): segment perplexity [\d.]+, cache 4\+(\d+)\+24 tokens",
+                                   out.stdout, re.M))
+        final = re.search(r"(\d+) reseeds, (\d+) summaries", out.stdout)
+        assert final, out.stdout[-2000:]
+        return out.stdout, summaries, reseeds, final
+
+    stdout, summaries, reseeds, final = run()
+    assert len(reseeds) >= 1 and int(final[1]) == len(reseeds), stdout[-2000:]
+    assert len(summaries) == len(reseeds) == int(final[2]), stdout[-2000:]
+    for s, r in zip(summaries, reseeds, strict=True):
+        assert s[4].strip(), s[0]  # non-empty text
+        assert 1 <= int(s[2]) <= 24 and int(s[3]) > 0, s[0]
+        assert 0 < int(r[2]) <= 24, r[0]  # the summary, markers included, within its cap, in the cache
+
+    stdout, summaries, reseeds, final = run("--no-summary")
+    assert len(reseeds) >= 1 and int(final[2]) == 0, stdout[-2000:]
+    assert summaries == [] and "[summary" not in stdout
+    assert all(r[2] == "0" for r in reseeds)
 
 
 README = EXAMPLES.parent / "README.md"
