@@ -7,8 +7,8 @@ from __future__ import annotations
 LAYERS: list[tuple[str, set[str]]] = [
     ("wire", {"errors", "params", "chat", "protocol", "shm", "variants", "_files", "metrics", "models",
               "_futures", "_pieces"}),
-    ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.engine", "worker.zygote", "worker.loop",
-                "worker.__main__"}),
+    ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.grammar_trie", "worker.engine",
+                "worker.zygote", "worker.loop", "worker.__main__"}),
     ("transport", {"_launch", "_process", "_watch", "_link", "_aio"}),
     # What runs on one context. A context makes its conversations (Context.chat) and names its adapters.
     ("handles", {"stream", "branches", "sampler", "lora", "session", "context"}),

@@ -48,6 +48,7 @@ from ..shm import (
     row_bytes,
     shm_bytes_for,
 )
+from .grammar_trie import factor_literal_alternations
 
 if TYPE_CHECKING:  # the stub is the native module's contract: mypy checks the engine's calls against it
     from . import _native as native_api
@@ -411,8 +412,11 @@ class Engine:
             call.request_id, on_piece, req.append, call.prompt_progress(req.progress)), Result)
 
     def _gen_params(self, params: dict[str, Any]) -> dict[str, Any]:
-        if isinstance(params.get("grammar"), dict):
-            return {**params, "grammar": self._grammar(params["grammar"])}
+        grammar = params.get("grammar")
+        if isinstance(grammar, dict):
+            return {**params, "grammar": self._grammar(grammar)}
+        if isinstance(grammar, str) and grammar:
+            return {**params, "grammar": factor_literal_alternations(grammar)}
         return params
 
     @staticmethod
@@ -580,6 +584,8 @@ class Engine:
         schema = grammar.pop("json_schema", None)
         if schema is not None:
             grammar["gbnf"] = str(self.native.json_schema_to_grammar(schema))
+        if isinstance(grammar.get("gbnf"), str):
+            grammar["gbnf"] = factor_literal_alternations(grammar["gbnf"])
         return grammar
 
     def _prompt_tokens(self, entry: _ContextEntry, prompt: str | Sequence[int], bos: bool) -> list[int]:
