@@ -355,7 +355,8 @@ class ContextParams:
 class Result(msgspec.Struct, frozen=True):
     """What a generate() produced. ``tokens`` are the generated tokens (an end-of-generation token that
     ended it is not among them; the token that completed a stop string is); ``text`` is their text, cut
-    before a stop string. ``n_cached`` prompt tokens were reused from the cache (cache_prompt)."""
+    before a stop string. ``n_cached``: tokens the cache kept that this call did not decode again: the
+    prompt's prefix it reused (cache_prompt), or with append=True the whole history it continued."""
 
     text: str
     tokens: list[int]

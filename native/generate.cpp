@@ -157,6 +157,7 @@ sequence_driver::prompt_plan sequence_driver::plan_prompt(const prompt_input & p
     plan.n_keep = history_.size();
     if (prompt.append) {
         plan.to_decode = plan.tokens;
+        plan.n_cached = plan.n_keep;  // the whole history is kept: the new tokens attend to it undecoded
     } else {
         plan.n_keep = 0;
         if (p.cache_prompt) {
@@ -200,8 +201,10 @@ bool sequence_driver::take_prompt(prompt_plan & plan, bool append, const context
         const std::vector<llama_token> old = history_;
         if (truncate_to(old.size() - 1) == old.size() - 1) {
             plan.to_decode.assign(1, old.back());
+            plan.n_cached = old.size() - 1;
         } else {
             plan.to_decode = old;
+            plan.n_cached = 0;
         }
     }
     context_core::progress_scope progress(core_, on_progress);

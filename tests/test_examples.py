@@ -79,7 +79,18 @@ def test_the_readme_tour_runs_as_written(gemma_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr == ""  # quiet: no native warnings on stderr
-    assert "prompt tokens reused" in out.stdout
+    # Each report on a line of its own (progress and streamed pieces are ended), and what it reports true.
+    lines = out.stdout.splitlines()  # the progress's \r reads as a line break here (universal newlines)
+    progress = [x for x in lines if "loading" in x]
+    assert progress[-1] == "loading 100%" and all(re.fullmatch(r"loading \d+%", x) for x in progress)
+    reused = next(re.fullmatch(r"(\d+) of (\d+) prompt tokens reused", x) for x in lines if "reused" in x)
+    assert reused and 0 < int(reused[1]) < int(reused[2])
+    appended = next(re.fullmatch(r"(\d+) tokens appended to the (\d+) the context held", x)
+                    for x in lines if "appended" in x)
+    assert appended and int(appended[2]) > int(reused[2])
+    turn = next(re.fullmatch(r"second turn: (\d+) of (\d+) tokens of the conversation reused", x)
+                for x in lines if "second turn" in x)
+    assert turn and 0 < int(turn[1]) < int(turn[2])
 
 
 def test_chat_example_runs_from_stdin(gemma_path: Path) -> None:

@@ -36,9 +36,13 @@ def test_append_continues_from_what_the_context_holds(gemma: Model) -> None:
     ctx = gemma.new_context(n_ctx=256)
     try:
         first = ctx.generate("One, two, three,", n_predict=6, ignore_eos=True)
+        held = len(ctx.tokens())
         more = ctx.generate(" and then", n_predict=4, append=True, ignore_eos=True)
-        assert more.n_cached == 0 and more.n_prompt == len(gemma.tokenize(" and then", add_special=False))
+        # The history it continues is reused, not decoded again: all of it counts as cached.
+        assert more.n_cached == held and more.n_prompt == len(gemma.tokenize(" and then", add_special=False))
+        held = len(ctx.tokens())
         cont = ctx.generate("", n_predict=3, append=True, ignore_eos=True)
+        assert cont.n_cached == held and cont.n_prompt == 0
         expected = (gemma.tokenize("One, two, three,") + first.tokens
                     + gemma.tokenize(" and then", add_special=False) + more.tokens + cont.tokens)
         assert ctx.tokens() == expected
