@@ -93,6 +93,7 @@ class PerplexityTracker:
         return twin
 
     def reset(self) -> None:
+        """Back to no tokens (perplexity inf)."""
         self._count = 0
         self._total = 0.0
 

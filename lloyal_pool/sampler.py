@@ -28,6 +28,7 @@ class Sampler:
 
     @property
     def handle(self) -> int:
+        """The handle's number in its context's worker."""
         return self._handle
 
     def _live(self) -> int:
@@ -64,6 +65,7 @@ class Sampler:
 
     @property
     def closed(self) -> bool:
+        """Whether the handle was freed: close(), its context's close(), or its worker's death."""
         return self._closed or self._link.closed or self._link.proc is not self._proc or not self._proc.alive
 
     def close(self) -> None:
