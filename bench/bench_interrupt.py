@@ -64,7 +64,8 @@ def main() -> int:
     ap.add_argument("--words", type=int, default=20000, help="alternatives of the grammar")
     args = ap.parse_args()
     rng = random.Random(7)
-    grammar = "root ::= " + " | ".join(f'"w{i}"' for i in range(args.words))
+    # A character class after each word keeps the worker's trie rewrite away: a slow grammar to interrupt.
+    grammar = "root ::= " + " | ".join(f'"w{i}" [.]?' for i in range(args.words))
     report: dict[str, Any] = {"threads": args.threads, "words": args.words}
     with Pool(1, threads_per_worker=args.threads) as pool:
         model = pool[0].load_model(model_path(args.model))
