@@ -37,6 +37,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
+
 from ._aio import AsyncStream, settle
 from ._futures import running
 from ._link import check_timeout, wait
@@ -49,7 +51,7 @@ from .errors import (
     StaleHandleError,
     WorkerError,
 )
-from .params import GenerateParams, Result, SamplerParams, StopReason, whole, wire_prompt
+from .params import GenerateParams, Result, SamplerParams, StopReason, TokenLogprob, whole, wire_prompt
 from .routing import AFFINITY_TOKENS
 from .scheduler import Decode, Job, Placement, Scheduler
 from .stream import Stream
@@ -114,6 +116,7 @@ class _Request(Job):
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     wake: threading.Event | None = None  # the loop of the batcher that holds it
+    logprobs: list[TokenLogprob] | None = None  # params.logprobs: one per token handed out
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -319,7 +322,8 @@ class Batcher:
         sampler = SamplerParams(**{name: getattr(gen, name) for name in _SAMPLER_FIELDS})
         branch = ctx.branches.adopt(seq, sampler, grammar=gen.grammar or None)
         req.branch = branch
-        branch._set_text(gen.stop, gen.render_special)
+        branch._set_text(gen.stop, gen.render_special, gen.logprobs)
+        req.logprobs = None if gen.logprobs is None else []
         bias = dict(gen.logit_bias)
         if gen.ignore_eos:
             bias.update({t: float("-inf") for t in self._eog})
@@ -360,9 +364,11 @@ class Batcher:
         if produced is None:
             return []
         going: list[tuple[Job, int]] = []
-        for req, (token, is_stop, final, held, stop_string) in zip(reqs, produced, strict=True):
+        for req, (token, is_stop, final, held, stop_string, logprobs) in zip(reqs, produced, strict=True):
             if not is_stop:
                 req.output.push(token, final, held)
+                if req.logprobs is not None and logprobs is not None:
+                    req.logprobs.append(msgspec.convert(logprobs, TokenLogprob))
             reason = self._plan.sampled(req, token, eog=is_stop,
                                         stop=stop_string or req.output.callback_error is not None)
             if reason is None:
@@ -374,7 +380,8 @@ class Batcher:
     # -- ending a request --------------------------------------------------------------------------------
     def _result(self, req: _Request, reason: StopReason, text: str) -> Result:
         return Result(text=text, tokens=list(req.output.tokens), n_prompt=len(req.prompt), n_decoded=req.n_decoded,
-                      n_cached=req.n_cached, stop_reason=reason, prompt_ms=req.prompt_ms, decode_ms=req.decode_ms)
+                      n_cached=req.n_cached, stop_reason=reason, prompt_ms=req.prompt_ms, decode_ms=req.decode_ms,
+                      logprobs=None if req.logprobs is None else list(req.logprobs))
 
     def _finish(self, req: _Request, reason: StopReason) -> None:
         text = req.output.finish()

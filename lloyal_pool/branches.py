@@ -284,10 +284,11 @@ class Branch:
         pairs = None if bias is None else logit_bias_pairs(bias, self.store.n_vocab) or None
         self._call(p.BranchSetLogitBias(context=self._ctx, branch=self._live(), bias=pairs))
 
-    def _set_text(self, stop: Sequence[str], render_special: bool) -> None:
-        # The batcher's: from now on the branch makes its text in the worker (BranchStore._produce_text).
+    def _set_text(self, stop: Sequence[str], render_special: bool, logprobs: int | None = None) -> None:
+        # The batcher's: from now on the branch makes its text (and logprobs) in the worker
+        # (BranchStore._produce_text).
         self._call(p.BranchSetText(context=self._ctx, branch=self._live(), stop=list(stop),
-                                   render_special=bool(render_special)))
+                                   render_special=bool(render_special), logprobs=-1 if logprobs is None else logprobs))
 
     def clear_logit_bias(self) -> None:
         """Removes the logit bias: set_logit_bias(None)."""
@@ -474,9 +475,9 @@ class BranchStore:
         req = p.Produce(context=self._link.handle, branches=[self._own(b) for b in branches])
         return _produced(self._link.call(req).result())
 
-    def _produce_text(self, branches: Sequence[Branch]) -> list[tuple[int, bool, bytes, bytes, bool]]:
+    def _produce_text(self, branches: Sequence[Branch]) -> list[p.TextProduced]:
         # The batcher's produce: (token, is_stop, text that became final, text held back, stop string
-        # completed) per branch, of branches that make text (Branch._set_text).
+        # completed, logprobs or None) per branch, of branches that make text (Branch._set_text).
         req = p.ProduceText(context=self._link.handle, branches=[self._own(b) for b in branches])
         return self._link.call(req).result()
 

@@ -243,10 +243,17 @@ class GenerateParams(SamplerParams):
     cache_bit_exact: bool = False
     # Text shows control tokens and markers such as <start_of_image>; Result.tokens has them either way.
     render_special: bool = False
+    # N in [0, 20]: Result.logprobs gives each generated token's log-probability and its N most likely
+    # alternatives (TokenLogprob); None: none.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         whole(self.n_predict, "n_predict")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidArgumentError(f"logprobs is an int in [0, {MAX_LOGPROBS}] (alternatives per token) or "
+                                       f"None, got {self.logprobs!r}")
         for name in ("ignore_eos", "cache_prompt", "cache_bit_exact", "render_special"):
             _flag(getattr(self, name), name)
         if isinstance(self.stop, str):
@@ -352,6 +359,22 @@ class ContextParams:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A generated token's log-probability (natural log) and the ``top`` most likely tokens at its step,
+    best first, each (token, logprob, piece). The model's own distribution: log-softmax of the raw logits,
+    before temperature, penalties, logit bias or grammar (what OpenAI and llama-server report), so the
+    chosen token may be one that is not among ``top``, or one the sampler made likely. ``piece``: the
+    token's bytes, control tokens shown."""
+
+    token: int
+    logprob: float
+    piece: bytes
+    top: list[tuple[int, float, bytes]]
+
+
 class Result(msgspec.Struct, frozen=True):
     """What a generate() produced. ``tokens`` are the generated tokens (an end-of-generation token that
     ended it is not among them; the token that completed a stop string is); ``text`` is their text, cut
@@ -369,6 +392,7 @@ class Result(msgspec.Struct, frozen=True):
     n_drafted: int = 0  # generate_with_draft: tokens the drafter proposed
     n_accepted: int = 0  # ... and of those, the ones the target's sampler chose too
     n_threads: int = 0  # the threads its last decode computed with: fewer than asked while the machine was busy
+    logprobs: list[TokenLogprob] | None = None  # GenerateParams.logprobs: one per token of ``tokens``
 
     @property
     def interrupted(self) -> bool:

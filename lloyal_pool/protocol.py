@@ -537,12 +537,18 @@ class BranchSetText(BranchRequest[None]):
     op = Op.BRANCH_SET_TEXT
     stop: list[str]
     render_special: bool = False
+    logprobs: int = -1  # >= 0: ProduceText reports each token's logprobs with that many alternatives
 
 
-class ProduceText(ContextRequest[list[tuple[int, bool, bytes, bytes, bool]]]):
+# token, is_stop, final text, held text, stop string completed, logprobs (TokenLogprob's fields) or None
+TextProduced = tuple[int, bool, bytes, bytes, bool, Any]
+
+
+class ProduceText(ContextRequest[list[TextProduced]]):
     """Produce, for branches that make text (BranchSetText). Per branch: token (-1: nothing allowed),
     is_stop, the text that became final with it, the text held back after that (final only if the
-    generation ends here), and whether a stop string completed (the text ends before it)."""
+    generation ends here), whether a stop string completed (the text ends before it), and the token's
+    logprobs (BranchSetText.logprobs; None otherwise)."""
 
     op = Op.PRODUCE_TEXT
     decodes = True  # as Produce: a grammar step can take seconds

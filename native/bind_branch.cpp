@@ -197,8 +197,11 @@ void register_branch_methods(context_class & cls) {
             py::arg("branches"), py::arg("request_id") = 0)
         .def(
             "branch_set_text",
-            [](py_context & c, py::handle branch, py::handle stops, bool render_special) {
+            [](py_context & c, py::handle branch, py::handle stops, bool render_special, int64_t logprobs) {
                 const uint32_t b = handle_arg(branch);
+                if (logprobs < -1 || logprobs > 20) {
+                    throw std::invalid_argument("logprobs must be in [0, 20] (-1: none), got " + std::to_string(logprobs));
+                }
                 std::vector<std::string> ss;
                 for (const py::object & s : sequence_items(stops, "stop strings")) {
                     if (!py::isinstance<py::str>(s)) {
@@ -206,18 +209,23 @@ void register_branch_methods(context_class & cls) {
                     }
                     ss.push_back(s.cast<std::string>());
                 }
-                nogil([&] { c.branches->set_text(b, std::move(ss), render_special); });
+                nogil([&] { c.branches->set_text(b, std::move(ss), render_special, static_cast<int32_t>(logprobs)); });
             },
-            py::arg("branch"), py::arg("stop"), py::arg("render_special") = false)
+            py::arg("branch"), py::arg("stop"), py::arg("render_special") = false, py::arg("logprobs") = -1)
         .def(
             "produce_text",
             [](py_context & c, py::handle handles, uint64_t request_id) {
                 const std::vector<uint32_t> hs = handles_arg(handles, "branch handles");
                 const std::vector<produced_text> out = nogil([&] { return c.branches->produce_text(hs, request_id); });
                 py::list result;
+                const Model & model = c.core->model();
                 for (const produced_text & p : out) {
+                    py::object lp = py::none();
+                    if (p.logprobs) {
+                        lp = logprobs_list({*p.logprobs}, model)[0];
+                    }
                     result.append(py::make_tuple(p.token == LLAMA_TOKEN_NULL ? -1 : p.token, p.is_stop,
-                                                 py::bytes(p.text), py::bytes(p.held), p.stop_string));
+                                                 py::bytes(p.text), py::bytes(p.held), p.stop_string, lp));
                 }
                 return result;
             },

@@ -67,6 +67,19 @@ context_core::progress_fn progress_arg(const py::object & on_progress) {
     };
 }
 
+// (token, logprob, piece, [(token, logprob, piece), ...]) per token: pieces with control tokens shown.
+py::list logprobs_list(const std::vector<token_logprobs> & entries, const Model & model) {
+    py::list out;
+    for (const token_logprobs & e : entries) {
+        py::list top;
+        for (const auto & [t, lp] : e.top) {
+            top.append(py::make_tuple(t, lp, py::bytes(model.token_to_piece(t, true))));
+        }
+        out.append(py::make_tuple(e.token, e.logprob, py::bytes(model.token_to_piece(e.token, true)), top));
+    }
+    return out;
+}
+
 namespace {
 
 std::shared_ptr<py_arena> make_arena(const py::object & region, int64_t bulk_offset, int64_t page) {
@@ -186,8 +199,11 @@ generate_args parse_generate_args(py_context & c, py::handle prompt, const py::d
     return a;
 }
 
-py::dict result_dict(const generate_result & r) {
+py::dict result_dict(const generate_result & r, const gen_params & p, const Model & model) {
     py::dict d;
+    if (p.n_logprobs >= 0) {
+        d["logprobs"] = logprobs_list(r.logprobs, model);
+    }
     d["text"] = decode_utf8_replace(r.text);
     d["tokens"] = r.tokens;
     d["n_prompt"] = r.n_prompt;
@@ -211,7 +227,7 @@ py::dict generate(py_context & c, py::handle prompt, const py::dict & params, ui
         gil_release nogil;
         r = c.sequence->generate(a.prompt, a.params, request_id, a.on_piece, a.on_progress);
     }
-    return result_dict(r);
+    return result_dict(r, a.params, c.core->model());
 }
 
 py::dict generate_with_draft(py_context & c, py::handle prompt, const py::dict & params, const py::object & draft,
@@ -223,6 +239,9 @@ py::dict generate_with_draft(py_context & c, py::handle prompt, const py::dict &
     }
     if (ngram_min < 1 || ngram_max < ngram_min || ngram_max > 64) {
         throw std::invalid_argument("ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 64");
+    }
+    if (a.params.n_logprobs >= 0) {
+        throw std::invalid_argument("logprobs are not reported by speculative decoding (generate_with_draft)");
     }
     std::unique_ptr<drafter> d;
     if (PyUnicode_Check(draft.ptr())) {
@@ -243,7 +262,7 @@ py::dict generate_with_draft(py_context & c, py::handle prompt, const py::dict &
                                             a.on_progress);
         d.reset();  // releases the draft context
     }
-    return result_dict(r);
+    return result_dict(r, a.params, c.core->model());
 }
 
 std::vector<std::vector<llama_token>> token_lists(py::handle inputs, const Model & model, const char * what) {

@@ -37,6 +37,9 @@ using context_class = py::class_<py_context, std::shared_ptr<py_context>>;
 // bind_branch.cpp: the branch and raw KV methods of native.Context.
 void register_branch_methods(context_class & cls);
 
+// Logprobs as Python tuples: (token, logprob, piece, [(token, logprob, piece), ...]) per entry.
+py::list logprobs_list(const std::vector<token_logprobs> & entries, const Model & model);
+
 // A branch handle argument: StaleHandleError for anything that is not a live-looking u32, TypeError for
 // a non-int.
 uint32_t handle_arg(py::handle h);

@@ -32,7 +32,7 @@ const std::set<std::string> & sampler_keys() {
 const std::set<std::string> & generate_only_keys() {
     static const std::set<std::string> keys = {"n_predict", "ignore_eos", "logit_bias", "grammar", "stop",
                                                "cache_prompt", "cache_bit_exact",
-                                               "render_special"};
+                                               "render_special", "logprobs"};
     return keys;
 }
 
@@ -298,6 +298,9 @@ sampler_params parse_sampler_params(const py::dict & d) {
     return p;
 }
 
+// The most alternatives a token's logprobs carry (OpenAI's top_logprobs limit).
+constexpr int64_t k_max_logprobs = 20;
+
 gen_params parse_gen_params(const py::dict & d, const Model & model) {
     check_keys(d, "generate param", true);
     const param_reader r(d, "generate param");
@@ -345,6 +348,9 @@ gen_params parse_gen_params(const py::dict & d, const Model & model) {
     }
     if (r.has("logit_bias")) {
         p.logit_bias = parse_logit_bias(d["logit_bias"], model);
+    }
+    if (r.has("logprobs")) {
+        p.n_logprobs = static_cast<int32_t>(r.get_int("logprobs", 0, k_max_logprobs));
     }
     return p;
 }

@@ -439,14 +439,14 @@ std::vector<produced_token> branch_driver::produce(const std::vector<uint32_t> &
     return produced(produce_all_or_none(with_logits(handles, "batch"), request_id));
 }
 
-void branch_driver::set_text(uint32_t h, std::vector<std::string> stops, bool render_special) {
+void branch_driver::set_text(uint32_t h, std::vector<std::string> stops, bool render_special, int32_t n_logprobs) {
     for (const std::string & stop : stops) {
         if (stop.empty()) {
             throw std::invalid_argument("a stop string must not be empty");
         }
     }
     context_core::busy_guard busy(core_);
-    store_.get(h).text = branch_text{text_assembly(std::move(stops)), render_special, 0};
+    store_.get(h).text = branch_text{text_assembly(std::move(stops)), render_special, 0, n_logprobs};
 }
 
 std::vector<produced_text> branch_driver::produce_text(const std::vector<uint32_t> & handles, uint64_t request_id) {
@@ -467,6 +467,10 @@ std::vector<produced_text> branch_driver::produce_text(const std::vector<uint32_
         o.is_stop = toks[i] == LLAMA_TOKEN_NULL || llama_vocab_is_eog(model.vocab(), toks[i]);
         if (!o.is_stop) {
             o.stop_string = bt.text.push(model.text_piece(toks[i], bt.render_special));
+            if (bt.n_logprobs >= 0) {  // the row it was sampled from: the snapshot, until the commit
+                const branch & b = *bs[i];
+                o.logprobs = logprobs_of(b.snapshot, model.n_vocab(), b.snap_max, b.snap_lse, toks[i], bt.n_logprobs);
+            }
         }
         const std::string & s = bt.text.text();
         o.text = s.substr(bt.handed, bt.text.final_end() - bt.handed);

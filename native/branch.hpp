@@ -25,6 +25,7 @@
 #include "arena.hpp"
 #include "common.hpp"
 #include "context_core.hpp"
+#include "logits.hpp"
 #include "sampling.hpp"
 #include "text_assembly.hpp"
 
@@ -55,6 +56,7 @@ struct branch_text {
     text_assembly text;
     bool render_special = false;
     size_t handed = 0;  // text.text()[:handed] was handed out
+    int32_t n_logprobs = -1;  // >= 0: produce_text reports each token's logprobs (logits.hpp)
 };
 
 struct branch {
@@ -197,6 +199,7 @@ struct produced_text {
     std::string text;
     std::string held;
     bool stop_string = false;  // a stop string completed with this token: the text ends before it
+    std::optional<token_logprobs> logprobs;  // the branch asked for them, and the token is no stop
 };
 
 struct kv_pressure {
@@ -240,7 +243,7 @@ class branch_driver : public kv_tenant {
     void merge_logits(uint32_t dst, const std::vector<uint32_t> & experts, double alpha);
     std::vector<produced_token> produce(const std::vector<uint32_t> & handles, uint64_t request_id = 0);
     // From now on the branch makes text of what it produces, with these stop strings (none empty).
-    void set_text(uint32_t h, std::vector<std::string> stops, bool render_special);
+    void set_text(uint32_t h, std::vector<std::string> stops, bool render_special, int32_t n_logprobs = -1);
     // produce() for branches that make text: each token's text pushed, what became final handed out.
     std::vector<produced_text> produce_text(const std::vector<uint32_t> & handles, uint64_t request_id = 0);
 

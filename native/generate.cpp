@@ -256,13 +256,20 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
                 break;
             }
             llama_token tok = LLAMA_TOKEN_NULL;
+            const float * row = last_logits();
             try {
-                tok = choose_token(*sampler, last_logits(), model.n_vocab(), scratch, stop);
+                tok = choose_token(*sampler, row, model.n_vocab(), scratch, stop);
             } catch (const interrupted_error &) {
                 out.stop("interrupted");  // inside a long grammar step: nothing of this token was kept
                 break;
             }
+            const size_t n_kept = res.tokens.size();
             const generation_output::verdict v = out.push(tok);
+            if (p.n_logprobs >= 0 && res.tokens.size() > n_kept) {  // the token joined the result
+                const float m = max_of(row, static_cast<size_t>(model.n_vocab()));
+                res.logprobs.push_back(logprobs_of(row, model.n_vocab(), m, std::numeric_limits<float>::quiet_NaN(),
+                                                   tok, p.n_logprobs));
+            }
             if (v == generation_output::verdict::stop) {
                 break;  // not decoded: the history stays what it was before this token
             }

@@ -273,4 +273,22 @@ void top_k_select(const float * x, int32_t n, int32_t k, const std::vector<std::
     }
 }
 
+token_logprobs logprobs_of(const float * z, int32_t n_vocab, float max, float lse, llama_token token, int32_t n_top) {
+    if (!std::isfinite(lse)) {
+        lse = log_sum_exp(z, static_cast<size_t>(n_vocab), max);
+    }
+    token_logprobs out;
+    out.token = token;
+    out.logprob = z[token] - lse;
+    if (n_top > 0) {
+        std::vector<llama_token_data> best;
+        top_k_select(z, n_vocab, std::min(n_top, n_vocab), {}, best);
+        out.top.reserve(best.size());
+        for (const llama_token_data & d : best) {
+            out.top.emplace_back(d.id, z[d.id] - lse);
+        }
+    }
+    return out;
+}
+
 }  // namespace lloyal

@@ -32,4 +32,14 @@ llama_token first_argmax(const float * x, int32_t n);
 void top_k_select(const float * x, int32_t n, int32_t k, const std::vector<std::pair<llama_token, float>> & bias,
                   std::vector<llama_token_data> & out);
 
+// A chosen token's log-probability under a row, and the row's n_top most likely tokens with theirs (best
+// first): the model's own distribution, log-softmax of the raw logits, before any sampler, bias or
+// grammar (what OpenAI's logprobs and llama-server's n_probs report). max and lse: the row's.
+struct token_logprobs {
+    llama_token token = LLAMA_TOKEN_NULL;
+    float logprob = 0.0f;
+    std::vector<std::pair<llama_token, float>> top;
+};
+token_logprobs logprobs_of(const float * z, int32_t n_vocab, float max, float lse, llama_token token, int32_t n_top);
+
 }  // namespace lloyal

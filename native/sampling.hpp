@@ -84,6 +84,8 @@ struct gen_params : sampler_params {
     // the start of the micro-batch the common prefix ends in (sequence.cpp, reuse_point).
     bool cache_bit_exact = false;
     bool render_special = false;  // text shows control tokens and markers (Model::text_piece)
+    // >= 0: each generated token's log-probability and its n_logprobs best alternatives (logits.hpp).
+    int32_t n_logprobs = -1;
 };
 
 // A logit bias in its one form: sorted by token, one entry per token (a token's biases summed; -inf

@@ -5,6 +5,7 @@
 
 #include "common.hpp"
 #include "context_core.hpp"
+#include "logits.hpp"
 #include "sampling.hpp"
 
 #include <functional>
@@ -50,6 +51,7 @@ struct generate_result {
     double prompt_ms = 0.0;
     double decode_ms = 0.0;
     int32_t n_threads = 0;  // the threads the call's last decode computed with (thread_governor.hpp)
+    std::vector<token_logprobs> logprobs;  // gen_params::n_logprobs >= 0: one per token of `tokens`
 };
 
 // What score() and score_choices() report for one text (score.cpp).

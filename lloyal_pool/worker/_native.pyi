@@ -306,11 +306,13 @@ class Context:
           ignore_eos, logit_bias (dict[int, float], -inf forbids), grammar (GBNF str, "" none, or a grammar
           dict as branches take it, lazy triggers included),
           stop (list[str], matched across token boundaries), cache_prompt (bool), cache_bit_exact (bool),
-          render_special (bool: text shows control tokens and markers such as <start_of_image>).
+          render_special (bool: text shows control tokens and markers such as <start_of_image>),
+          logprobs (int in [0, 20]: each generated token's log-probability and that many alternatives).
         on_piece receives text as it becomes final: a piece is held back while it could be the start of a
         stop string or ends inside a UTF-8 sequence, so the pieces always concatenate to result["text"].
         -> {text, tokens, n_prompt, n_decoded, n_cached, stop_reason ("eos"|"length"|"stop"|"interrupted"),
-            prompt_ms, decode_ms}.
+            prompt_ms, decode_ms, logprobs (with the logprobs param: one (token, logprob, piece,
+            [(token, logprob, piece), ...]) per token, log-softmax of the raw logits it was sampled from)}.
         Raises InvalidTokenError, ContextOverflowError (prompt longer than the room in n_ctx),
         GrammarError (grammar does not parse), DecodeError; an exception from on_piece propagates after the
         KV is left consistent.
@@ -469,14 +471,19 @@ class Context:
         Token -1 (piece b"", is_stop True) when nothing is allowed. BranchError: duplicates, no logits.
         InterruptedByClient when the interrupt word names request_id during a long grammar step: then
         no branch changed."""
-    def branch_set_text(self, branch: int, stop: Sequence[str], render_special: bool = False) -> None:
+    def branch_set_text(self, branch: int, stop: Sequence[str], render_special: bool = False,
+                        logprobs: int = -1) -> None:
         """From now on the branch makes text of what it produces, as generate does: stop strings matched
         across tokens, what could still become one or is an incomplete UTF-8 sequence held back, control
-        tokens' text left out unless render_special. ValueError for an empty stop string."""
-    def produce_text(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bool, bytes, bytes, bool]]:
+        tokens' text left out unless render_special; logprobs >= 0 (at most 20): produce_text reports each
+        token's logprobs with that many alternatives. ValueError for an empty stop string."""
+    def produce_text(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bool, bytes, bytes, bool,
+                                                                                       Any]]:
         """produce() for branches that make text (branch_set_text; BranchError for one that does not):
-        (token, is_stop, text that became final, text held back after it, stop string completed) per
-        branch. A stop token adds no text; after a stop string the branch's text ends before it."""
+        (token, is_stop, text that became final, text held back after it, stop string completed,
+        logprobs) per branch. A stop token adds no text (and no logprobs); after a stop string the
+        branch's text ends before it. logprobs: (token, logprob, piece, [(token, logprob, piece), ...]),
+        of the raw logits the token was sampled from (log-softmax), or None."""
     def commit(self, pairs: Sequence[tuple[int, int]], request_id: int = 0) -> None:
         """One llama_decode for every (branch, token) (at most n_batch, else ValueError). All or nothing:
         GrammarError (a token the grammar refuses), DecodeError (KV full), InterruptedByClient leave every

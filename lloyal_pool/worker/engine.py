@@ -670,10 +670,10 @@ class Engine:
 
     @handles(p.BranchSetText)
     def branch_set_text(self, req: p.BranchSetText, call: Call) -> None:
-        self._context(req.context).native.branch_set_text(req.branch, req.stop, req.render_special)
+        self._context(req.context).native.branch_set_text(req.branch, req.stop, req.render_special, req.logprobs)
 
     @handles(p.ProduceText)
-    def produce_text(self, req: p.ProduceText, call: Call) -> list[tuple[int, bool, bytes, bytes, bool]]:
+    def produce_text(self, req: p.ProduceText, call: Call) -> list[p.TextProduced]:
         return list(self._context(req.context).native.produce_text(req.branches, call.request_id))
 
     # The decoding calls report the time spent inside llama_decode, so a caller can tell its overhead,
