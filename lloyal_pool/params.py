@@ -359,7 +359,8 @@ class ContextParams:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs
+#: The most alternatives per token GenerateParams.logprobs asks for (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
