@@ -3,7 +3,8 @@ base model, is one). Each is Jinja source for llama.cpp's chat engine, written h
 published description; ``Model.apply_chat_template(template="gemma")`` uses it.
 
     gemma   <start_of_turn>user ... <end_of_turn> turns, the assistant's role called "model", a system
-            message folded into the first user turn
+            message folded into the first user turn; tools described there too, and tool calls written
+            as <tool_call>{"name": ..., "arguments": ...}</tool_call>, so tool_choice works on it
     chatml  <|im_start|>role ... <|im_end|> turns
     llama3  <|start_header_id|>role<|end_header_id|> headers, <|eot_id|> after each turn
 
@@ -22,14 +23,33 @@ from typing import Any
 
 import msgspec
 
+# Gemma's turns have no place for tools of their own. With ``tools``, they are described after the system
+# prompt in the first turn; a call is <tool_call>{"name": ..., "arguments": {...}}</tool_call> in the
+# model's turn, one per call; a tool's result is a user turn in <tool_response>. llama.cpp's format analysis
+# finds those markers by rendering the template and builds the tool-call grammar and parser from them.
+# Without tools, tool calls or tool messages, the prompt is Gemma's plain format.
+GEMMA_TOOLS = (
+    "You can call these tools, each described as JSON:\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "To call one, answer with <tool_call>\n{\"name\": <its name>, \"arguments\": <a JSON object>}\n"
+    "</tool_call>\n\n"
+)
 GEMMA = (
     "{{ bos_token }}"
     "{% if messages and messages[0]['role'] == 'system' %}"
     "{% set prefix = (messages[0]['content'] | trim) ~ '\n\n' %}{% set turns = messages[1:] %}"
     "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
     "{% for m in turns %}"
-    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{{ prefix if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% if m['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% elif m['role'] == 'tool' %}{% set role = 'user' %}{% else %}{% set role = m['role'] %}{% endif %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if loop.first %}{{ prefix }}{% if tools %}" + GEMMA_TOOLS + "{% endif %}{% endif %}"
+    "{% if m['role'] == 'tool' %}<tool_response>\n{{ m['content'] | trim }}\n</tool_response>"
+    "{% else %}{{ m['content'] | trim }}{% endif %}"
+    "{% for tc in m.tool_calls %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{% if tc.function.arguments is string %}{{ tc.function.arguments }}"
+    "{% else %}{{ tc.function.arguments | tojson }}{% endif %}}\n</tool_call>{% endfor %}"
+    "<end_of_turn>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )

@@ -189,7 +189,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         template, bias = _serve_template(args, path.name, model.info.chat_template is not None,
                                          _special_tokenizer(model))
         app = create_app(pool, model_name=args.name, chat_template=template, chat_logit_bias=bias,
-                         api_key=args.api_key)
+                         api_key=args.api_key, **_max_tokens(args))
         print(f"lloyal-pool serve: {path.name} on {args.workers} worker(s), http://{args.host}:{args.port}/",
               file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -215,12 +215,19 @@ def _serve_on_ray(args: argparse.Namespace, run: Any, create_app: Any) -> int:
         template, bias = _serve_template(args, name, first.has_chat_template,
                                          lambda text: ray.get(first.actor.tokenize.remote(text, False, True)))
         app = create_app(pool, model_name=args.name, chat_template=template, chat_logit_bias=bias,
-                         api_key=args.api_key)
+                         api_key=args.api_key, **_max_tokens(args))
         nodes = len({w.node_id for w in pool})
         print(f"lloyal-pool serve: {name} on {args.workers} Ray actor(s) on {nodes} node(s), "
               f"http://{args.host}:{args.port}/", file=sys.stderr)
         run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _max_tokens(args: argparse.Namespace) -> dict[str, int]:
+    """create_app's max_tokens, where --max-tokens gave one (else its default)."""
+    if args.max_tokens is not None and args.max_tokens < 0:
+        raise SystemExit(f"lloyal-pool serve: --max-tokens is 0 (no cap) or more, got {args.max_tokens}")
+    return {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
 
 
 def _serve_template(args: argparse.Namespace, name: str, has_template: bool,
@@ -293,11 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=1, help="worker processes, each serving the model")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: localhost only)")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1 routes")
+    s.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer <key> on every route but /health, /metrics and /")
     s.add_argument("--name", default=None, help="the model id /v1/models shows (default: the file's stem)")
     s.add_argument("--template", help="chat format or Jinja source for a model without a chat template")
     s.add_argument("--slots", type=int, default=8, help="requests each worker runs at once")
     s.add_argument("--n-ctx-slot", type=int, default=2048, help="tokens of room per request")
+    s.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="most tokens of a chat reply whose request sets no max_tokens (default 1024; 0: until the "
+                        "slot is full); a completion's default stays OpenAI's 16, or N if smaller")
     s.add_argument("-t", "--threads", type=int, default=None, help="threads per worker")
     s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the workers as actors of a Ray cluster (needs lloyal_pool[ray]): its address, or none "

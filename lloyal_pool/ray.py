@@ -195,6 +195,27 @@ class ModelActor:
         self._ready()
         return self._embedder.embed(inputs)
 
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens``, control tokens written out (the HTTP endpoint's /detokenize)."""
+        from .serve.backend import detokenize
+
+        self._ready()
+        return detokenize(self._model, tokens)
+
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        """Each token's bytes (the HTTP endpoint's /tokenize with_pieces)."""
+        from .serve.backend import token_pieces
+
+        self._ready()
+        return token_pieces(self._model, tokens)
+
+    def served_model(self) -> Any:
+        """Its model as the HTTP endpoint's /props shows it (a lloyal_pool.serve.backend.ServedModel)."""
+        from .serve.backend import served_model
+
+        self._ready()
+        return served_model(self._model)
+
     @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
         """Closes its Pool (the worker ends); the driver kills the actor after."""
@@ -541,6 +562,21 @@ class _RayBackend:
     def embed(self, inputs: Sequence[str | list[int]]) -> tuple[list[np.ndarray], int]:
         vectors, n_tokens = self._ask("embed", list(inputs))
         return vectors, n_tokens
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        tokens: list[int] = self._ask("tokenize", text, add_special, parse_special)
+        return tokens
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        text: str = self._ask("detokenize", list(tokens))
+        return text
+
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        pieces: list[bytes] = self._ask("token_pieces", list(tokens))
+        return pieces
+
+    def served_model(self) -> tuple[Any, int]:
+        return self._ask("served_model"), sum(m.slots for m in self.pool if m.alive)
 
     def gauges(self) -> list[Any]:
         from .serve.backend import WorkerGauge

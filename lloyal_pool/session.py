@@ -64,9 +64,29 @@ class ChatReply:
         return self.text
 
 
-def formatted_params(fmt: p.ChatPrompt, gen: GenerateParams) -> GenerateParams:
+#: The rule of llama.cpp's tool-call grammar for a format with one marker per call (Gemma's and Hermes'
+#: ``<tool_call>``): any number of calls, whitespace after each.
+_CALLS_RULE = "tool-calls ::= (tool-call space)+"
+
+
+def _forced_calls(gbnf: str, parallel: bool) -> str:
+    """A tool-call grammar that is not lazy (the reply must be calls), with the calls of a format with one
+    marker per call written back to back and whitespace only after the last: after whitespace the reply
+    can only end. The grammar as llama.cpp makes it lets another call follow whitespace, and a small model
+    (Gemma 3 270M) writes call after call until max_tokens. ``parallel`` false: one call. Any other
+    grammar is returned as it is."""
+    if _CALLS_RULE not in gbnf.splitlines():
+        return gbnf
+    rule = "tool-calls ::= tool-call+ space" if parallel else "tool-calls ::= tool-call space"
+    return "\n".join(rule if line == _CALLS_RULE else line for line in gbnf.split("\n"))
+
+
+def formatted_params(fmt: p.ChatPrompt, gen: GenerateParams, opener: str = "",
+                     parallel: bool = True) -> GenerateParams:
     """gen with what a formatted conversation needs to generate its next turn: the format's extra stops,
-    its tool-call grammar and the rendering of its markers."""
+    its tool-call grammar and the rendering of its markers. ``opener``: the call marker the prompt ends
+    with when the reply must be a tool call (call_opener). ``parallel``: whether such a reply may make
+    more than one call, where the format has several."""
     changes: dict[str, Any] = {}
     if fmt.additional_stops:
         changes["stop"] = tuple(dict.fromkeys([*gen.stop, *fmt.additional_stops]))
@@ -74,14 +94,34 @@ def formatted_params(fmt: p.ChatPrompt, gen: GenerateParams) -> GenerateParams:
         if gen.grammar:
             raise InvalidArgumentError("a grammar= cannot apply together with the tool-call grammar of tools=")
         # Lazy (tool_choice "auto"): free text until the format's tool-call marker. Otherwise the grammar
-        # starts with the generation prompt, which the prompt already holds: the grammar accepts it first.
-        changes["grammar"] = Grammar(gbnf=fmt.grammar, lazy=fmt.grammar_lazy, trigger_words=fmt.trigger_words,
+        # starts with the generation prompt (and the opener), which the prompt already holds: the grammar
+        # accepts it first.
+        gbnf = fmt.grammar if fmt.grammar_lazy else _forced_calls(fmt.grammar, parallel)
+        changes["grammar"] = Grammar(gbnf=gbnf, lazy=fmt.grammar_lazy, trigger_words=fmt.trigger_words,
                                      trigger_patterns=fmt.trigger_patterns, trigger_tokens=fmt.trigger_tokens,
-                                     prefill="" if fmt.grammar_lazy else fmt.generation_prompt)
-    if fmt.preserved_tokens:
+                                     prefill="" if fmt.grammar_lazy else fmt.generation_prompt + opener)
+    if fmt.preserved_tokens and fmt.grammar:  # tools offered: the reply may hold their markers
         # The format's markers (<tool_call>, ...) may be control tokens: the parser needs to see them.
         changes["render_special"] = True
     return replace(gen, **changes) if changes else gen
+
+
+def call_opener(fmt: p.ChatPrompt, lazy: Callable[[], p.ChatPrompt]) -> str:
+    """The text a reply that must be tool calls starts with: the format's call marker (Gemma's and Hermes'
+    ``<tool_call>``), or "". llama.cpp's grammar for tool_choice "required" lets free text come before the
+    first call, and a small model writes text and never reaches one; a prompt that ends with the marker,
+    which the grammar then accepts after the generation prompt, has the reply be a call from its first
+    token. ``fmt``: the turn formatted with "required" (a grammar that is not lazy, else there is nothing
+    to do); ``lazy``: formats it with "auto", whose lazy grammar's trigger word is the marker. "" where the
+    format has no such word: its grammar is used as llama.cpp made it. The reply's text is then the
+    opener followed by what was generated."""
+    if not fmt.grammar or fmt.grammar_lazy:
+        return ""
+    auto = lazy()
+    if not auto.grammar_lazy or not auto.trigger_words:
+        return ""
+    opener = auto.trigger_words[0]
+    return opener if opener.strip() and opener.strip() in fmt.grammar else ""
 
 
 class ChatStream(Stream):
@@ -90,10 +130,11 @@ class ChatStream(Stream):
     the iteration, on reading ``reply`` or ``result``, or at the session's next turn). ``close()`` or
     ``interrupt()`` stops the reply where it is; what was generated so far is the turn."""
 
-    def __init__(self, session: Session, turn: list[dict[str, Any]]) -> None:
+    def __init__(self, session: Session, turn: list[dict[str, Any]], opener: str = "") -> None:
         super().__init__(session.context._link.interrupt_request)
         self._session = session
         self._turn = turn
+        self._opener = opener  # the prompt's call marker (call_opener), which the pieces do not repeat
         self._reply: ChatReply | None = None
         self._reply_lock = threading.Lock()
 
@@ -117,7 +158,7 @@ class ChatStream(Stream):
         """The parsed turn (blocks until the generation ends); raises the generation's error, if any."""
         with self._reply_lock:
             if self._reply is None:
-                self._reply = self._session._finish(self, self._turn, self.future.result())
+                self._reply = self._session._finish(self, self._turn, self.future.result(), self._opener)
             return self._reply
 
 
@@ -217,7 +258,8 @@ class Session:
 
     def prompt(self, text: str | None = None) -> str:
         """The prompt the next turn would decode (the whole conversation, with ``text`` as the user's turn
-        when given), as the template formats it."""
+        when given), as the template formats it. With tool_choice "required", the turn adds the format's
+        call marker to it (call_opener)."""
         self._settle()
         return self._format(self._turn(text)).prompt
 
@@ -229,16 +271,17 @@ class Session:
         follows the turn's prompt tokens as they are decoded (a long pasted text), as in generate()."""
         self._settle()
         turn = self._turn(text)
-        prompt, gen = self._prepare(turn, params, overrides)
-        return self._finish(None, turn, self.context.generate(prompt, gen, progress=progress))
+        prompt, gen, opener = self._prepare(turn, params, overrides)
+        return self._finish(None, turn, self.context.generate(prompt, gen, progress=progress), opener)
 
     def stream(self, text: str | None, params: GenerateParams | None = None, *,
                progress: PromptProgress | None = None, **overrides: Any) -> ChatStream:
         """send() piece by piece: returns at once with a ChatStream of the reply's raw text."""
         self._settle()
         turn = self._turn(text)
-        prompt, gen = self._prepare(turn, params, overrides)
-        stream = self.context._start_stream(ChatStream(self, turn), prompt, gen, append=False, progress=progress)
+        prompt, gen, opener = self._prepare(turn, params, overrides)
+        stream = self.context._start_stream(ChatStream(self, turn, opener), prompt, gen, append=False,
+                                            progress=progress)
         self._pending = stream
         return stream
 
@@ -249,23 +292,26 @@ class Session:
                                   f"{type(text).__name__}")
         return [{"role": "user", "content": text}] if text is not None else []
 
-    def _format(self, turn: list[dict[str, Any]]) -> p.ChatPrompt:
+    def _format(self, turn: list[dict[str, Any]], tool_choice: str | None = None) -> p.ChatPrompt:
         return self.context.model._format_chat(self._messages + turn, template=self.template, tools=self.tools,
-                                               tool_choice=self.tool_choice)
+                                               tool_choice=tool_choice or self.tool_choice)
 
     def _prepare(self, turn: list[dict[str, Any]], params: GenerateParams | None,
-                 overrides: Mapping[str, Any]) -> tuple[str, GenerateParams]:
+                 overrides: Mapping[str, Any]) -> tuple[str, GenerateParams, str]:
+        """The turn's prompt, its GenerateParams, and the call marker the prompt ends with (call_opener)."""
         gen = GenerateParams.of(params if params is not None else self.defaults, overrides)
         fmt = self._format(turn)
-        return fmt.prompt, formatted_params(fmt, gen)
+        opener = call_opener(fmt, lambda: self._format(turn, "auto")) if self.tool_choice == "required" else ""
+        return fmt.prompt + opener, formatted_params(fmt, gen, opener), opener
 
-    def _finish(self, stream: ChatStream | None, turn: list[dict[str, Any]], result: Result) -> ChatReply:
+    def _finish(self, stream: ChatStream | None, turn: list[dict[str, Any]], result: Result,
+                opener: str = "") -> ChatReply:
         if stream is not None and self._pending is stream:
             self._pending = None
         messages = self._messages + turn
         # A reply cut short (n_predict, interrupt) may stop inside a tool call: parse it as partial.
         partial = result.stop_reason in (StopReason.LENGTH, StopReason.INTERRUPTED)
-        message = self.context.model._parse_chat(result.text, template=self.template, tools=self.tools,
+        message = self.context.model._parse_chat(opener + result.text, template=self.template, tools=self.tools,
                                                  messages=messages, tool_choice=self.tool_choice, partial=partial)
         self._messages = [*messages, message.to_message()]
         return ChatReply(message, result)
@@ -279,5 +325,5 @@ class Session:
                 self._pending = None  # that turn failed and is not recorded; its reader got the error
 
 
-__all__ = ["BASE_MODEL_END_BIAS", "ChatFallback", "ChatReply", "ChatStream", "Session", "chat_fallback",
-           "formatted_params"]
+__all__ = ["BASE_MODEL_END_BIAS", "ChatFallback", "ChatReply", "ChatStream", "Session", "call_opener",
+           "chat_fallback", "formatted_params"]

@@ -274,8 +274,7 @@ def test_an_error_after_a_stream_began_is_an_error_event_then_done(tiny_model: P
 
 
 @pytest.mark.parametrize(("route", "field", "value"), [
-    ("chat", "logprobs", True), ("chat", "top_logprobs", 2), ("chat", "audio", {"voice": "alloy"}),
-    ("completions", "logprobs", 1), ("completions", "echo", True), ("completions", "best_of", 2),
+    ("chat", "audio", {"voice": "alloy"}), ("completions", "echo", True), ("completions", "best_of", 2),
     ("completions", "suffix", "end"),
 ])
 def test_what_the_server_cannot_give_is_refused_by_name(served: Served, route: str, field: str, value: object) -> None:
@@ -287,6 +286,54 @@ def test_what_the_server_cannot_give_is_refused_by_name(served: Served, route: s
     quiet = {**body, field: None}  # null, as clients send what they leave unset, passes
     again = httpx.post(f"{served.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=quiet, timeout=PATIENCE)
     assert again.status_code == 200, again.text
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    return z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+
+
+def test_logprobs_in_chat_and_completions(served: Served, spool: Pool) -> None:
+    client = served.client()
+    chat = client.chat.completions.create(model="x", max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                                          messages=[{"role": "user", "content": "Name a colour."}])
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(t.token for t in content).startswith(chat.choices[0].message.content or "")
+    for t in content:
+        assert t.logprob <= 0 and bytes(t.bytes or []).decode("utf-8", "replace") == t.token
+        values = [a.logprob for a in t.top_logprobs]
+        assert values == sorted(values, reverse=True) and t.logprob <= values[0] + 1e-6
+    plain = client.chat.completions.create(model="x", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert plain.choices[0].logprobs is None
+    # A completion's legacy shape, checked against the log-softmax of the prompt's next-token logits: the
+    # first token's step is the prompt decoded alone, on a context of its own (within the invariance bound).
+    model = spool[0].models[0]
+    comp = client.completions.create(model="x", prompt="The capital of France is", max_tokens=4, temperature=0,
+                                     logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == comp.choices[0].text and lp.text_offset[0] == 0
+    ctx = model.new_context(n_ctx=128)
+    try:
+        ctx.eval("The capital of France is")
+        want = _log_softmax(ctx.logits(copy=True))
+    finally:
+        ctx.close()
+    first = model.tokenize(lp.tokens[0], add_special=False)
+    assert len(first) == 1 and lp.token_logprobs[0] == pytest.approx(want[first[0]], abs=INVARIANCE)
+    # Streamed: the last chunk carries them.
+    chunks = list(client.chat.completions.create(model="x", max_tokens=4, temperature=0, logprobs=True, stream=True,
+                                                 messages=[{"role": "user", "content": "Hi"}]))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(streamed) == 1 and streamed[0].content
+    for bad in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": "yes"}):
+        got = httpx.post(f"{served.url}/v1/chat/completions", timeout=PATIENCE,
+                         json={"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], **bad})
+        assert got.status_code == 400 and got.json()["error"]["param"] in ("logprobs", "top_logprobs"), got.text
+    got = httpx.post(f"{served.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 21},
+                     timeout=PATIENCE)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "logprobs"
 
 
 def test_content_parts_other_than_text_are_refused_and_developer_is_the_system_prompt(served: Served) -> None:

@@ -3,6 +3,7 @@ one model, reached through a Backend (backend.py).
 
     POST /v1/completions, /v1/chat/completions ─▶ backend.submit (continuous batching, routed per request)
     POST /v1/embeddings                         ─▶ an embedding context per worker
+    POST /tokenize, /detokenize, /apply-template, GET /props   ─▶ questions to any live worker (llama-server's)
     GET  /v1/models, /health, /metrics, /        (the last: a chat page, no build step, no external assets)
 
 Every request that generates is a batched request (batching.py): many clients share each worker's slots.
@@ -15,33 +16,97 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import dataclasses
 import hmac
 import json
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from importlib import resources
 from typing import Any
 
+import msgspec
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import __version__
 from .._aio import AsyncStream, settle
 from ..batching import BatchRequest
-from ..params import GenerateParams, Result
+from ..chat import CHAT_FORMATS, template_source
+from ..errors import InvalidTokenError
+from ..params import GenerateParams, Result, StopReason
 from ..pool import Pool
-from ..session import formatted_params
+from ..session import call_opener, formatted_params
 from . import schemas
-from .backend import backend_of
+from .backend import WorkerGauge, backend_of
 from .schemas import APIError, api_error
 
 DISCONNECT_POLL = 0.25  # seconds between checks that the client of a plain (not streamed) request is there
 
 
+# The buckets (upper bounds, seconds) of the latency histograms: vLLM's for time to first token and for
+# the time per output token; queue time shares the first.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+# When the request being served arrived (time.monotonic()): set by each route, read when it submits.
+_ARRIVAL: contextvars.ContextVar[float] = contextvars.ContextVar("arrival")
+
+
+class _Histogram:
+    """A Prometheus histogram (the caller holds the metrics' lock)."""
+
+    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help_, buckets
+        self.counts = [0] * len(buckets)  # per bucket, not cumulative
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+
+    def lines(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, n in zip(self.buckets, self.counts, strict=True):
+            running += n
+            out.append(f'{self.name}_bucket{{le="{bound:g}"}} {running}')
+        out += [f'{self.name}_bucket{{le="+Inf"}} {self.total}', f"{self.name}_sum {self.sum:.6f}",
+                f"{self.name}_count {self.total}"]
+        return out
+
+
+class _Timing:
+    """When a generating request arrived, when its first piece of text came and when it ended, as the
+    server saw them (time.monotonic(); the pieces and the end are stamped on the thread that delivers them)."""
+
+    def __init__(self) -> None:
+        self.arrival = _ARRIVAL.get(time.monotonic())
+        self.first: float | None = None
+        self.end: float | None = None
+
+    def piece(self) -> None:
+        if self.first is None:
+            self.first = time.monotonic()
+
+
 class _Metrics:
+    """What /metrics shows. Every generating request is counted once, when it ends (whether or not its
+    client still reads): its tokens and latencies, and if it was interrupted, a client that left (the
+    server interrupts a request for no other reason: a plain request's client that disconnected, a stream
+    that was closed)."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests: dict[str, int] = {}
@@ -49,15 +114,34 @@ class _Metrics:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.disconnects = 0
+        self.disconnect_tokens = 0  # completion tokens of the requests whose clients left
+        self.ttft = _Histogram("lloyal_time_to_first_token_seconds", "From a request's arrival to its first piece "
+                               "of text (to its end, for a reply with none)", TTFT_BUCKETS)
+        self.itl = _Histogram("lloyal_inter_token_latency_seconds", "A request's mean time between two tokens, "
+                              "from its first piece of text to its end (requests of two tokens or more)", ITL_BUCKETS)
+        self.queue = _Histogram("lloyal_queue_seconds", "A request's time to first token less the time of the "
+                                "decodes that carried its prompt: the wait for a slot, and for its turn", TTFT_BUCKETS)
 
     def count(self, endpoint: str) -> None:
         with self.lock:
             self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
 
-    def result(self, result: Result) -> None:
+    def ended(self, timing: _Timing, result: Result) -> None:
+        """A generating request ended with ``result``."""
         with self.lock:
             self.prompt_tokens += result.n_prompt
             self.completion_tokens += result.n_decoded
+            if result.stop_reason == StopReason.INTERRUPTED:
+                self.disconnects += 1
+                self.disconnect_tokens += result.n_decoded
+            if result.n_decoded > 0:
+                end = timing.end if timing.end is not None else time.monotonic()
+                first = timing.first if timing.first is not None else end
+                ttft = max(0.0, first - timing.arrival)
+                self.ttft.observe(ttft)
+                self.queue.observe(max(0.0, ttft - result.prompt_ms / 1000.0))
+                if result.n_decoded > 1 and timing.first is not None:
+                    self.itl.observe(max(0.0, end - first) / (result.n_decoded - 1))
 
     def error(self, status: int) -> None:
         with self.lock:
@@ -66,10 +150,14 @@ class _Metrics:
 
 class Server:
     """The app's state: the backend (a Pool or a RayPool), the model's name and chat template, the API key,
-    the metrics."""
+    the default cap on a reply (max_tokens), the metrics."""
 
     def __init__(self, pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
-                 chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None) -> None:
+                 chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None,
+                 max_tokens: int = schemas.DEFAULT_MAX_TOKENS) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens is a whole number of tokens (0: no cap), got {max_tokens!r}")
+        self.max_tokens = max_tokens
         self.pool = pool
         self.backend = backend_of(pool)
         self.model_name = model_name or self.backend.model_path().rsplit("/", 1)[-1].removesuffix(".gguf")
@@ -100,8 +188,22 @@ async def _body(request: Request) -> dict[str, Any]:
 
 async def _submit(server: Server, prompt: str | list[int], gen: GenerateParams,
                   stream: AsyncStream | None) -> BatchRequest:
-    on_piece = None if stream is None else stream._q.put
+    """Submits a generation (its pieces to ``stream``, if any); the metrics count it when it ends."""
+    timing = _Timing()
+    put = None if stream is None else stream._q.put
+
+    def on_piece(piece: str) -> None:
+        timing.piece()
+        if put is not None:
+            put(piece)
+
+    def ended(fut: Future[Result]) -> None:
+        timing.end = time.monotonic()
+        if not fut.cancelled() and fut.exception() is None:
+            server.metrics.ended(timing, fut.result())
+
     handle = await asyncio.to_thread(server.backend.submit, prompt, gen, on_piece)
+    handle.future.add_done_callback(ended)
     if stream is not None:
         stream._interrupt = lambda _id: handle.interrupt()
         stream._attach(handle.future)
@@ -116,9 +218,7 @@ async def _unless_gone(request: Request, handle: BatchRequest, server: Server) -
         if done:
             return waiting.result()
         if await request.is_disconnected():
-            handle.interrupt()
-            with server.metrics.lock:
-                server.metrics.disconnects += 1
+            handle.interrupt()  # the metrics count the interrupted request as a client that left
             return await waiting
 
 
@@ -159,13 +259,12 @@ def _event_stream(server: Server, stream: AsyncStream, events: AsyncGenerator[by
 # -- routes ----------------------------------------------------------------------------------------------------
 async def completions(request: Request, server: Server) -> Response:
     body = await _body(request)
-    gen = schemas.generate_params(body, chat=False)
+    gen = schemas.generate_params(body, chat=False, server_max_tokens=server.max_tokens)
     wants_usage = schemas.include_usage(body)
     prompt = _prompt_of(body)
     reply = schemas.Reply("cmpl", server.model_name)
     if not body.get("stream"):
         result = await _unless_gone(request, await _submit(server, prompt, gen, None), server)
-        server.metrics.result(result)
         return JSONResponse(schemas.completion(result, reply))
     stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
     await _submit(server, prompt, gen, stream)
@@ -174,8 +273,9 @@ async def completions(request: Request, server: Server) -> Response:
         async for piece in stream:
             yield schemas.sse(schemas.completion_chunk(piece, reply))
         result = await stream.result()
-        server.metrics.result(result)
-        yield schemas.sse(schemas.completion_chunk("", reply, schemas.finish_reason(result)))
+        # The tokens' logprobs ride in the last chunk: the streamed pieces are text, not tokens.
+        yield schemas.sse(schemas.completion_chunk("", reply, schemas.finish_reason(result),
+                                                   schemas.completion_logprobs(result)))
         if wants_usage:
             yield schemas.sse(reply.usage_chunk("text_completion", result))
 
@@ -184,28 +284,42 @@ async def completions(request: Request, server: Server) -> Response:
 
 async def chat_completions(request: Request, server: Server) -> Response:
     body = await _body(request)
-    gen = schemas.generate_params(body, chat=True)
+    gen = schemas.generate_params(body, chat=True, server_max_tokens=server.max_tokens)
     wants_usage = schemas.include_usage(body)
     messages = schemas.messages_of(body)
     tools, tool_choice = schemas.tools_of(body)
-    fmt = await asyncio.to_thread(server.backend.format_chat, messages, template=server.chat_template, tools=tools,
-                                  tool_choice=tool_choice)
-    gen = formatted_params(fmt, gen)
+    parallel = schemas.parallel_tool_calls(body)
+
+    def format_chat(choice: str) -> Any:
+        return server.backend.format_chat(messages, template=server.chat_template, tools=tools, tool_choice=choice)
+
+    fmt = await asyncio.to_thread(format_chat, tool_choice)
+    opener = ""
+    if tool_choice == "required":
+        if not fmt.grammar:
+            raise APIError(400, f"tool_choice {body.get('tool_choice')!r} needs a chat format with tool calls, and "
+                                "this server's has none (--template to choose one)", param="tool_choice")
+        # The reply must be a call: the prompt ends with the format's call marker (session.call_opener).
+        opener = await asyncio.to_thread(call_opener, fmt, lambda: format_chat("auto"))
+    gen = formatted_params(fmt, gen, opener, parallel)
     if server.chat_logit_bias:  # the request's own bias on a token wins
         gen = dataclasses.replace(gen, logit_bias={**server.chat_logit_bias, **gen.logit_bias})
     reply = schemas.Reply("chatcmpl", server.model_name)
 
     async def parse(result: Result) -> Any:
         partial = result.stop_reason in ("length", "interrupted")
-        return await asyncio.to_thread(server.backend.parse_chat, result.text, template=server.chat_template,
-                                       tools=tools, messages=messages, tool_choice=tool_choice, partial=partial)
+        message = await asyncio.to_thread(server.backend.parse_chat, opener + result.text,
+                                          template=server.chat_template, tools=tools, messages=messages,
+                                          tool_choice=tool_choice, partial=partial)
+        if not parallel and len(message.tool_calls) > 1:  # parallel_tool_calls false: the first call only
+            message = msgspec.structs.replace(message, tool_calls=message.tool_calls[:1])
+        return message
 
     if not body.get("stream"):
-        result = await _unless_gone(request, await _submit(server, fmt.prompt, gen, None), server)
-        server.metrics.result(result)
+        result = await _unless_gone(request, await _submit(server, fmt.prompt + opener, gen, None), server)
         return JSONResponse(schemas.chat_completion(await parse(result), result, reply))
     stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
-    await _submit(server, fmt.prompt, gen, stream)
+    await _submit(server, fmt.prompt + opener, gen, stream)
     whole = bool(tools) and tool_choice != "none"  # the text may be a call: it is parsed once whole
 
     async def events() -> AsyncGenerator[bytes, None]:
@@ -214,11 +328,11 @@ async def chat_completions(request: Request, server: Server) -> Response:
             if not whole:
                 yield schemas.sse(schemas.chat_chunk({"content": piece}, reply))
         result = await stream.result()
-        server.metrics.result(result)
         message = await parse(result)
         if whole:
             yield schemas.sse(schemas.chat_chunk(schemas.chat_delta(message), reply))
-        yield schemas.sse(schemas.chat_chunk({}, reply, schemas.finish_reason(result, bool(message.tool_calls))))
+        yield schemas.sse(schemas.chat_chunk({}, reply, schemas.finish_reason(result, bool(message.tool_calls)),
+                                             schemas.chat_logprobs(result)))
         if wants_usage:
             yield schemas.sse(reply.usage_chunk("chat.completion.chunk", result))
 
@@ -260,6 +374,106 @@ async def model(request: Request, server: Server) -> Response:
     return JSONResponse(_model_card(server))
 
 
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:  # unset, or null as clients send what they leave unset
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} is true or false, got {value!r}", param=name)
+    return value
+
+
+def _piece(data: bytes) -> str | list[int]:
+    """A token's piece as llama-server's /tokenize shows it: its text, or its bytes where they are not
+    UTF-8 on their own (part of a character)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
+async def tokenize(request: Request, server: Server) -> Response:
+    """POST /tokenize, as llama-server's: ``content`` (text), ``add_special`` (BOS where the model adds
+    it; default false), ``parse_special`` (control-token text as those tokens; default true),
+    ``with_pieces`` (default false) -> ``{"tokens": [id, ...]}``, or with pieces ``[{"id", "piece"}, ...]``."""
+    body = await _body(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise APIError(400, "content is the text to tokenize (a string)", param="content")
+    add_special = _flag(body, "add_special", False)
+    parse_special = _flag(body, "parse_special", True)
+    with_pieces = _flag(body, "with_pieces", False)
+    tokens = await asyncio.to_thread(server.backend.tokenize, content, add_special, parse_special)
+    if not with_pieces:
+        return JSONResponse({"tokens": tokens})
+    pieces = await asyncio.to_thread(server.backend.token_pieces, tokens)
+    return JSONResponse({"tokens": [{"id": t, "piece": _piece(b)} for t, b in zip(tokens, pieces, strict=True)]})
+
+
+async def detokenize(request: Request, server: Server) -> Response:
+    """POST /detokenize, as llama-server's: ``tokens`` (ids) -> ``{"content": text}``, control tokens
+    written out."""
+    body = await _body(request)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise APIError(400, "tokens is a list of token ids", param="tokens")
+    try:
+        content = await asyncio.to_thread(server.backend.detokenize, tokens)
+    except InvalidTokenError as exc:
+        raise APIError(400, str(exc), param="tokens") from None
+    return JSONResponse({"content": content})
+
+
+async def apply_template(request: Request, server: Server) -> Response:
+    """POST /apply-template, as llama-server's: a chat request's ``messages`` (and ``tools``,
+    ``tool_choice``) -> ``{"prompt": text}``, the prompt a chat completion of them generates from (the
+    server's chat format: the model's template, --template, or the fallback; for a forced tool call, the
+    format's call marker after it, as chat_completions adds it)."""
+    body = await _body(request)
+    messages = schemas.messages_of(body)
+    tools, tool_choice = schemas.tools_of(body)
+
+    def format_chat(choice: str) -> Any:
+        return server.backend.format_chat(messages, template=server.chat_template, tools=tools, tool_choice=choice)
+
+    fmt = await asyncio.to_thread(format_chat, tool_choice)
+    opener = ""
+    if tool_choice == "required" and fmt.grammar:
+        opener = await asyncio.to_thread(call_opener, fmt, lambda: format_chat("auto"))
+    return JSONResponse({"prompt": fmt.prompt + opener})
+
+
+async def props(request: Request, server: Server) -> Response:
+    """GET /props, in llama-server's shape where it has the field: the model, its slots and their room,
+    the chat template in use, what a request that sets nothing gets, the build."""
+    served, slots = await asyncio.to_thread(server.backend.served_model)
+    own = server.chat_template is None  # else --template, or the fallback for a model without one
+    template = served.chat_template if own else template_source(server.chat_template)
+    chat_max = schemas.default_max_tokens(server.max_tokens, chat=True)
+    params: dict[str, Any] = {
+        "n_predict": chat_max or -1, "max_tokens": chat_max or -1,
+        "completion_max_tokens": schemas.default_max_tokens(server.max_tokens, chat=False),
+        "temperature": schemas.DEFAULT_TEMPERATURE, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "seed": None, "stop": [], "ignore_eos": False, "stream": False}
+    return JSONResponse({
+        "default_generation_settings": {"n_ctx": served.n_ctx_slot, "params": params},
+        "total_slots": slots,
+        "model_alias": server.model_name,
+        "model_path": served.path,
+        "modalities": {"vision": False, "audio": False},
+        "chat_template": template or "",
+        "chat_template_origin": "model" if own else "server",
+        "chat_format": server.chat_template if server.chat_template in CHAT_FORMATS else None,
+        "chat_logit_bias": {str(t): b for t, b in server.chat_logit_bias.items()},
+        "bos_token": served.bos_token,
+        "eos_token": served.eos_token,
+        "build_info": str(served.build.get("build_info", "")),
+        "llama_cpp": served.build.get("llama_cpp"),
+        "lloyal_pool_version": __version__,
+        "is_sleeping": False,
+    })
+
+
 async def health(request: Request, server: Server) -> Response:
     gauges = await asyncio.to_thread(server.backend.gauges)
     alive = sum(1 for g in gauges if g.alive)
@@ -278,14 +492,25 @@ async def metrics(request: Request, server: Server) -> Response:
         lines += ["# TYPE lloyal_prompt_tokens_total counter", f"lloyal_prompt_tokens_total {m.prompt_tokens}",
                   "# TYPE lloyal_completion_tokens_total counter",
                   f"lloyal_completion_tokens_total {m.completion_tokens}",
-                  "# TYPE lloyal_client_disconnects_total counter", f"lloyal_client_disconnects_total {m.disconnects}"]
-    lines += ["# TYPE lloyal_worker_alive gauge", "# TYPE lloyal_slots_active gauge",
-              "# TYPE lloyal_requests_queued gauge"]
-    for g in await asyncio.to_thread(server.backend.gauges):
-        lines.append(f'lloyal_worker_alive{{worker="{g.worker}"}} {int(g.alive)}')
-        if g.alive:
-            lines.append(f'lloyal_slots_active{{worker="{g.worker}"}} {g.active}')
-            lines.append(f'lloyal_requests_queued{{worker="{g.worker}"}} {g.queued}')
+                  "# TYPE lloyal_client_disconnects_total counter", f"lloyal_client_disconnects_total {m.disconnects}",
+                  "# TYPE lloyal_client_disconnect_tokens_total counter",
+                  f"lloyal_client_disconnect_tokens_total {m.disconnect_tokens}"]
+        for histogram in (m.ttft, m.itl, m.queue):
+            lines += histogram.lines()
+    gauges = await asyncio.to_thread(server.backend.gauges)
+    alive = [g for g in gauges if g.alive]
+    kv = [g for g in alive if g.kv_used is not None and g.kv_total is not None]  # where the backend knows
+    # Each family's samples together, after its TYPE line, as the text format asks.
+    families: list[tuple[str, list[WorkerGauge], Callable[[WorkerGauge], int | None]]] = [
+        ("lloyal_worker_alive", gauges, lambda g: int(g.alive)),
+        ("lloyal_slots_active", alive, lambda g: g.active),
+        ("lloyal_requests_queued", alive, lambda g: g.queued),
+        ("lloyal_kv_cells_used", kv, lambda g: g.kv_used),
+        ("lloyal_kv_cells_total", kv, lambda g: g.kv_total),
+    ]
+    for name, shown, value in families:
+        lines.append(f"# TYPE {name} gauge")
+        lines += [f'{name}{{worker="{g.worker}"}} {value(g)}' for g in shown]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
@@ -296,6 +521,7 @@ async def chat_page(request: Request, server: Server) -> Response:
 def _route(path: str, fn: Callable[[Request, Server], Awaitable[Response]], server: Server, methods: list[str],
            name: str, auth: bool = True) -> Route:
     async def endpoint(request: Request) -> Response:
+        _ARRIVAL.set(time.monotonic())
         server.metrics.count(name)
         try:
             if auth:
@@ -310,22 +536,29 @@ def _route(path: str, fn: Callable[[Request, Server], Awaitable[Response]], serv
 
 
 def create_app(pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
-               chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None) -> Starlette:
+               chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None,
+               max_tokens: int = schemas.DEFAULT_MAX_TOKENS) -> Starlette:
     """The ASGI app serving ``pool`` (a Pool, or a lloyal_pool.ray.RayPool), whose workers each hold the
     one model it serves (any ``model`` a
     request names maps to it; ``model_name`` is the id /v1/models shows, default the file's stem).
     ``chat_template``: a chat format name or Jinja source for models without one. ``chat_logit_bias``:
     added to every chat completion's logit bias, the request's own bias on a token winning (what
     ``lloyal-pool serve`` passes for a model without a template: session.chat_fallback). ``api_key``: every
-    /v1 route then needs ``Authorization: Bearer <api_key>``."""
+    route but /health, /metrics and / then needs ``Authorization: Bearer <api_key>``. ``max_tokens``: a
+    chat's max_tokens when the request gives none (0: until the slot is full or the reply ends); a
+    completion's is OpenAI's 16, or this where it is smaller."""
     server = Server(pool, model_name=model_name, chat_template=chat_template, chat_logit_bias=chat_logit_bias,
-                    api_key=api_key)
+                    api_key=api_key, max_tokens=max_tokens)
     routes = [
         _route("/v1/completions", completions, server, ["POST"], "completions"),
         _route("/v1/chat/completions", chat_completions, server, ["POST"], "chat_completions"),
         _route("/v1/embeddings", embeddings, server, ["POST"], "embeddings"),
         _route("/v1/models", models, server, ["GET"], "models"),
         _route("/v1/models/{model:path}", model, server, ["GET"], "model"),
+        _route("/tokenize", tokenize, server, ["POST"], "tokenize"),
+        _route("/detokenize", detokenize, server, ["POST"], "detokenize"),
+        _route("/apply-template", apply_template, server, ["POST"], "apply_template"),
+        _route("/props", props, server, ["GET"], "props"),
         _route("/health", health, server, ["GET"], "health", auth=False),
         _route("/metrics", metrics, server, ["GET"], "metrics", auth=False),
         _route("/", chat_page, server, ["GET"], "chat_page", auth=False),

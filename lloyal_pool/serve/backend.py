@@ -16,7 +16,7 @@ from .._embedder import Embedder
 from ..batching import BatchRequest
 from ..chat import ChatMessage
 from ..model import Model
-from ..params import GenerateParams
+from ..params import GenerateParams, token_ids
 from ..pool import Pool
 from .schemas import APIError
 
@@ -29,6 +29,45 @@ class WorkerGauge:
     alive: bool
     active: int = 0  # requests generating in its slots
     queued: int = 0  # requests waiting for a slot
+    kv_used: int | None = None  # KV cells its slots' sequences hold (cached prefixes included); None: unknown
+    kv_total: int | None = None  # ... of slots x n_ctx_slot
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What /props tells of the model a worker serves."""
+
+    path: str
+    slots: int  # this worker's
+    n_ctx_slot: int
+    chat_template: str | None  # the model's own (Jinja source); None: it has none
+    bos_token: str | None  # the text of its BOS and EOS tokens; None: it has none
+    eos_token: str | None
+    build: dict[str, Any]  # Instance.build_info
+
+
+def served_model(model: Model) -> ServedModel:
+    """The ServedModel of ``model`` (its batcher made now if the first request has not made it yet)."""
+    batcher = model.batcher()
+
+    def text(token: int) -> str | None:
+        return model.token_to_piece(token).decode("utf-8", "replace") if token >= 0 else None
+
+    return ServedModel(model.path, batcher.slots, batcher.n_ctx_slot, model.info.chat_template,
+                       text(model.info.bos), text(model.info.eos), model.instance.build_info)
+
+
+def detokenize(model: Model, tokens: Sequence[int]) -> str:
+    """The text of ``tokens``, control tokens written out (as llama-server's /detokenize writes them)."""
+    return model.detokenize(tokens, unparse_special=True) if tokens else ""
+
+
+def token_pieces(model: Model, tokens: Sequence[int]) -> list[bytes]:
+    """Each token's bytes (control tokens written out), asked of the worker all at once."""
+    ids = token_ids(tokens, model.n_vocab)
+    proc = model._proc
+    sent = [proc.call(p.TokenToPiece(model=model._handle, token=t, special=True)) for t in ids]
+    return [f.result() for f in sent]
 
 
 class Backend(Protocol):
@@ -48,6 +87,16 @@ class Backend(Protocol):
         ...
 
     def gauges(self) -> list[WorkerGauge]: ...
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]: ...
+
+    def served_model(self) -> tuple[ServedModel, int]:
+        """The model as one live worker serves it, and the slots of all live workers together."""
+        ...
 
 
 class PoolBackend:
@@ -93,13 +142,29 @@ class PoolBackend:
     def gauges(self) -> list[WorkerGauge]:
         out = []
         for inst in self.pool:
-            active = queued = 0
+            active = queued = kv_used = kv_total = 0
             for model in inst.models if inst.alive else []:
                 b = model._batcher
                 if b is not None and not b.closed:
                     active, queued = active + b.active, queued + b.queued
-            out.append(WorkerGauge(str(inst.worker_id), inst.alive, active, queued))
+                    kv_used += sum(len(slot.tokens) for slot in list(b._plan.slots))
+                    kv_total += b.slots * b.n_ctx_slot
+            out.append(WorkerGauge(str(inst.worker_id), inst.alive, active, queued, kv_used, kv_total))
         return out
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self.any_model().tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return detokenize(self.any_model(), tokens)
+
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        return token_pieces(self.any_model(), tokens)
+
+    def served_model(self) -> tuple[ServedModel, int]:
+        first = served_model(self.any_model())
+        slots = sum(model.batcher().slots for inst in self.pool if inst.alive for model in inst.models)
+        return first, slots
 
 
 def backend_of(pool: Any) -> Backend:

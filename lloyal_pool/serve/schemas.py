@@ -23,17 +23,20 @@ from ..errors import (
     TemplateError,
     WorkerCrashedError,
 )
-from ..params import MAX_SEED, GenerateParams, Grammar, Result, StopReason
+from ..params import MAX_LOGPROBS, MAX_SEED, GenerateParams, Grammar, Result, StopReason
 
 #: OpenAI's own defaults where its API has one (max_tokens of a completion is 16; of a chat, unlimited).
 COMPLETION_MAX_TOKENS = 16
+#: The server-wide cap on a reply whose request gives no max_tokens (``lloyal-pool serve --max-tokens``,
+#: create_app's ``max_tokens``; 0: none but the slot's room). llama-server (-n -1) and vLLM (the context's
+#: room) let such a reply run until the context is full: 2,037 tokens of a small model's chat took 95 s.
+DEFAULT_MAX_TOKENS = 1024
 DEFAULT_TEMPERATURE = 1.0
 # Request fields OpenAI defines that change what comes back, which this server cannot honour: refused by
 # name (a 400), never ignored, since a client that asks for them would read an answer that lacks them.
 UNSUPPORTED: dict[str, dict[str, tuple[object, ...]]] = {
-    "chat": {"logprobs": (None, False), "top_logprobs": (None,), "audio": (None,), "modalities": (None, ["text"]),
-             "prediction": (None,), "web_search_options": (None,)},
-    "completions": {"logprobs": (None,), "echo": (None, False), "best_of": (None, 1), "suffix": (None,)},
+    "chat": {"audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)},
+    "completions": {"echo": (None, False), "best_of": (None, 1), "suffix": (None,)},
 }
 
 
@@ -84,10 +87,21 @@ def _integer(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
-    """The GenerateParams an OpenAI request body asks for: max_tokens (max_completion_tokens), temperature,
-    top_p, seed, stop, logit_bias, presence_penalty and frequency_penalty (over the whole reply),
-    response_format (a JSON schema, or any JSON object, as a grammar)."""
+def default_max_tokens(server_max_tokens: int, *, chat: bool) -> int:
+    """The max_tokens of a request that gives none, on a server whose cap is ``server_max_tokens`` (0: no
+    cap): a chat's is the cap; a completion's is OpenAI's 16, or the cap where that is smaller. 0: until
+    the slot is full or the reply ends."""
+    if chat:
+        return server_max_tokens
+    return min(COMPLETION_MAX_TOKENS, server_max_tokens) if server_max_tokens > 0 else COMPLETION_MAX_TOKENS
+
+
+def generate_params(body: Mapping[str, Any], *, chat: bool,
+                    server_max_tokens: int = DEFAULT_MAX_TOKENS) -> GenerateParams:
+    """The GenerateParams an OpenAI request body asks for: max_tokens (max_completion_tokens; without
+    either, default_max_tokens of ``server_max_tokens``), temperature, top_p, seed, stop, logit_bias,
+    presence_penalty and frequency_penalty (over the whole reply), response_format (a JSON schema, or any
+    JSON object, as a grammar)."""
     n = body.get("n")
     if n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
@@ -98,7 +112,7 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens")
     if max_tokens is None:
-        max_tokens = 0 if chat else COMPLETION_MAX_TOKENS
+        max_tokens = default_max_tokens(server_max_tokens, chat=chat)
     if max_tokens < 0:
         raise APIError(400, f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0)
@@ -143,6 +157,7 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
             grammar = Grammar(json_schema={"type": "object"})
         elif kind != "text":
             raise APIError(400, "response_format.type is text, json_object or json_schema", param="response_format")
+    logprobs = _logprobs(body, chat=chat)
     ignore_eos = body.get("ignore_eos", False)  # llama-server's extension, for benchmarks
     if not isinstance(ignore_eos, bool):
         raise APIError(400, "ignore_eos is true or false", param="ignore_eos")
@@ -153,9 +168,59 @@ def generate_params(body: Mapping[str, Any], *, chat: bool) -> GenerateParams:
                               repeat_last_n=-1 if presence or frequency else 0,
                               # any integer OpenAI takes is a seed; folded into the sampler's range
                               seed=secrets.randbits(31) if seed is None else seed % (MAX_SEED + 1),
-                              stop=stops, logit_bias=bias, grammar=grammar, ignore_eos=ignore_eos)
+                              stop=stops, logit_bias=bias, grammar=grammar, ignore_eos=ignore_eos, logprobs=logprobs)
     except LloyalError as exc:
         raise api_error(exc) from exc
+
+
+def _logprobs(body: Mapping[str, Any], *, chat: bool) -> int | None:
+    """GenerateParams.logprobs of a request: a chat's logprobs (true/false) and top_logprobs (0-20), a
+    completion's logprobs (alternatives, 0-20; OpenAI's legacy limit is 5, llama-server's none)."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted not in (None, True, False):
+            raise APIError(400, "logprobs is true or false", param="logprobs")
+        top = _integer(body, "top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+        if top is not None and not wanted:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    n = _integer(body, "logprobs")
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {n}", param="logprobs")
+    return n
+
+
+def _token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(result: Result) -> dict[str, Any] | None:
+    """OpenAI's choice.logprobs of a chat completion: per token its text, log-probability, bytes and the
+    most likely tokens at its step (the raw model distribution, as llama-server reports it)."""
+    if result.logprobs is None:
+        return None
+    return {"content": [{"token": _token_text(lp.piece), "logprob": lp.logprob, "bytes": list(lp.piece),
+                         "top_logprobs": [{"token": _token_text(piece), "logprob": value, "bytes": list(piece)}
+                                          for _, value, piece in lp.top]}
+                        for lp in result.logprobs],
+            "refusal": None}
+
+
+def completion_logprobs(result: Result) -> dict[str, Any] | None:
+    """OpenAI's legacy choice.logprobs of a completion: tokens, token_logprobs, top_logprobs (a mapping
+    of token text to log-probability per step) and text_offset (where each token starts in the text)."""
+    if result.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for lp in result.logprobs:
+        offsets.append(at)
+        at += len(_token_text(lp.piece))
+    return {"tokens": [_token_text(lp.piece) for lp in result.logprobs],
+            "token_logprobs": [lp.logprob for lp in result.logprobs],
+            "top_logprobs": [{_token_text(piece): value for _, value, piece in lp.top} for lp in result.logprobs],
+            "text_offset": offsets}
 
 
 def include_usage(body: Mapping[str, Any]) -> bool:
@@ -203,14 +268,16 @@ class Reply:
 def completion(result: Result, reply: Reply) -> dict[str, Any]:
     """A /v1/completions response."""
     return {**reply.head("text_completion"),
-            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}],
+            "choices": [{"index": 0, "text": result.text, "logprobs": completion_logprobs(result),
+                         "finish_reason": finish_reason(result)}],
             "usage": usage(result)}
 
 
-def completion_chunk(text: str, reply: Reply, finish: str | None = None) -> dict[str, Any]:
-    """One streamed piece of a completion."""
+def completion_chunk(text: str, reply: Reply, finish: str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece of a completion (``logprobs``: completion_logprobs of the tokens it carries)."""
     return {**reply.head("text_completion"),
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def chat_message(message: ChatMessage) -> dict[str, Any]:
@@ -240,14 +307,16 @@ def chat_completion(message: ChatMessage, result: Result, reply: Reply) -> dict[
     """A /v1/chat/completions response."""
     return {**reply.head("chat.completion"),
             "choices": [{"index": 0, "message": chat_message(message),
-                         "finish_reason": finish_reason(result, bool(message.tool_calls)), "logprobs": None}],
+                         "finish_reason": finish_reason(result, bool(message.tool_calls)),
+                         "logprobs": chat_logprobs(result)}],
             "usage": usage(result)}
 
 
-def chat_chunk(delta: dict[str, Any], reply: Reply, finish: str | None = None) -> dict[str, Any]:
-    """One streamed delta of a chat completion."""
+def chat_chunk(delta: dict[str, Any], reply: Reply, finish: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed delta of a chat completion (``logprobs``: chat_logprobs of the tokens it carries)."""
     return {**reply.head("chat.completion.chunk"),
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
 
 def sse(data: Mapping[str, Any] | str) -> bytes:
@@ -288,12 +357,21 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def tools_of(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
     """A chat request's tools and tool_choice ("auto", "none", "required"). A named tool
-    ({"type": "function", "function": {"name": ...}}) is "required" over that tool alone."""
+    ({"type": "function", "function": {"name": ...}}) is "required" over that tool alone. With "none" the
+    tools are not offered at all (no tools: the prompt does not describe them, and nothing constrains or
+    parses the reply for calls), as OpenAI's model does not call them. A forced call (required or named)
+    without tools is refused."""
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
         raise APIError(400, "tools must be a list of tool objects", param="tools")
     tools = list(tools) if tools else None
     choice = body.get("tool_choice", "auto")
+    if choice is None:
+        choice = "auto"
+    if choice == "required" and not tools:
+        raise APIError(400, 'tool_choice "required" needs tools', param="tool_choice")
+    if choice == "none":
+        return None, "none"
     if isinstance(choice, Mapping):
         wanted = choice.get("function")
         name = wanted.get("name") if isinstance(wanted, Mapping) else None
@@ -305,3 +383,14 @@ def tools_of(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str]
     if not isinstance(choice, str) or choice not in ("auto", "none", "required"):
         raise APIError(400, 'tool_choice is "auto", "none", "required" or a named function', param="tool_choice")
     return tools, choice
+
+
+def parallel_tool_calls(body: Mapping[str, Any]) -> bool:
+    """A chat request's parallel_tool_calls (default true, as OpenAI's): whether a reply may make more than
+    one tool call. APIError for a value that is not a boolean."""
+    value = body.get("parallel_tool_calls")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise APIError(400, "parallel_tool_calls is true or false", param="parallel_tool_calls")
+    return value
