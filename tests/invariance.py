@@ -16,6 +16,12 @@ from lloyal_pool import Model
 INVARIANCE = 1.0
 
 
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    """The reference log-probabilities of a logits row, in float64."""
+    z = np.asarray(z, dtype=np.float64)
+    return z - np.logaddexp.reduce(z)
+
+
 def reference(model: Model, prompt: str | list[int], n: int) -> tuple[list[int], list[float]]:
     """Greedy tokens of prompt decoded alone (a branch on a context of its own: the sampler generate
     uses), with the margin between the best two logits at each step."""

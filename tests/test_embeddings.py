@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 from conftest import CACHE
+from invariance import log_softmax
 from tinymodel import tiny_model_path
 
 from lloyal_pool import (
@@ -229,11 +230,6 @@ DOCS = ["Paris is the capital of France.", "Bananas are rich in potassium.", "Th
 QUERY = "Where is Paris?"
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    return x - np.logaddexp.reduce(x)
-
-
 def _query_likelihood_by_hand(model: Model, query: str, doc: str) -> float:
     """The definition, with eval and logits one token at a time: the mean log-probability of the
     query's tokens after the prompt holding the document."""
@@ -246,7 +242,7 @@ def _query_likelihood_by_hand(model: Model, query: str, doc: str) -> float:
         ctx.eval(full[:k])
         total = 0.0
         for t in full[k:]:
-            total += float(_log_softmax(ctx.logits(copy=True))[t])
+            total += float(log_softmax(ctx.logits(copy=True))[t])
             ctx.eval([t])
         return total / (len(full) - k)
     finally:

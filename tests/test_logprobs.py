@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from invariance import INVARIANCE
+from invariance import INVARIANCE, log_softmax
 
 from lloyal_pool import Context, GenerateParams, InvalidArgumentError, Model
 
@@ -21,12 +21,6 @@ def ctx(gemma: Model) -> Iterator[Context]:
     c = gemma.new_context(n_ctx=512, n_seq_max=4)
     yield c
     c.close()
-
-
-def _log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64)
-    m = z.max()
-    return z - (m + np.log(np.exp(z - m).sum()))
 
 
 def _rows(ctx: Context, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
@@ -48,7 +42,7 @@ def test_generate_reports_the_log_softmax_of_each_step(ctx: Context, other_ctx: 
     r = ctx.generate(prompt, params, n_predict=10, ignore_eos=True, logprobs=5)
     assert r.logprobs is not None and [lp.token for lp in r.logprobs] == r.tokens
     for lp, z in zip(r.logprobs, _rows(other_ctx, prompt, r.tokens), strict=True):
-        want = _log_softmax(z)
+        want = log_softmax(z)
         assert lp.logprob == pytest.approx(want[lp.token], abs=1e-3)
         assert lp.piece == ctx.model.token_to_piece(lp.token)
         assert len(lp.top) == 5 and [t for t, _, _ in lp.top] == sorted(
@@ -90,7 +84,7 @@ def test_batched_requests_report_them_too(gemma: Model, other_ctx: Context) -> N
         assert r.logprobs is not None and [lp.token for lp in r.logprobs] == r.tokens
         rows = _rows(other_ctx, gemma.tokenize(prompt), r.tokens)
         for lp, z in zip(r.logprobs, rows, strict=True):
-            want = _log_softmax(z)
+            want = log_softmax(z)
             # Rows decoded beside another request move by up to the invariance bound.
             assert lp.logprob == pytest.approx(want[lp.token], abs=INVARIANCE)
             assert len(lp.top) == 3 and all(v == pytest.approx(want[t], abs=INVARIANCE) for t, v, _ in lp.top)

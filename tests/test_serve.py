@@ -17,7 +17,7 @@ import openai
 import pytest
 from browser import Browser, find_chromium
 from chatformats import HERMES, WEATHER
-from invariance import INVARIANCE, reference
+from invariance import INVARIANCE, log_softmax, reference
 from served import PATIENCE, TEMPLATE, Served, chat_with_the_serve_command
 
 from lloyal_pool import Model, Pool, Result, StopReason
@@ -288,11 +288,6 @@ def test_what_the_server_cannot_give_is_refused_by_name(served: Served, route: s
     assert again.status_code == 200, again.text
 
 
-def _log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64)
-    return z - (z.max() + np.log(np.exp(z - z.max()).sum()))
-
-
 def test_logprobs_in_chat_and_completions(served: Served, spool: Pool) -> None:
     client = served.client()
     chat = client.chat.completions.create(model="x", max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
@@ -317,7 +312,7 @@ def test_logprobs_in_chat_and_completions(served: Served, spool: Pool) -> None:
     ctx = model.new_context(n_ctx=128)
     try:
         ctx.eval("The capital of France is")
-        want = _log_softmax(ctx.logits(copy=True))
+        want = log_softmax(ctx.logits(copy=True))
     finally:
         ctx.close()
     first = model.tokenize(lp.tokens[0], add_special=False)
