@@ -34,8 +34,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import msgspec
 
@@ -51,7 +51,16 @@ from .errors import (
     StaleHandleError,
     WorkerError,
 )
-from .params import GenerateParams, Result, SamplerParams, StopReason, TokenLogprob, whole, wire_prompt
+from .params import (
+    MAX_SEED,
+    GenerateParams,
+    Result,
+    SamplerParams,
+    StopReason,
+    TokenLogprob,
+    whole,
+    wire_prompt,
+)
 from .routing import AFFINITY_TOKENS
 from .scheduler import Decode, Job, Placement, Scheduler
 from .stream import Stream
@@ -196,15 +205,36 @@ class Batcher:
         """Queues a generation; it starts when a slot is free. ``prompt`` is text (the model's BOS is
         added, as generate does) or token ids."""
         gen = GenerateParams.of(params, overrides)
+        req = self._request(self.tokens(prompt), gen, on_piece)
+        self._enqueue([req])
+        return BatchRequest(req.future, req.cancel)
+
+    def submit_many(self, prompt: str | Sequence[int], params: GenerateParams | None = None, n: int = 1, *,
+                    on_piece: Callable[[int, str], None] | None = None, **overrides: Any) -> list[BatchRequest]:
+        """``n`` choices of one prompt (OpenAI's ``n``), queued together: the prompt is decoded once and
+        its cells shared with the other choices' slots (Scheduler.admit). Choice i draws with the seed
+        choice_params gives it, so choices differ at temperature > 0 and the same call replays them.
+        ``on_piece(i, piece)`` gets choice i's pieces. InvalidArgumentError when n is not in [1, slots]."""
+        gen = GenerateParams.of(params, overrides)
+        n = whole(n, "n")
+        if not 1 <= n <= self.slots:
+            raise InvalidArgumentError(f"n={n} choices need as many slots; this batcher has {self.slots}")
+        if on_piece is not None and not callable(on_piece):
+            raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
         tokens = self.tokens(prompt)
+        reqs = [self._request(list(tokens), choice_params(gen, i),
+                              None if on_piece is None else _choice_pieces(on_piece, i)) for i in range(n)]
+        self._enqueue(reqs)
+        return [BatchRequest(r.future, r.cancel) for r in reqs]
+
+    def _request(self, tokens: list[int], gen: GenerateParams, on_piece: Callable[[str], None] | None) -> _Request:
         if len(tokens) >= self.n_ctx_slot:
             raise ContextOverflowError(f"the prompt has {len(tokens)} tokens; a batched request has room for "
                                        f"{self.n_ctx_slot} (n_ctx_slot), generated tokens included")
         if on_piece is not None and not callable(on_piece):
             raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
-        req = _Request(tokens, gen.n_predict, params=gen, output=_Output(on_piece), future=running())
-        self._enqueue(req)
-        return BatchRequest(req.future, req.cancel)
+        return _Request(tokens, gen.n_predict, priority=gen.priority, params=gen, output=_Output(on_piece),
+                        future=running())
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
@@ -313,8 +343,11 @@ class Batcher:
                 req.future.set_exception(exc)
 
     def _place(self, req: _Request, placement: Placement) -> None:
-        ctx, seq, keep = self.context, placement.slot.seq, placement.keep
-        if keep < len(placement.slot.tokens) and not ctx.kv.remove(seq, keep, -1):
+        ctx, seq, keep, source = self.context, placement.slot.seq, placement.keep, placement.source
+        if source is not None:
+            ctx.kv.remove(seq, 0, -1)
+            ctx.kv.copy(source.seq, seq, 0, keep)
+        elif keep < len(placement.slot.tokens) and not ctx.kv.remove(seq, keep, -1):
             keep = 0
             ctx.kv.remove(seq, 0, -1)
         self._plan.placed(placement, keep)
@@ -425,14 +458,17 @@ class Batcher:
             if successor is None or successor is self:
                 req.future.set_exception(self._closed_error())
             else:
-                successor._enqueue(req)
+                successor._enqueue([req])
 
-    def _enqueue(self, req: _Request) -> None:
-        req.wake = self._wake
+    def _enqueue(self, reqs: Sequence[_Request]) -> None:
+        # Under one lock: choices of one prompt reach the queue together, so the first one's prefill is
+        # what the others copy.
         with self._lock:
             if self._closed is not None:
                 raise self._closed_error()
-            self._plan.submit(req)
+            for req in reqs:
+                req.wake = self._wake
+                self._plan.submit(req)
         self._wake.set()
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -444,13 +480,47 @@ class Batcher:
             req.branch = None
 
 
+def _wait_all(handles: Sequence[BatchRequest], timeout: float | None) -> list[Result]:
+    """Every handle's Result within one ``timeout``; when it passes, all are interrupted (CallTimeoutError
+    carrying the first unfinished one's partial Result)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        return [wait(h.future, None if deadline is None else max(0.0, deadline - time.monotonic()), h.interrupt,
+                     "generate") for h in handles]
+    except BaseException:
+        for h in handles:
+            h.interrupt()
+        raise
+
+
+def choice_params(gen: GenerateParams, i: int) -> GenerateParams:
+    """The params of choice ``i`` of a request for several (n, best_of): seed + i, wrapping past MAX_SEED."""
+    return gen if i == 0 else replace(gen, seed=(gen.seed + i) % (MAX_SEED + 1))
+
+
+def _choice_pieces(on_piece: Callable[[int, str], None], i: int) -> Callable[[str], None]:
+    return lambda piece: on_piece(i, piece)
+
+
+def best_choices(results: Sequence[Result], n: int) -> list[Result]:
+    """The ``n`` results whose tokens have the highest mean log-probability (OpenAI's ``best_of``: "the
+    highest log probability per token"), best first. Each needs its logprobs (GenerateParams.logprobs=0
+    or more); one without tokens ranks last."""
+    def mean(r: Result) -> float:
+        if r.logprobs is None:
+            raise InvalidArgumentError("best_choices ranks by log-probability: generate with logprobs=0 or more")
+        return sum(t.logprob for t in r.logprobs) / len(r.logprobs) if r.logprobs else float("-inf")
+
+    return sorted(results, key=mean, reverse=True)[:n]
+
+
 def _req(job: Job) -> _Request:
     """A scheduler's job back as the request the batcher gave it (every job it holds is one)."""
     assert isinstance(job, _Request)
     return job
 
 
-__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher"]
+__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher", "best_choices", "choice_params"]
 
 
 class BatchedCalls:
@@ -470,15 +540,53 @@ class BatchedCalls:
         batcher, tokens = self._route(model, prompt)
         return batcher.submit(tokens, gen, on_piece=on_piece)
 
+    def submit_many(self, prompt: str | Sequence[int], params: GenerateParams | None = None, n: int = 1, *,
+                    model: Model | str | None = None, on_piece: Callable[[int, str], None] | None = None,
+                    **overrides: Any) -> list[BatchRequest]:
+        """``n`` choices of one prompt on one batcher (Batcher.submit_many): its prompt decoded once."""
+        gen = GenerateParams.of(params, overrides)
+        batcher, tokens = self._route(model, prompt)
+        return batcher.submit_many(tokens, gen, n, on_piece=on_piece)
+
+    @overload
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
-                 timeout: float | None = None, **overrides: Any) -> Result:
+                 timeout: float | None = None, n: None = None, best_of: None = None, **overrides: Any) -> Result: ...
+
+    @overload
+    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                 model: Model | str | None = None, on_piece: Callable[[int, str], None] | None = None,
+                 timeout: float | None = None, n: int, best_of: int | None = None,
+                 **overrides: Any) -> list[Result]: ...
+
+    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                 model: Model | str | None = None, on_piece: Callable[..., None] | None = None,
+                 timeout: float | None = None, n: int | None = None, best_of: int | None = None,
+                 **overrides: Any) -> Result | list[Result]:
         """An independent generation, batched with the others running on the model (continuous
         batching): the same Result as Context.generate on a fresh context. ``timeout`` interrupts it
-        (CallTimeoutError carrying the partial Result)."""
+        (CallTimeoutError carrying the partial Result).
+
+        With ``n``: a list of n choices of the prompt (submit_many; ``on_piece(i, piece)``). ``best_of``
+        (>= n): that many are generated and the n with the highest mean token log-probability returned,
+        best first (best_choices); their logprobs are kept only if params asked for them."""
         check_timeout(timeout)
-        handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
-        return wait(handle.future, timeout, handle.interrupt, "generate")
+        if n is None:
+            if best_of is not None:
+                raise InvalidArgumentError("best_of ranks several choices: give n too")
+            handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
+            return wait(handle.future, timeout, handle.interrupt, "generate")
+        gen = GenerateParams.of(params, overrides)
+        if best_of is None or best_of == n:
+            handles = self.submit_many(prompt, gen, n, model=model, on_piece=on_piece)
+            return _wait_all(handles, timeout)
+        if whole(best_of, "best_of") < n:
+            raise InvalidArgumentError(f"best_of ({best_of}) must be at least n ({n})")
+        if on_piece is not None:
+            raise InvalidArgumentError("best_of picks choices once they have ended: nothing to stream")
+        ranked = replace(gen, logprobs=gen.logprobs or 0)
+        best = best_choices(_wait_all(self.submit_many(prompt, ranked, best_of, model=model), timeout), n)
+        return best if gen.logprobs is not None else [msgspec.structs.replace(r, logprobs=None) for r in best]
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                model: Model | str | None = None, timeout: float | None = None, **overrides: Any) -> Stream:

@@ -246,10 +246,15 @@ class GenerateParams(SamplerParams):
     # N in [0, 20]: Result.logprobs gives each generated token's log-probability and its N most likely
     # alternatives (TokenLogprob); None: none.
     logprobs: int | None = None
+    # Batched requests (Batcher, Instance/Pool.generate): lower values are admitted to a slot first, equal
+    # ones in order of arrival; a running request is never preempted. A context's own generate has no
+    # queue and ignores it.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         whole(self.n_predict, "n_predict")
+        whole(self.priority, "priority")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidArgumentError(f"logprobs is an int in [0, {MAX_LOGPROBS}] (alternatives per token) or "
@@ -269,6 +274,7 @@ class GenerateParams(SamplerParams):
         """The fields as the plain dict a request carries to the worker (the grammar as GBNF text or
         Grammar.to_wire())."""
         out = super().to_wire()
+        del out["priority"]  # the client's queue: the worker never sees it
         out["logit_bias"] = dict(logit_bias_pairs(self.logit_bias))
         out["stop"] = list(self.stop)
         out["grammar"] = self.grammar.to_wire() if isinstance(self.grammar, Grammar) else self.grammar

@@ -44,7 +44,7 @@ from . import protocol as p
 from ._aio import closed_in_thread
 from ._embedder import Embedder
 from ._futures import running
-from .batching import BatchedCalls, BatchRequest
+from .batching import BatchedCalls, BatchRequest, choice_params
 from .chat import ChatMessage
 from .errors import (
     InvalidArgumentError,
@@ -493,6 +493,23 @@ class RayPool(BatchedCalls, Subscribers):
 
         return BatchRequest(future, interrupt)
 
+    def submit_many(self, prompt: str | Sequence[int], params: GenerateParams | None = None, n: int = 1, *,
+                    model: Model | str | None = None, on_piece: Callable[[int, str], None] | None = None,
+                    **overrides: Any) -> list[BatchRequest]:
+        """``n`` choices of one prompt (seeds as choice_params gives them), each sent as its own request:
+        the router keeps a prompt where it went last, so they meet on one actor, whose batcher decodes
+        the prompt once for all that arrive together."""
+        gen = GenerateParams.of(params, overrides)
+        if whole(n, "n") < 1:
+            raise InvalidArgumentError(f"n must be at least 1, got {n}")
+        if on_piece is not None and not callable(on_piece):
+            raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
+
+        def pieces(i: int) -> Callable[[str], None] | None:
+            return None if on_piece is None else lambda piece: on_piece(i, piece)
+
+        return [self.submit(prompt, choice_params(gen, i), model=model, on_piece=pieces(i)) for i in range(n)]
+
     def _pump(self, member: RayWorker, rid: str, prompt: str | list[int], gen: GenerateParams,
               on_piece: Callable[[str], None] | None, future: Future[Result]) -> None:
         try:
@@ -548,6 +565,10 @@ class _RayBackend:
     def submit(self, prompt: str | list[int], gen: GenerateParams,
                on_piece: Callable[[str], None] | None) -> BatchRequest:
         return self.pool.submit(prompt, gen, on_piece=on_piece)
+
+    def submit_many(self, prompt: str | list[int], gen: GenerateParams, n: int,
+                    on_piece: Callable[[int, str], None] | None) -> list[BatchRequest]:
+        return self.pool.submit_many(prompt, gen, n, on_piece=on_piece)
 
     def format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str) -> p.ChatPrompt:

@@ -5,7 +5,8 @@ token streams.
 
 One iteration of the loop:
 
-    admit()          waiting jobs into free slots, each where the longest prefix of its prompt is cached
+    admit()          waiting jobs into free slots, highest priority first, each with the longest prefix of
+                     its prompt any slot holds (its own cells, or another slot's cells to copy)
     placed(...)      the loop has set up the slot's sequence: the job's prompt minus what it kept is to do
     step()           the jobs in slots: interrupted ones end; the others sample or prefill
     sampled(...)     each sampled token's verdict: the job ends (StopReason) or goes on with it
@@ -33,6 +34,7 @@ class Job:
     n_cached: int = 0
     n_decoded: int = 0
     cancelled: bool = False
+    priority: int = 0  # lower goes first; equal priorities in order of arrival
 
 
 @dataclass(eq=False)
@@ -46,11 +48,14 @@ class Slot:
 
 @dataclass(frozen=True)
 class Placement:
-    """A job admitted into a slot: the slot's sequence keeps its first ``keep`` cells (drop the rest)."""
+    """A job admitted into a slot: the slot's sequence keeps its first ``keep`` cells (drop the rest),
+    or, when ``source`` is another slot, holds nothing of its own but a copy of the source's first
+    ``keep`` cells (llama_memory_seq_cp: the cells are shared, not decoded or duplicated)."""
 
     job: Job
     slot: Slot
     keep: int
+    source: Slot | None = None
 
 
 @dataclass
@@ -96,8 +101,15 @@ class Scheduler:
         return [s.job for s in self.slots if s.job is not None]
 
     def affinity(self, prompt: Sequence[int]) -> int:
-        """The longest prefix of prompt a free slot holds (0 when no slot is free)."""
-        return max((common_prefix(s.tokens, prompt) for s in self.slots if s.job is None), default=0)
+        """The longest prefix of prompt a job admitted now would not decode (0 when no slot is free): what
+        any slot holds, or a running job's prompt will hold once it is in."""
+        if all(s.job is not None for s in self.slots):
+            return 0
+        return max(max(common_prefix(s.tokens, prompt) for s in self.slots), self._coming(prompt))
+
+    def _coming(self, prompt: Sequence[int]) -> int:
+        # What the running jobs' prompts share with prompt: held already, or being prefilled now.
+        return max((common_prefix(j.prompt, prompt) for j in self.running()), default=0)
 
     # -- admission -----------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -110,27 +122,47 @@ class Scheduler:
         return gone
 
     def admit(self) -> list[Placement]:
-        """Waiting jobs into free slots, first come first served, each into the free slot that holds the
-        longest prefix of its prompt. A prefix shorter than AFFINITY_TOKENS is not kept: every text
-        prompt shares its BOS, and a cell or two kept wherever the slot's last job put it makes every
-        decode attend further (a 1024-token prefill took 2.5% longer, measured). The whole prompt is
-        never kept: its last token is decoded again, for the logits of the job's first choice."""
+        """Waiting jobs into free slots, by priority and then first come first served. A job's prefix is
+        taken from wherever it is longest: the free slot it goes to (its own cells, kept), or any other
+        slot, free or running (its cells copied, which costs no decode). A job whose prefix a running job
+        is prefilling right now (a burst with one preamble, n choices of one prompt) waits for that
+        prefill and copies it, rather than decoding the same tokens beside it; jobs behind it go first.
+
+        A prefix shorter than AFFINITY_TOKENS is not kept: every text prompt shares its BOS, and a cell or
+        two kept wherever the slot's last job put it makes every decode attend further (a 1024-token
+        prefill took 2.5% longer, measured). The whole prompt is never kept: its last token is decoded
+        again, for the logits of the job's first choice."""
         free = [s for s in self.slots if s.job is None]
         out: list[Placement] = []
-        while self.waiting and free:
-            job = self.waiting.pop(0)
+        # A slot placed in this call holds what it will keep only once the loop has placed it: it is no
+        # source yet (its job's prompt counts as coming).
+        taken: list[Slot] = []
+        for job in sorted(self.waiting, key=lambda j: j.priority):  # stable: arrival order within one
+            if not free:
+                break
+            limit = len(job.prompt) - 1
             slot = max(free, key=lambda s: common_prefix(s.tokens, job.prompt))
+            own = min(common_prefix(slot.tokens, job.prompt), limit)
+            source = max((s for s in self.slots if s is not slot and s not in taken), default=None,
+                         key=lambda s: common_prefix(s.tokens, job.prompt))
+            shared = 0 if source is None else min(common_prefix(source.tokens, job.prompt), limit)
+            if min(self._coming(job.prompt), limit) - max(own, shared) >= AFFINITY_TOKENS:
+                continue  # a running job is decoding this prefix: copy it once it is in
+            self.waiting.remove(job)
             free.remove(slot)
+            taken.append(slot)
             slot.job, job.slot = job, slot
-            keep = min(common_prefix(slot.tokens, job.prompt), len(job.prompt) - 1)
-            out.append(Placement(job, slot, keep if keep >= AFFINITY_TOKENS else 0))
+            if shared > own and shared >= AFFINITY_TOKENS:
+                out.append(Placement(job, slot, shared, source))
+            else:
+                out.append(Placement(job, slot, own if own >= AFFINITY_TOKENS else 0))
         return out
 
     def placed(self, placement: Placement, kept: int) -> None:
-        """The slot's sequence now holds its first ``kept`` cells (``placement.keep``, or 0 when they
-        could not be kept): the rest of the job's prompt is to prefill."""
+        """The slot's sequence now holds the first ``kept`` cells of the job's prompt (``placement.keep``,
+        or 0 when they could not be kept or copied): the rest of the prompt is to prefill."""
         job, slot = placement.job, placement.slot
-        del slot.tokens[kept:]
+        slot.tokens = job.prompt[:kept]
         job.n_cached = kept
         job.todo = job.prompt[kept:]
 

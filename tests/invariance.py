@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lloyal_pool import Model
+from lloyal_pool import Context, Model
 
 INVARIANCE = 1.0
 
@@ -49,3 +49,15 @@ def assert_same_within_invariance(got: list[int], want: list[int], margins: list
     n = min(n, len(want))
     assert got[:n] == want[:n], (got, want, margins)
     return n
+
+
+def rows(ctx: Context, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
+    """The logits each of tokens was chosen from: the prompt decoded alone on ctx's sequence 0, then each
+    token, as generate does (teacher-forced: no greedy divergence to reason about). Leaves ctx empty."""
+    ctx.decode(prompt, 0, 0)
+    out = []
+    for i, tok in enumerate(tokens):
+        out.append(ctx.logits(copy=True))
+        ctx.decode([tok], len(prompt) + i, 0)
+    ctx.reset()
+    return out

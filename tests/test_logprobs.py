@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from invariance import INVARIANCE, log_softmax
+from invariance import INVARIANCE, log_softmax, rows
 
 from lloyal_pool import Context, GenerateParams, InvalidArgumentError, Model
 
@@ -23,17 +23,6 @@ def ctx(gemma: Model) -> Iterator[Context]:
     c.close()
 
 
-def _rows(ctx: Context, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
-    """The logits each of tokens was chosen from: the prompt decoded, then each token, as generate does."""
-    ctx.decode(prompt, 0, 0)
-    rows = []
-    for i, tok in enumerate(tokens):
-        rows.append(ctx.logits(copy=True))
-        ctx.decode([tok], len(prompt) + i, 0)
-    ctx.reset()
-    return rows
-
-
 @pytest.mark.parametrize("params", [GenerateParams(), GenerateParams(temperature=0.9, top_k=40, seed=5)],
                          ids=["greedy", "sampled"])
 def test_generate_reports_the_log_softmax_of_each_step(ctx: Context, other_ctx: Context,
@@ -41,7 +30,7 @@ def test_generate_reports_the_log_softmax_of_each_step(ctx: Context, other_ctx: 
     prompt = ctx.model.tokenize(PROMPT)
     r = ctx.generate(prompt, params, n_predict=10, ignore_eos=True, logprobs=5)
     assert r.logprobs is not None and [lp.token for lp in r.logprobs] == r.tokens
-    for lp, z in zip(r.logprobs, _rows(other_ctx, prompt, r.tokens), strict=True):
+    for lp, z in zip(r.logprobs, rows(other_ctx, prompt, r.tokens), strict=True):
         want = log_softmax(z)
         assert lp.logprob == pytest.approx(want[lp.token], abs=1e-3)
         assert lp.piece == ctx.model.token_to_piece(lp.token)
@@ -82,8 +71,7 @@ def test_batched_requests_report_them_too(gemma: Model, other_ctx: Context) -> N
         batcher.close()
     for prompt, r in zip(prompts, results, strict=True):
         assert r.logprobs is not None and [lp.token for lp in r.logprobs] == r.tokens
-        rows = _rows(other_ctx, gemma.tokenize(prompt), r.tokens)
-        for lp, z in zip(r.logprobs, rows, strict=True):
+        for lp, z in zip(r.logprobs, rows(other_ctx, gemma.tokenize(prompt), r.tokens), strict=True):
             want = log_softmax(z)
             # Rows decoded beside another request move by up to the invariance bound.
             assert lp.logprob == pytest.approx(want[lp.token], abs=INVARIANCE)

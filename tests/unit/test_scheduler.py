@@ -19,6 +19,11 @@ EOG = -1  # what a fake stream yields to end generation
 def admit_all(sched: Scheduler, kept: Callable[[int], int] = lambda keep: keep) -> None:
     """What the batcher's loop does with each placement: the sequence keeps what was asked (or less)."""
     for placement in sched.admit():
+        source = placement.source
+        if source is not None:  # the copy is sound: the source holds those cells of this prompt
+            keep = placement.keep
+            assert source is not placement.slot and len(source.tokens) >= keep
+            assert source.tokens[:keep] == placement.job.prompt[:keep]
         sched.placed(placement, kept(placement.keep))
 
 
@@ -65,6 +70,10 @@ def run(sched: Scheduler, streams: dict[int, list[int]], jobs: list[Job],
             decodes.append(decode)
         for slot in sched.slots:  # invariants of every iteration
             assert slot.job is None or slot.job.slot is slot
+            if slot.job is not None:  # the slot holds the job's prompt so far, then what it generated
+                job = slot.job
+                n_in = len(job.prompt) - len(job.todo)
+                assert slot.tokens[:n_in] == job.prompt[:n_in] and (not job.todo or len(slot.tokens) == n_in)
             assert len(slot.tokens) <= sched.n_ctx_slot
     return ends, decodes
 
@@ -203,6 +212,81 @@ def test_a_released_slot_keeps_its_cells_for_the_next_job_unless_they_were_lost(
     sched.placed(placement, placement.keep)
     sched.release(again, cells_kept=False)
     assert sched.slots[0].tokens == [] and sched.slots[0].job is None
+
+
+def prefilled(decodes: list[Decode]) -> int:
+    """Prompt tokens the decodes took."""
+    return sum(len(part) for d in decodes for _, part in d.parts)
+
+
+def test_a_job_copies_the_longest_prefix_another_slot_holds_running_or_free() -> None:
+    sched = Scheduler([0, 1, 2], n_ctx_slot=256, chunk=64)
+    base = prompt(40)
+    running = Job(base[:35] + [7, 7])
+    sched.submit(running)
+    admit_all(sched)
+    sched.decoded(Decode([], [(running, running.todo)]))
+    sched.slots[2].tokens = base[:20]  # a free slot with less of it
+    job = Job(base)
+    sched.submit(job)
+    [placement] = sched.admit()
+    assert placement.source is running.slot and placement.keep == 35
+    assert placement.slot is not running.slot
+    sched.placed(placement, placement.keep)
+    assert job.n_cached == 35 and job.todo == base[35:] and placement.slot.tokens == base[:35]
+    assert sched.affinity(base + [1]) == 40  # what a next job would take from the slots
+
+
+def test_a_burst_with_one_preamble_decodes_it_once() -> None:
+    sched = Scheduler(list(range(4)), n_ctx_slot=256, chunk=512)
+    preamble = prompt(60)
+    jobs = [Job(preamble + prompt(5, 1000 * (i + 1))) for i in range(4)]
+    streams = {id(j): [1, 2, EOG] for j in jobs}
+    ends, decodes = run(sched, streams, jobs)
+    assert all(reason == StopReason.EOS for reason in ends.values())
+    # The first job prefills the preamble alone; the others wait a step, copy it and decode their own tails.
+    assert [j for j, _ in decodes[0].parts] == [jobs[0]]
+    assert prefilled(decodes) == len(preamble) + 4 * 5
+    assert [j.n_cached for j in jobs] == [0, 60, 60, 60]
+
+
+def test_n_choices_of_one_prompt_decode_it_once_and_jobs_behind_them_do_not_wait() -> None:
+    sched = Scheduler(list(range(4)), n_ctx_slot=256, chunk=512)
+    same = prompt(30)
+    choices = [Job(list(same)) for _ in range(3)]
+    other = Job(prompt(10, 5000))
+    streams = {id(j): [1, EOG] for j in [*choices, other]}
+    _, decodes = run(sched, streams, [*choices, other])
+    assert {id(j) for j, _ in decodes[0].parts} == {id(choices[0]), id(other)}
+    assert prefilled(decodes) == len(same) + 2 * 1 + 10  # every choice decodes the prompt's last token again
+    assert [j.n_cached for j in choices] == [0, 29, 29]
+
+
+def test_a_job_whose_prefix_is_short_does_not_wait_for_it() -> None:
+    sched = Scheduler([0, 1], n_ctx_slot=256, chunk=512)
+    a, b = Job(prompt(AFFINITY_TOKENS - 1) + [1]), Job(prompt(AFFINITY_TOKENS - 1) + [2])
+    _, decodes = run(sched, {id(a): [1, EOG], id(b): [1, EOG]}, [a, b])
+    assert {id(j) for j, _ in decodes[0].parts} == {id(a), id(b)}
+
+
+def test_lower_priority_values_are_admitted_first_and_equal_ones_in_order_of_arrival() -> None:
+    sched = Scheduler([0], n_ctx_slot=64, chunk=8)
+    jobs = [Job(prompt(3, 100 * i), priority=p) for i, p in enumerate([0, 5, -1, 0])]
+    order: list[Job] = []
+    original = sched.admit
+
+    def admit() -> list:
+        placements = original()
+        order.extend(p.job for p in placements)
+        return placements
+
+    sched.admit = admit  # type: ignore[method-assign]
+    streams = {id(j): [1, EOG] for j in jobs}
+    for job in jobs[1:]:
+        sched.submit(job)
+    run(sched, streams, [], arrivals={0: [], 1: [jobs[0]]})
+    # jobs[1..3] arrive first; jobs[0] arrives while jobs[2] (priority -1) runs and passes jobs[1] (5).
+    assert order == [jobs[2], jobs[3], jobs[0], jobs[1]]
 
 
 def test_what_a_dead_worker_hands_over_is_every_job_that_produced_nothing() -> None:
