@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -47,6 +47,7 @@ from .errors import (
     ContextOverflowError,
     InvalidArgumentError,
     LloyalError,
+    LoraError,
     PoolClosedError,
     StaleHandleError,
     WorkerError,
@@ -67,6 +68,7 @@ from .stream import Stream
 
 if TYPE_CHECKING:
     from .context import Context
+    from .lora import LoraAdapter
     from .model import Model
 
 _log = logging.getLogger("lloyal_pool.batching")
@@ -126,6 +128,7 @@ class _Request(Job):
     decode_ms: float = 0.0
     wake: threading.Event | None = None  # the loop of the batcher that holds it
     logprobs: list[TokenLogprob] | None = None  # params.logprobs: one per token handed out
+    lora: list[tuple[LoraAdapter, float]] | None = None  # params.lora resolved; None: no adapter
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -233,8 +236,11 @@ class Batcher:
                                        f"{self.n_ctx_slot} (n_ctx_slot), generated tokens included")
         if on_piece is not None and not callable(on_piece):
             raise InvalidArgumentError(f"on_piece must be callable, got {type(on_piece).__name__}")
-        return _Request(tokens, gen.n_predict, priority=gen.priority, params=gen, output=_Output(on_piece),
-                        future=running())
+        lora = [(self.model.lora(name), float(scale)) for name, scale in gen.lora.items() if scale != 0] or None
+        # Requests under one configuration share decodes and cells: their group is that configuration.
+        group = () if lora is None else tuple(sorted((a._handle, s) for a, s in lora))
+        return _Request(tokens, gen.n_predict, priority=gen.priority, group=group, params=gen,
+                        output=_Output(on_piece), future=running(), lora=lora)
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
@@ -378,9 +384,16 @@ class Batcher:
     def _decode(self, decode: Decode) -> None:
         """One prefill call: the going requests' tokens committed in its first decode, beside the next
         parts of the prompts still to prefill."""
-        ms = self._batched([_req(j) for j in decode.jobs], lambda: self.context.branches.prefill(
+        reqs = [_req(j) for j in decode.jobs]
+        closed = [a for a, _ in reqs[0].lora or () if a.closed]
+        if closed:  # the group's own fault: its requests fail, the batcher goes on
+            for req in reqs:
+                self._fail(req, LoraError(f"the LoRA adapter {closed[0].path} was closed while the request ran"))
+            return
+        ms = self._batched(reqs, lambda: self.context.branches.prefill(
             [(b, part) for j, part in decode.parts if (b := _req(j).branch) is not None],
-            commits=[(b, token) for j, token in decode.commits if (b := _req(j).branch) is not None]))
+            commits=[(b, token) for j, token in decode.commits if (b := _req(j).branch) is not None],
+            lora=reqs[0].lora))  # one group: one configuration
         if ms is None:
             return
         self._plan.decoded(decode)
@@ -502,16 +515,23 @@ def _choice_pieces(on_piece: Callable[[int, str], None], i: int) -> Callable[[st
     return lambda piece: on_piece(i, piece)
 
 
-def best_choices(results: Sequence[Result], n: int) -> list[Result]:
+def ranked_params(gen: GenerateParams) -> GenerateParams:
+    """gen as best_of's candidates run: with their tokens' log-probabilities, which best_choices ranks by."""
+    return gen if gen.logprobs is not None else replace(gen, logprobs=0)
+
+
+def best_choices(results: Sequence[Result], n: int, *, keep_logprobs: bool = True) -> list[Result]:
     """The ``n`` results whose tokens have the highest mean log-probability (OpenAI's ``best_of``: "the
     highest log probability per token"), best first. Each needs its logprobs (GenerateParams.logprobs=0
-    or more); one without tokens ranks last."""
+    or more: ranked_params); one without tokens ranks last. ``keep_logprobs`` False: returned without
+    them (the caller did not ask for them)."""
     def mean(r: Result) -> float:
         if r.logprobs is None:
             raise InvalidArgumentError("best_choices ranks by log-probability: generate with logprobs=0 or more")
         return sum(t.logprob for t in r.logprobs) / len(r.logprobs) if r.logprobs else float("-inf")
 
-    return sorted(results, key=mean, reverse=True)[:n]
+    best = sorted(results, key=mean, reverse=True)[:n]
+    return best if keep_logprobs else [msgspec.structs.replace(r, logprobs=None) for r in best]
 
 
 def _req(job: Job) -> _Request:
@@ -520,14 +540,18 @@ def _req(job: Job) -> _Request:
     return job
 
 
-__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher", "best_choices", "choice_params"]
+__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher", "best_choices", "choice_params",
+           "ranked_params"]
 
 
 class BatchedCalls:
     """generate, stream and their asyncio twins for independent requests, batched by a Batcher: what
     Instance and Pool share. A subclass says which batcher takes a request (``_route``)."""
 
-    def _route(self, model: Model | str | None, prompt: str | Sequence[int]) -> tuple[Batcher, list[int]]:
+    def _route(self, model: Model | str | None, prompt: str | Sequence[int],
+               lora: Iterable[str] = ()) -> tuple[Batcher, list[int]]:
+        # The batcher a request goes to (of a model that has loaded the ``lora`` adapters it names), and
+        # its prompt's tokens.
         raise NotImplementedError
 
     def submit(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
@@ -537,7 +561,7 @@ class BatchedCalls:
         ``interrupt()`` ends it. ``model``: a loaded Model, or a name (its path, file name or stem);
         None: the only model loaded."""
         gen = GenerateParams.of(params, overrides)  # refused before any round trip
-        batcher, tokens = self._route(model, prompt)
+        batcher, tokens = self._route(model, prompt, gen.lora)
         return batcher.submit(tokens, gen, on_piece=on_piece)
 
     def submit_many(self, prompt: str | Sequence[int], params: GenerateParams | None = None, n: int = 1, *,
@@ -545,7 +569,7 @@ class BatchedCalls:
                     **overrides: Any) -> list[BatchRequest]:
         """``n`` choices of one prompt on one batcher (Batcher.submit_many): its prompt decoded once."""
         gen = GenerateParams.of(params, overrides)
-        batcher, tokens = self._route(model, prompt)
+        batcher, tokens = self._route(model, prompt, gen.lora)
         return batcher.submit_many(tokens, gen, n, on_piece=on_piece)
 
     @overload
@@ -584,9 +608,8 @@ class BatchedCalls:
             raise InvalidArgumentError(f"best_of ({best_of}) must be at least n ({n})")
         if on_piece is not None:
             raise InvalidArgumentError("best_of picks choices once they have ended: nothing to stream")
-        ranked = replace(gen, logprobs=gen.logprobs or 0)
-        best = best_choices(_wait_all(self.submit_many(prompt, ranked, best_of, model=model), timeout), n)
-        return best if gen.logprobs is not None else [msgspec.structs.replace(r, logprobs=None) for r in best]
+        generated = _wait_all(self.submit_many(prompt, ranked_params(gen), best_of, model=model), timeout)
+        return best_choices(generated, n, keep_logprobs=gen.logprobs is not None)
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                model: Model | str | None = None, timeout: float | None = None, **overrides: Any) -> Stream:

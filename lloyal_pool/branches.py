@@ -29,6 +29,7 @@ from ._aio import twin
 from ._futures import mapped, running
 from ._link import ContextLink, PromptProgress, events, spread_progress
 from .errors import BadRequestError, BranchError, InvalidArgumentError, LloyalError, StaleHandleError
+from .lora import LoraAdapter, lora_pairs, lora_wire
 from .params import (
     MAX_SEED,
     BranchInfo,
@@ -493,21 +494,26 @@ class BranchStore:
         return mapped(self._link.call(req), self._decoded)
 
     def prefill(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
-                commits: Iterable[tuple[Branch, int]] = (), progress: PromptProgress | None = None) -> float:
+                commits: Iterable[tuple[Branch, int]] = (), progress: PromptProgress | None = None,
+                lora: Sequence[tuple[LoraAdapter, float]] | None = None) -> float:
         """Decodes a token run into each branch, packed into n_batch chunks. All or nothing.
         ``commits``: (branch, token) pairs committed as commit() does, in the first decode beside the
         items (a running generation's next token and a new prompt in one llama_decode); at most n_batch,
         and a branch appears once in the whole call. ``progress(done, total)`` is called after each
-        chunk. Returns the ms spent inside llama_decode."""
-        return self.prefill_async(items, commits=commits, progress=progress).result()
+        chunk. ``lora``: (adapter, scale) pairs these decodes run under instead of the context's
+        configuration (Context.set_lora's checks; LoraError), so that branches on different adapters
+        share one context, decoded in groups; a branch's cells must all come from one configuration,
+        which is the caller's to keep. Returns the ms spent inside llama_decode."""
+        return self.prefill_async(items, commits=commits, progress=progress, lora=lora).result()
 
     def prefill_async(self, items: Iterable[tuple[Branch, Sequence[int] | str]], *,
-                      commits: Iterable[tuple[Branch, int]] = (),
-                      progress: PromptProgress | None = None) -> Future[float]:
+                      commits: Iterable[tuple[Branch, int]] = (), progress: PromptProgress | None = None,
+                      lora: Sequence[tuple[LoraAdapter, float]] | None = None) -> Future[float]:
         """prefill() without waiting: a Future of the ms spent decoding."""
         req = p.Prefill(context=self._link.handle, items=[(self._own(b), self._wire_prompt(t)) for b, t in items],
                         progress=progress is not None,
-                        commits=[(self._own(b), token_id(t, self.n_vocab)) for b, t in commits])
+                        commits=[(self._own(b), token_id(t, self.n_vocab)) for b, t in commits],
+                        loras=None if lora is None else lora_wire(lora_pairs(lora, self._link.proc, "prefill")))
         return mapped(self._link.call(req, events(prompt_progress=spread_progress(progress))), self._decoded)
 
     def step(self, branches: Sequence[Branch]) -> StepResult:

@@ -22,11 +22,10 @@ from .errors import (
     BadRequestError,
     ContextError,
     InvalidArgumentError,
-    LoraError,
     StaleHandleError,
     StateError,
 )
-from .lora import LoraAdapter
+from .lora import LoraAdapter, lora_pairs, lora_wire
 from .params import (
     RERANK_PROMPT,
     BufferMemory,
@@ -391,20 +390,8 @@ class Context:
         branches or detached sequences present it raises LoraError instead and changes nothing (prune
         them or reset() first). LoraError for an adapter of another model, a non-finite scale or one
         adapter twice; StaleHandleError for a closed adapter."""
-        pairs: list[tuple[LoraAdapter, float]] = []
-        for item in adapters:
-            adapter, scale = item
-            if not isinstance(adapter, LoraAdapter):
-                raise BadRequestError(f"set_lora takes (LoraAdapter, scale) pairs, got {type(adapter).__name__}")
-            if adapter.closed:
-                raise StaleHandleError(f"{adapter!r} was closed")
-            if adapter.model._proc is not self._proc:
-                # Handles are numbered per worker: another worker's would name something else here.
-                raise LoraError(f"{adapter!r} was loaded in another worker, for another model: load it with "
-                                f"this context's model")
-            pairs.append((adapter, float(scale)))
-        changed = self._link.call(p.SetLora(context=self.handle, adapters=[
-            (a._handle, s) for a, s in pairs])).result()
+        pairs = lora_pairs(adapters, self._proc, "set_lora")
+        changed = self._link.call(p.SetLora(context=self.handle, adapters=lora_wire(pairs))).result()
         self._lora = pairs
         return changed
 

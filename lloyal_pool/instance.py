@@ -6,7 +6,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -123,7 +123,8 @@ class Instance(BatchedCalls):
                 return m
         raise InvalidArgumentError(f"no model named {model!r} is loaded in worker {self.worker_id}")
 
-    def _route(self, model: Model | str | None, prompt: str | Sequence[int]) -> tuple[Batcher, list[int]]:
+    def _route(self, model: Model | str | None, prompt: str | Sequence[int],
+               lora: Iterable[str] = ()) -> tuple[Batcher, list[int]]:
         batcher = self._model(model).batcher()
         return batcher, batcher.tokens(prompt)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
+from .errors import BadRequestError, LoraError, StaleHandleError
 
 if TYPE_CHECKING:
     from .model import Model
@@ -41,4 +42,28 @@ class LoraAdapter:
         if self.model._proc.alive:
             self.model._proc.call(p.FreeLora(lora=self._handle)).result()
         self._closed = True
+        self.model._loras.discard(self)
 
+
+
+def lora_pairs(adapters: Iterable[tuple[LoraAdapter, float]], proc: Any, call: str) -> list[tuple[LoraAdapter, float]]:
+    """(adapter, scale) pairs checked for a context of the worker ``proc``: BadRequestError for anything but
+    such pairs, StaleHandleError for a closed adapter, LoraError for one loaded in another worker."""
+    pairs: list[tuple[LoraAdapter, float]] = []
+    for item in adapters:
+        adapter, scale = item
+        if not isinstance(adapter, LoraAdapter):
+            raise BadRequestError(f"{call} takes (LoraAdapter, scale) pairs, got {type(adapter).__name__}")
+        if adapter.closed:
+            raise StaleHandleError(f"{adapter!r} was closed")
+        if adapter.model._proc is not proc:
+            # Handles are numbered per worker: another worker's would name something else there.
+            raise LoraError(f"{adapter!r} was loaded in another worker, for another model: load it with this "
+                            f"context's model")
+        pairs.append((adapter, float(scale)))
+    return pairs
+
+
+def lora_wire(pairs: Iterable[tuple[LoraAdapter, float]]) -> list[tuple[int, float]]:
+    """Checked pairs (lora_pairs) as a request carries them: (handle, scale)."""
+    return [(a._handle, s) for a, s in pairs]

@@ -112,7 +112,8 @@ class Model:
         # ... and their links, which outlive a collected Context as long as one of its Branches lives:
         # such a branch must go stale with the model too (its logits block is freed).
         self._links: weakref.WeakSet[ContextLink] = weakref.WeakSet()
-        self._loras: weakref.WeakSet[LoraAdapter] = weakref.WeakSet()  # freed with the model too
+        # Held until closed (a request names one by its name: Model.lora), and freed with the model too.
+        self._loras: set[LoraAdapter] = set()
         self._batcher: Batcher | None = None
         self._serial = next(_model_serials)
         self._batcher_lock = threading.Lock()
@@ -273,6 +274,22 @@ class Model:
         adapter = LoraAdapter(self, loaded.lora, abspath, loaded.alpha, loaded.meta)
         self._loras.add(adapter)
         return adapter
+
+    @property
+    def loras(self) -> list[LoraAdapter]:
+        """The LoRA adapters loaded for this model and not closed, by path."""
+        return sorted((a for a in list(self._loras) if not a.closed), key=lambda a: a.path)
+
+    def lora(self, name: str) -> LoraAdapter:
+        """The loaded adapter ``name`` names: its path, file name or stem (what GenerateParams.lora and the
+        server's ``lora`` field name). InvalidArgumentError when none or several match."""
+        found = [a for a in self.loras
+                 if name in (a.path, os.path.basename(a.path), os.path.splitext(os.path.basename(a.path))[0])]
+        if len(found) != 1:
+            held = ", ".join(os.path.basename(a.path) for a in self.loras) or "none"
+            raise InvalidArgumentError(f"{'no' if not found else 'more than one'} LoRA adapter named {name!r} is "
+                                       f"loaded for {os.path.basename(self.path)} (loaded: {held})")
+        return found[0]
 
     def close(self) -> None:
         """Frees the model, every context created from it and every LoRA adapter loaded for it.

@@ -250,11 +250,22 @@ class GenerateParams(SamplerParams):
     # ones in order of arrival; a running request is never preempted. A context's own generate has no
     # queue and ignores it.
     priority: int = 0
+    # Batched requests: the LoRA adapters this request runs under, by name (an adapter its model loaded:
+    # path, file name or stem) and scale; {}: none. Requests on different adapters share a batcher, decoded
+    # in turns. A context applies its own (Context.set_lora); its generate refuses this field.
+    lora: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         whole(self.n_predict, "n_predict")
         whole(self.priority, "priority")
+        if not isinstance(self.lora, Mapping):
+            raise BadRequestError(f"lora maps adapter names to scales, got {type(self.lora).__name__}")
+        for name, scale in self.lora.items():
+            if not isinstance(name, str) or not name:
+                raise BadRequestError(f"lora maps adapter names (non-empty str) to scales, got the key {name!r}")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+                raise InvalidArgumentError(f"the scale of LoRA adapter {name!r} must be a finite number, got {scale!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidArgumentError(f"logprobs is an int in [0, {MAX_LOGPROBS}] (alternatives per token) or "
@@ -275,6 +286,9 @@ class GenerateParams(SamplerParams):
         Grammar.to_wire())."""
         out = super().to_wire()
         del out["priority"]  # the client's queue: the worker never sees it
+        if out.pop("lora"):
+            raise InvalidArgumentError("GenerateParams.lora chooses adapters for batched requests (Batcher, "
+                                       "Instance/Pool.generate); a context applies its own with set_lora")
         out["logit_bias"] = dict(logit_bias_pairs(self.logit_bias))
         out["stop"] = list(self.stop)
         out["grammar"] = self.grammar.to_wire() if isinstance(self.grammar, Grammar) else self.grammar

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import variants
@@ -292,11 +292,13 @@ class Pool(BatchedCalls, Subscribers):
         self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
         return fresh
 
-    def _route(self, model: Model | str | None, prompt: str | Sequence[int]) -> tuple[Batcher, list[int]]:
+    def _route(self, model: Model | str | None, prompt: str | Sequence[int],
+               lora: Iterable[str] = ()) -> tuple[Batcher, list[int]]:
         if self._closed:
             raise PoolClosedError("the pool is closed")
         if isinstance(model, Model):
             return model.instance._route(model, prompt)
+        adapters = list(lora)
         batchers: list[Batcher] = []
         reasons: list[str] = []
         for inst in self._instances:
@@ -304,7 +306,10 @@ class Pool(BatchedCalls, Subscribers):
                 reasons.append(f"worker {inst.worker_id} is dead")
                 continue
             try:
-                batchers.append(inst._model(model).batcher())
+                chosen = inst._model(model)
+                for name in adapters:  # a worker whose model has not loaded the adapter cannot take it
+                    chosen.lora(name)
+                batchers.append(chosen.batcher())
             except LloyalError as exc:
                 reasons.append(str(exc))
         if not batchers:

@@ -37,7 +37,7 @@ from .chat import ChatMessage
 from .errors import BadRequestError, InvalidArgumentError, ProtocolError
 from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
@@ -567,6 +567,8 @@ class Prefill(ContextRequest[Decoded]):
     items: list[tuple[int, str | list[int]]]  # (branch, tokens or text without BOS)
     progress: bool = False
     commits: list[tuple[int, int]] = []  # (branch, token), committed in the first decode beside the items
+    # (LoRA handle, scale): the adapter configuration of these decodes instead of the context's; None: its own
+    loras: list[tuple[int, float]] | None = None
 
 
 class Step(ContextRequest[Stepped]):

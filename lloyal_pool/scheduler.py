@@ -12,11 +12,17 @@ One iteration of the loop:
     sampled(...)     each sampled token's verdict: the job ends (StopReason) or goes on with it
     decode(...)      ONE decode: the going jobs' tokens, beside a budget of the prompts still to prefill
     decoded(...)     what that decode put in each slot
+
+Jobs belong to groups (``Job.group``: the LoRA configuration a request runs under). One decode runs under
+one configuration, so it takes the jobs of one group; when several groups have work, they take turns,
+the group served longest ago first, and a job whose sampled token waits for its group's turn holds it
+(``pending``) and samples nothing until it is in. Cells are reused and copied within a group only: they
+were computed under its configuration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .params import StopReason
@@ -35,6 +41,8 @@ class Job:
     n_decoded: int = 0
     cancelled: bool = False
     priority: int = 0  # lower goes first; equal priorities in order of arrival
+    group: Hashable = ()  # jobs of one group may share a decode and each other's cells
+    pending: int | None = None  # a sampled token waiting for its group's decode
 
 
 @dataclass(eq=False)
@@ -44,6 +52,7 @@ class Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)  # what its KV sequence holds
     job: Job | None = None
+    group: Hashable = ()  # the group its cells were computed in
 
 
 @dataclass(frozen=True)
@@ -61,24 +70,27 @@ class Placement:
 @dataclass
 class Step:
     """The jobs in slots, as one iteration sees them: those that were interrupted (they end), those that
-    sample a token, and those whose prompt is still going in."""
+    sample a token, those whose prompt is still going in, and those whose token waits for its group's
+    decode."""
 
     interrupted: list[Job]
     sample: list[Job]
     prefill: list[Job]
+    holding: list[Job] = field(default_factory=list)
 
     @property
     def idle(self) -> bool:
-        return not self.sample and not self.prefill
+        return not self.sample and not self.prefill and not self.holding
 
 
 @dataclass
 class Decode:
-    """One decode: ``commits`` (a generating job and its sampled token) and ``parts`` (a prefilling job
-    and the next tokens of its prompt)."""
+    """One decode, of one group's jobs: ``commits`` (a generating job and its sampled token) and ``parts``
+    (a prefilling job and the next tokens of its prompt)."""
 
     commits: list[tuple[Job, int]]
     parts: list[tuple[Job, list[int]]]
+    group: Hashable = ()
 
     @property
     def jobs(self) -> list[Job]:
@@ -95,21 +107,24 @@ class Scheduler:
         self.n_ctx_slot = n_ctx_slot
         self.chunk = chunk
         self.waiting: list[Job] = []
+        self._served: dict[Hashable, int] = {}  # the decode count when each group was last decoded
+        self._n_decodes = 0
 
     # -- what it holds -------------------------------------------------------------------------------------
     def running(self) -> list[Job]:
         return [s.job for s in self.slots if s.job is not None]
 
     def affinity(self, prompt: Sequence[int]) -> int:
-        """The longest prefix of prompt a job admitted now would not decode (0 when no slot is free): what
-        any slot holds, or a running job's prompt will hold once it is in."""
+        """The longest prefix of prompt a job without adapters admitted now would not decode (0 when no
+        slot is free): what any slot holds, or a running job's prompt will hold once it is in."""
         if all(s.job is not None for s in self.slots):
             return 0
-        return max(max(common_prefix(s.tokens, prompt) for s in self.slots), self._coming(prompt))
+        return max(max((common_prefix(s.tokens, prompt) for s in self.slots if s.group == ()), default=0),
+                   self._coming(prompt, ()))
 
-    def _coming(self, prompt: Sequence[int]) -> int:
-        # What the running jobs' prompts share with prompt: held already, or being prefilled now.
-        return max((common_prefix(j.prompt, prompt) for j in self.running()), default=0)
+    def _coming(self, prompt: Sequence[int], group: Hashable) -> int:
+        # What the group's running jobs' prompts share with prompt: held already, or being prefilled now.
+        return max((common_prefix(j.prompt, prompt) for j in self.running() if j.group == group), default=0)
 
     # -- admission -----------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -141,12 +156,16 @@ class Scheduler:
             if not free:
                 break
             limit = len(job.prompt) - 1
-            slot = max(free, key=lambda s: common_prefix(s.tokens, job.prompt))
-            own = min(common_prefix(slot.tokens, job.prompt), limit)
-            source = max((s for s in self.slots if s is not slot and s not in taken), default=None,
-                         key=lambda s: common_prefix(s.tokens, job.prompt))
-            shared = 0 if source is None else min(common_prefix(source.tokens, job.prompt), limit)
-            if min(self._coming(job.prompt), limit) - max(own, shared) >= AFFINITY_TOKENS:
+
+            def held(s: Slot, job: Job = job) -> int:  # what of the job's prompt a slot's cells hold for it
+                return common_prefix(s.tokens, job.prompt) if s.group == job.group else 0
+
+            # Among free slots that hold as much of it, the one holding least: what the others cached stays.
+            slot = max(free, key=lambda s: (held(s), -len(s.tokens)))
+            own = min(held(slot), limit)
+            source = max((s for s in self.slots if s is not slot and s not in taken), default=None, key=held)
+            shared = 0 if source is None else min(held(source), limit)
+            if min(self._coming(job.prompt, job.group), limit) - max(own, shared) >= AFFINITY_TOKENS:
                 continue  # a running job is decoding this prefix: copy it once it is in
             self.waiting.remove(job)
             free.remove(slot)
@@ -163,6 +182,7 @@ class Scheduler:
         or 0 when they could not be kept or copied): the rest of the prompt is to prefill."""
         job, slot = placement.job, placement.slot
         slot.tokens = job.prompt[:kept]
+        slot.group = job.group
         job.n_cached = kept
         job.todo = job.prompt[kept:]
 
@@ -170,9 +190,11 @@ class Scheduler:
     def step(self) -> Step:
         """What this iteration does with the jobs in slots (a snapshot: ``cancelled`` may change meanwhile)."""
         running = self.running()
+        going = [j for j in running if not j.cancelled]
         return Step(interrupted=[j for j in running if j.cancelled],
-                    sample=[j for j in running if not j.cancelled and not j.todo],
-                    prefill=[j for j in running if not j.cancelled and j.todo])
+                    sample=[j for j in going if not j.todo and j.pending is None],
+                    prefill=[j for j in going if j.todo],
+                    holding=[j for j in going if j.pending is not None])
 
     def sampled(self, job: Job, token: int, *, eog: bool, stop: bool) -> StopReason | None:
         """A sampled token's verdict: EOS when it ends generation (it is not kept), STOP when a stop
@@ -189,11 +211,22 @@ class Scheduler:
         return None
 
     def decode(self, step: Step, going: Sequence[tuple[Job, int]]) -> Decode | None:
-        """The step's decode: the going jobs' tokens, and the next part of the prompts still to prefill,
-        a chunk of them while more jobs generate (and wait for it) than prefill, all at once otherwise:
-        the fewer jobs kept waiting, the better. None when there is nothing to decode."""
+        """The step's decode, of one group's jobs (the group decoded longest ago, of those with work; the
+        others' going tokens are held for their turn): their tokens, and the next part of their prompts
+        still to prefill, a chunk of them while more jobs generate (and wait for it) than prefill, all
+        at once otherwise: the fewer jobs kept waiting, the better. None when there is nothing to decode."""
+        commits = [*going, *((j, j.pending) for j in step.holding if j.slot is not None and j.pending is not None)]
         prefilling = [j for j in step.prefill if j.slot is not None]  # not failed meanwhile
-        budget = self.chunk if len(step.sample) > len(step.prefill) else sum(len(j.todo) for j in prefilling)
+        groups = list(dict.fromkeys([j.group for j, _ in commits] + [j.group for j in prefilling]))
+        if not groups:
+            return None
+        group = min(groups, key=lambda g: self._served.get(g, -1))
+        for job, token in commits:
+            job.pending = token if job.group != group else None
+        commits = [(j, t) for j, t in commits if j.group == group]
+        prefilling = [j for j in prefilling if j.group == group]
+        generating = sum(1 for j in [*step.sample, *step.holding] if j.group == group)
+        budget = self.chunk if generating > len(prefilling) else sum(len(j.todo) for j in prefilling)
         parts: list[tuple[Job, list[int]]] = []
         for job in prefilling:
             if budget <= 0:
@@ -201,12 +234,12 @@ class Scheduler:
             part = job.todo[:budget]
             budget -= len(part)
             parts.append((job, part))
-        if not going and not parts:
-            return None
-        return Decode(list(going), parts)
+        return Decode(commits, parts, group)
 
     def decoded(self, decode: Decode) -> None:
         """The decode went in: each slot's sequence holds its job's new cells."""
+        self._served[decode.group] = self._n_decodes
+        self._n_decodes += 1
         for job, part in decode.parts:
             assert job.slot is not None
             job.todo = job.todo[len(part):]
@@ -220,6 +253,7 @@ class Scheduler:
         """Frees the job's slot, if it has one. ``cells_kept``: its sequence still holds what the job put
         there, for the next job to reuse; False forgets it."""
         slot, job.slot = job.slot, None
+        job.pending = None
         if slot is not None:
             slot.job = None
             if not cells_kept:

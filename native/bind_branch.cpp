@@ -240,7 +240,7 @@ void register_branch_methods(context_class & cls) {
         .def(
             "prefill",
             [](py_context & c, py::handle items, uint64_t request_id, const py::object & on_progress,
-               py::handle commits) {
+               py::handle commits, py::handle loras) {
                 std::vector<std::pair<uint32_t, std::vector<llama_token>>> its;
                 for (const py::object & item : sequence_items(items, "prefill items")) {
                     auto [h, t] = pair_items(item, "prefill items");
@@ -248,10 +248,14 @@ void register_branch_methods(context_class & cls) {
                 }
                 const std::vector<std::pair<uint32_t, llama_token>> cs = commit_pairs(commits, c.core->model());
                 const context_core::progress_fn progress = progress_arg(on_progress);
-                nogil([&] { c.branches->prefill(its, cs, request_id, progress); });
+                std::optional<std::vector<lora_weight>> config;
+                if (!loras.is_none()) {
+                    config = lora_weights(loras);
+                }
+                nogil([&] { c.branches->prefill(its, cs, request_id, progress, config); });
             },
             py::arg("items"), py::arg("request_id") = 0, py::arg("on_progress") = py::none(),
-            py::arg("commits") = py::tuple())
+            py::arg("commits") = py::tuple(), py::arg("loras") = py::none())
         .def(
             "step",
             [](py_context & c, py::handle handles, uint64_t request_id) {

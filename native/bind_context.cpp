@@ -80,6 +80,23 @@ py::list logprobs_list(const std::vector<token_logprobs> & entries, const Model 
     return out;
 }
 
+std::vector<lora_weight> lora_weights(py::handle adapters) {
+    std::vector<lora_weight> weights;
+    for (const py::object & item : sequence_items(adapters, "adapters")) {
+        const std::vector<py::object> pair = sequence_items(item, "a (Lora, scale) entry");
+        if (pair.size() != 2 || !py::isinstance<lora_adapter>(pair[0])) {
+            throw py::type_error("adapters must be (Lora, scale) pairs");
+        }
+        const py::object & adapter = pair[0];
+        const py::object & scale = pair[1];
+        if (!PyFloat_Check(scale.ptr()) && (PyBool_Check(scale.ptr()) || !PyLong_Check(scale.ptr()))) {
+            throw py::type_error("a LoRA scale must be a float");
+        }
+        weights.push_back({adapter.cast<std::shared_ptr<lora_adapter>>(), scale.cast<float>()});
+    }
+    return weights;
+}
+
 namespace {
 
 std::shared_ptr<py_arena> make_arena(const py::object & region, int64_t bulk_offset, int64_t page) {
@@ -128,21 +145,8 @@ void reset(py_context & c) {
     c.sequence->clear();
 }
 
-// (adapter, scale) pairs; TypeError for anything else. The checks that need the context are set_loras's.
 bool set_lora(py_context & c, py::handle adapters) {
-    std::vector<lora_weight> weights;
-    for (const py::object & item : sequence_items(adapters, "adapters")) {
-        const std::vector<py::object> pair = sequence_items(item, "a (Lora, scale) entry");
-        if (pair.size() != 2 || !py::isinstance<lora_adapter>(pair[0])) {
-            throw py::type_error("adapters must be (Lora, scale) pairs");
-        }
-        const py::object & adapter = pair[0];
-        const py::object & scale = pair[1];
-        if (!PyFloat_Check(scale.ptr()) && (PyBool_Check(scale.ptr()) || !PyLong_Check(scale.ptr()))) {
-            throw py::type_error("a LoRA scale must be a float");
-        }
-        weights.push_back({adapter.cast<std::shared_ptr<lora_adapter>>(), scale.cast<float>()});
-    }
+    std::vector<lora_weight> weights = lora_weights(adapters);
     gil_release nogil;
     return set_loras(*c.core, *c.sequence, *c.branches, std::move(weights));
 }

@@ -45,6 +45,9 @@ py::list logprobs_list(const std::vector<token_logprobs> & entries, const Model 
 uint32_t handle_arg(py::handle h);
 // A sequence id or position argument as int64 (the driver checks the range).
 int64_t int_arg(py::handle v, const char * what);
+// (Lora, scale) pairs as lora weights; TypeError for anything else. The checks that need the context are
+// lora_config's.
+std::vector<lora_weight> lora_weights(py::handle adapters);
 // An on_progress(done, total) argument (None: no reports) as a progress_fn that takes the GIL to call it.
 context_core::progress_fn progress_arg(const py::object & on_progress);
 

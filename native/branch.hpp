@@ -250,9 +250,12 @@ class branch_driver : public kv_tenant {
     // branch_decode.cpp
     void commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id);
     // items' tokens into their branches and, in the first decode, one committed token per commit pair.
+    // loras: the adapter configuration these decodes run under (lora_config's checks; lora_error), when
+    // not the context's: the caller keeps each branch's cells under one configuration.
     void prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items,
                  const std::vector<std::pair<uint32_t, llama_token>> & commits, uint64_t request_id,
-                 const context_core::progress_fn & on_progress = nullptr);
+                 const context_core::progress_fn & on_progress = nullptr,
+                 const std::optional<std::vector<lora_weight>> & loras = std::nullopt);
     std::vector<produced_token> step(const std::vector<uint32_t> & handles, uint64_t request_id);
     void clear_and_reseed(std::vector<llama_token> sinks, const std::vector<llama_token> & tail, uint64_t request_id);
 

@@ -109,8 +109,12 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
 
 void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items_in,
                             const std::vector<std::pair<uint32_t, llama_token>> & commits, uint64_t request_id,
-                            const context_core::progress_fn & on_progress) {
+                            const context_core::progress_fn & on_progress,
+                            const std::optional<std::vector<lora_weight>> & loras) {
+    const std::optional<std::vector<lora_weight>> config =
+        loras ? std::optional<std::vector<lora_weight>>(lora_config(core_, *loras)) : std::nullopt;
     context_core::busy_guard busy(core_);
+    const context_core::lora_scope scope(core_, config ? &*config : nullptr);
     core_.reset_decode_timer();
     std::vector<prompt_item> items;
     std::unordered_set<branch *> seen;

@@ -195,6 +195,11 @@ int32_t context_core::decode(int32_t n) {
         llama_set_n_threads(ctx_, t.n, t.n_batch);
     }
     last_decode_threads_ = n > 1 ? t.n_batch : t.n;
+    if (const std::vector<lora_weight> & want = decode_loras_ != nullptr ? *decode_loras_ : loras;
+        !same_lora_config(applied_loras_, want)) {
+        apply_loras(ctx_, want);
+        applied_loras_ = want;
+    }
     const int64_t t0 = now_us();
     const cpu_usage use0 = governor_.enabled() ? process_cpu_usage() : cpu_usage{0, 0};
     batch_.n_tokens = n;

@@ -61,9 +61,24 @@ class context_core {
     int32_t n_swa = 0;
     uint32_t n_cells = 0;  // the KV cache's real size
     bool swa_full = true;
-    // The adapters llama.cpp applies in this context (kept by lora.cpp's set_loras), held here so that
-    // none is freed while the llama_context points at it.
+    // The context's adapter configuration (lora.cpp's set_loras): what its decodes run under, unless a
+    // lora_scope names another for the decodes of one call.
     std::vector<lora_weight> loras;
+    // The configuration of the decodes of one call (a batcher's group of requests on their own adapters),
+    // in place of `loras` while the scope lives. The caller keeps each sequence's cells under one
+    // configuration.
+    class lora_scope {
+      public:
+        lora_scope(context_core & core, const std::vector<lora_weight> * config) : core_(core) {
+            core_.decode_loras_ = config;
+        }
+        ~lora_scope() { core_.decode_loras_ = nullptr; }
+        lora_scope(const lora_scope &) = delete;
+        lora_scope & operator=(const lora_scope &) = delete;
+
+      private:
+        context_core & core_;
+    };
     bool embeddings = false;  // an embedding context (embed.hpp): every token of a decode has an output row
     enum llama_pooling_type pooling = LLAMA_POOLING_TYPE_NONE;  // as llama.cpp resolved it
 
@@ -183,6 +198,10 @@ class context_core {
     std::atomic<bool> busy_{false};
     const uint64_t * interrupt_word_ = nullptr;
     std::atomic<uint64_t> current_request_{0};
+    // What llama.cpp applies now, held here so that no adapter is freed while the llama_context points at
+    // it; decode() changes it when the configuration its decode runs under differs.
+    std::vector<lora_weight> applied_loras_;
+    const std::vector<lora_weight> * decode_loras_ = nullptr;
     std::atomic<bool> aborting_{false};  // the abort callback said stop during the current llama_decode
     std::vector<const kv_tenant *> tenants_;
 };

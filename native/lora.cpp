@@ -116,9 +116,7 @@ std::vector<std::pair<std::string, std::string>> lora_adapter::meta() const {
     return out;
 }
 
-namespace {
-
-bool same_config(const std::vector<lora_weight> & a, const std::vector<lora_weight> & b) {
+bool same_lora_config(const std::vector<lora_weight> & a, const std::vector<lora_weight> & b) {
     if (a.size() != b.size()) {
         return false;
     }
@@ -138,10 +136,18 @@ bool same_config(const std::vector<lora_weight> & a, const std::vector<lora_weig
     return true;
 }
 
-}  // namespace
+void apply_loras(llama_context * ctx, const std::vector<lora_weight> & config) {
+    std::vector<llama_adapter_lora *> ptrs;
+    std::vector<float> scales;
+    for (const lora_weight & w : config) {
+        ptrs.push_back(w.adapter->get());
+        scales.push_back(w.scale);
+    }
+    llama_set_adapters_lora(ctx, ptrs.empty() ? nullptr : ptrs.data(), ptrs.size(),
+                            scales.empty() ? nullptr : scales.data());
+}
 
-bool set_loras(context_core & core, sequence_driver & sequence, branch_driver & branches,
-               std::vector<lora_weight> weights) {
+std::vector<lora_weight> lora_config(const context_core & core, const std::vector<lora_weight> & weights) {
     std::vector<lora_weight> next;
     next.reserve(weights.size());
     for (size_t i = 0; i < weights.size(); ++i) {
@@ -170,24 +176,22 @@ bool set_loras(context_core & core, sequence_driver & sequence, branch_driver & 
         }
     }
 
+    return next;
+}
+
+bool set_loras(context_core & core, sequence_driver & sequence, branch_driver & branches,
+               std::vector<lora_weight> weights) {
+    std::vector<lora_weight> next = lora_config(core, weights);
     context_core::busy_guard busy(core);
-    if (same_config(core.loras, next)) {
+    if (same_lora_config(core.loras, next)) {
         return false;
     }
     if (branches.active()) {
         throw lora_error("this context holds branches or detached sequences, whose KV cells were computed under "
                          "its current LoRA configuration: prune them or reset the context before changing it");
     }
-    std::vector<llama_adapter_lora *> ptrs;
-    std::vector<float> scales;
-    for (const lora_weight & w : next) {
-        ptrs.push_back(w.adapter->get());
-        scales.push_back(w.scale);
-    }
-    llama_set_adapters_lora(core.get(), ptrs.empty() ? nullptr : ptrs.data(), ptrs.size(),
-                            scales.empty() ? nullptr : scales.data());
-    // The history was computed under the old configuration: reusing it (cache_prompt, a continued
-    // generate) would mix two models in one sequence.
+    // Applied by the next decode (context_core::decode). The history was computed under the old
+    // configuration: reusing it (cache_prompt, a continued generate) would mix two models in one sequence.
     llama_memory_clear(core.memory(), true);
     sequence.clear();
     core.loras = std::move(next);

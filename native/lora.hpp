@@ -58,4 +58,13 @@ struct lora_weight {
 bool set_loras(context_core & core, sequence_driver & sequence, branch_driver & branches,
                std::vector<lora_weight> weights);
 
+// weights as one configuration for core's model: set_loras's checks (lora_error), scale-0 entries dropped.
+std::vector<lora_weight> lora_config(const context_core & core, const std::vector<lora_weight> & weights);
+
+// Whether two configurations (lora_config's) are the same adapters at the same scales, in any order.
+bool same_lora_config(const std::vector<lora_weight> & a, const std::vector<lora_weight> & b);
+
+// The configuration llama.cpp applies in ctx from its next decode on (context_core::decode calls it).
+void apply_loras(llama_context * ctx, const std::vector<lora_weight> & config);
+
 }  // namespace lloyal

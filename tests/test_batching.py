@@ -184,10 +184,10 @@ def test_a_new_prompt_goes_in_with_the_running_tokens_one_decode_for_both(gemma_
         real_prefill, real_commit = store.prefill, store.commit
         calls: list[tuple[str, int, int]] = []
 
-        def prefill(items: Any, *, commits: Any = (), progress: Any = None) -> float:
+        def prefill(items: Any, *, commits: Any = (), progress: Any = None, lora: Any = None) -> float:
             items, commits = list(items), list(commits)
             calls.append(("prefill", sum(len(t) for _, t in items), len(commits)))
-            return real_prefill(items, commits=commits, progress=progress)
+            return real_prefill(items, commits=commits, progress=progress, lora=lora)
 
         def commit(pairs: Any) -> float:
             calls.append(("commit", 0, len(list(pairs))))

@@ -56,10 +56,10 @@ class Prefills:
         real = store.prefill
         self.calls: list[int] = []
 
-        def prefill(items: Any, *, commits: Any = (), progress: Any = None) -> float:
+        def prefill(items: Any, *, commits: Any = (), progress: Any = None, lora: Any = None) -> float:
             items = list(items)
             self.calls.append(sum(len(t) for _, t in items))
-            return real(items, commits=commits, progress=progress)
+            return real(items, commits=commits, progress=progress, lora=lora)
 
         store.prefill = prefill  # type: ignore[method-assign]
 

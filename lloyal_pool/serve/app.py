@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP endpoint: a Starlette app over a Pool (or a RayPool) whose workers hold
 one model, reached through a Backend (backend.py).
 
-    POST /v1/completions, /v1/chat/completions ─▶ backend.submit (continuous batching, routed per request)
+    POST /v1/completions, /v1/chat/completions ─▶ backend.submit_many (continuous batching, routed per
+                                                   request; its n choices on one worker, the prompt decoded once)
     POST /v1/embeddings                         ─▶ an embedding context per worker
     POST /tokenize, /detokenize, /apply-template, GET /props   ─▶ questions to any live worker (llama-server's)
     GET  /v1/models, /health, /metrics, /        (the last: a chat page, no build step, no external assets)
 
 Every request that generates is a batched request (batching.py): many clients share each worker's slots.
-A client that goes away interrupts its generation (a stream at its next piece; a plain request within a
+A request for ``n`` choices (or a completion's ``best_of``) is that many batched requests of one prompt on
+one worker, followed together (_Choices); one choice is a request of one. A client that goes away interrupts
+its generation (a stream at its next piece; a plain request within a
 quarter of a second), so its slot is free again. Calls that ask the worker a question (tokenize, format a
 chat) run on a thread, never on the event loop.
 """
@@ -22,7 +25,7 @@ import hmac
 import json
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from importlib import resources
 from typing import Any
@@ -35,8 +38,8 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from .. import __version__
-from .._aio import AsyncStream, settle
-from ..batching import BatchRequest
+from .._aio import _LoopQueue, settle
+from ..batching import BatchRequest, best_choices, ranked_params
 from ..chat import CHAT_FORMATS, template_source
 from ..errors import InvalidTokenError
 from ..params import GenerateParams, Result, StopReason
@@ -126,22 +129,27 @@ class _Metrics:
         with self.lock:
             self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
 
-    def ended(self, timing: _Timing, result: Result) -> None:
-        """A generating request ended with ``result``."""
+    def ended(self, timings: Sequence[_Timing], results: Sequence[Result | None]) -> None:
+        """A generating request ended: choice i with results[i] (None: it failed). Its prompt counts once,
+        its choices' tokens together; each choice's latencies count as a request's."""
+        done = [(t, r) for t, r in zip(timings, results, strict=True) if r is not None]
+        if not done:
+            return
         with self.lock:
-            self.prompt_tokens += result.n_prompt
-            self.completion_tokens += result.n_decoded
-            if result.stop_reason == StopReason.INTERRUPTED:
+            self.prompt_tokens += done[0][1].n_prompt
+            self.completion_tokens += sum(r.n_decoded for _, r in done)
+            if any(r.stop_reason == StopReason.INTERRUPTED for _, r in done):
                 self.disconnects += 1
-                self.disconnect_tokens += result.n_decoded
-            if result.n_decoded > 0:
-                end = timing.end if timing.end is not None else time.monotonic()
-                first = timing.first if timing.first is not None else end
-                ttft = max(0.0, first - timing.arrival)
-                self.ttft.observe(ttft)
-                self.queue.observe(max(0.0, ttft - result.prompt_ms / 1000.0))
-                if result.n_decoded > 1 and timing.first is not None:
-                    self.itl.observe(max(0.0, end - first) / (result.n_decoded - 1))
+                self.disconnect_tokens += sum(r.n_decoded for _, r in done)
+            for timing, result in done:
+                if result.n_decoded > 0:
+                    end = timing.end if timing.end is not None else time.monotonic()
+                    first = timing.first if timing.first is not None else end
+                    ttft = max(0.0, first - timing.arrival)
+                    self.ttft.observe(ttft)
+                    self.queue.observe(max(0.0, ttft - result.prompt_ms / 1000.0))
+                    if result.n_decoded > 1 and timing.first is not None:
+                        self.itl.observe(max(0.0, end - first) / (result.n_decoded - 1))
 
     def error(self, status: int) -> None:
         with self.lock:
@@ -165,6 +173,14 @@ class Server:
         self.chat_logit_bias = dict(chat_logit_bias or {})
         self.api_key = api_key
         self.metrics = _Metrics()
+        self._slots: int | None = None  # of one worker's batcher, asked at the first request for several choices
+
+    async def worker_slots(self) -> int:
+        """The slots of one worker's batcher: the most choices one request can have."""
+        if self._slots is None:
+            served, _ = await asyncio.to_thread(self.backend.served_model)
+            self._slots = served.slots
+        return self._slots
 
     def check_key(self, request: Request) -> None:
         """APIError 401 unless the request carries the API key (when one is set)."""
@@ -186,40 +202,132 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _submit(server: Server, prompt: str | list[int], gen: GenerateParams,
-                  stream: AsyncStream | None) -> BatchRequest:
-    """Submits a generation (its pieces to ``stream``, if any); the metrics count it when it ends."""
-    timing = _Timing()
-    put = None if stream is None else stream._q.put
+class _Progress:
+    """What the choices of one generating request report as they run: their timings, their pieces (for a
+    stream: in the order they come, each with its choice's index, then (i, None) once choice i ended) and
+    their ends; the metrics count the request once its last choice has ended. The requests' callbacks hold
+    this, not the _Choices: a running request must not keep its client's end alive."""
 
-    def on_piece(piece: str) -> None:
-        timing.piece()
-        if put is not None:
-            put(piece)
+    def __init__(self, server: Server, n: int, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.metrics = server.metrics
+        self.timings = [_Timing() for _ in range(n)]
+        self.results: list[Result | None] = [None] * n
+        self.left = n
+        self.lock = threading.Lock()
+        self.q = None if loop is None else _LoopQueue(loop)
 
-    def ended(fut: Future[Result]) -> None:
-        timing.end = time.monotonic()
-        if not fut.cancelled() and fut.exception() is None:
-            server.metrics.ended(timing, fut.result())
+    def on_piece(self, i: int, piece: str) -> None:
+        self.timings[i].piece()
+        if self.q is not None:
+            self.q.put((i, piece))
 
-    handle = await asyncio.to_thread(server.backend.submit, prompt, gen, on_piece)
-    handle.future.add_done_callback(ended)
-    if stream is not None:
-        stream._interrupt = lambda _id: handle.interrupt()
-        stream._attach(handle.future)
-    return handle
+    def ended(self, i: int) -> Callable[[Future[Result]], None]:
+        return lambda fut: self._end(i, fut)
+
+    def _end(self, i: int, fut: Future[Result]) -> None:
+        self.timings[i].end = time.monotonic()
+        with self.lock:
+            if not fut.cancelled() and fut.exception() is None:
+                self.results[i] = fut.result()
+            self.left -= 1
+            last = self.left == 0
+        if self.q is not None:
+            self.q.put((i, None))
+        if last:
+            self.metrics.ended(self.timings, self.results)
 
 
-async def _unless_gone(request: Request, handle: BatchRequest, server: Server) -> Result:
-    """The request's Result; if the client disconnects first, the generation is interrupted."""
-    waiting = asyncio.ensure_future(settle(handle.future, handle.interrupt))
+class _Choices:
+    """The n choices of one generating request (n = 1: a request of one), as the app follows them. Dropped
+    while they run (a response that never began), it interrupts them, as an AsyncStream does."""
+
+    def __init__(self, progress: _Progress, handles: Sequence[BatchRequest]) -> None:
+        self._progress = progress
+        self.handles = list(handles)
+        for i, handle in enumerate(self.handles):
+            handle.future.add_done_callback(progress.ended(i))
+
+    def __del__(self) -> None:
+        if not self.done:
+            self.interrupt()
+
+    @property
+    def done(self) -> bool:
+        """Whether every choice has ended."""
+        return all(h.future.done() for h in self.handles)
+
+    def interrupt(self) -> None:
+        """Ends every choice that is still running (from any thread)."""
+        for handle in self.handles:
+            handle.interrupt()
+
+    async def result(self, i: int) -> Result:
+        """Choice i's Result (its error raised); a cancelled wait interrupts every choice."""
+        return await settle(self.handles[i].future, self.interrupt)
+
+    async def results(self) -> list[Result]:
+        """Every choice's Result; the first error is raised, and the other choices are interrupted."""
+        try:
+            return [await self.result(i) for i in range(len(self.handles))]
+        except BaseException:
+            self.interrupt()
+            raise
+
+    async def pieces(self) -> AsyncIterator[tuple[int, str | None]]:
+        """A stream's pieces as they come: (i, piece) of choice i, then (i, None) once it has ended (its
+        result() is ready), until every choice has. Cancelling the iterating task interrupts them."""
+        q = self._progress.q
+        assert q is not None, "a stream's choices"
+        left = len(self.handles)
+        while left:
+            try:
+                item: object = await q.items.get()
+            except asyncio.CancelledError:
+                self.interrupt()
+                raise
+            assert isinstance(item, tuple)
+            i, piece = item
+            if piece is None:
+                left -= 1
+            yield i, piece
+
+
+async def _submit(server: Server, prompt: str | list[int], gen: GenerateParams, n: int, *,
+                  stream: bool) -> _Choices:
+    """Submits ``n`` choices of a generation (a stream's pieces to their queue); the metrics count it when
+    it ends."""
+    progress = _Progress(server, n, asyncio.get_running_loop() if stream else None)
+    handles = await asyncio.to_thread(server.backend.submit_many, prompt, gen, n, progress.on_piece)
+    return _Choices(progress, handles)
+
+
+async def _unless_gone(request: Request, choices: _Choices) -> list[Result]:
+    """The choices' Results; if the client disconnects first, every choice is interrupted."""
+    waiting = asyncio.ensure_future(choices.results())
     while True:
         done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL)
         if done:
             return waiting.result()
         if await request.is_disconnected():
-            handle.interrupt()  # the metrics count the interrupted request as a client that left
+            choices.interrupt()  # the metrics count the interrupted request as a client that left
             return await waiting
+
+
+async def _generate(request: Request, server: Server, prompt: str | list[int], gen: GenerateParams, n: int,
+                    best_of: int) -> tuple[list[Result], list[Result]]:
+    """A plain (not streamed) request's n choices, and all it generated: best_of's candidates, ranked by
+    the mean log-probability of their tokens (batching.best_choices; their logprobs kept only if asked)."""
+    if best_of == n:
+        results = await _unless_gone(request, await _submit(server, prompt, gen, n, stream=False))
+        return results, results
+    generated = await _unless_gone(request, await _submit(server, prompt, ranked_params(gen), best_of, stream=False))
+    return best_choices(generated, n, keep_logprobs=gen.logprobs is not None), generated
+
+
+async def _fit(server: Server, n: int, best_of: int) -> None:
+    """APIError unless the choices fit one worker's slots (one choice always does: no question asked)."""
+    if best_of > 1:
+        schemas.check_slots(n, best_of, await server.worker_slots())
 
 
 def _prompt_of(body: Mapping[str, Any]) -> str | list[int]:
@@ -233,7 +341,7 @@ def _prompt_of(body: Mapping[str, Any]) -> str | list[int]:
     raise APIError(400, "prompt is a non-empty string or token list (one prompt per request)", param="prompt")
 
 
-def _event_stream(server: Server, stream: AsyncStream, events: AsyncGenerator[bytes, None]) -> StreamingResponse:
+def _event_stream(server: Server, choices: _Choices, events: AsyncGenerator[bytes, None]) -> StreamingResponse:
     """The server-sent events of a streamed reply. An error after the first event is one more event in
     OpenAI's error shape, and the stream still ends with [DONE]; a client that leaves frees its slot."""
 
@@ -247,8 +355,8 @@ def _event_stream(server: Server, stream: AsyncStream, events: AsyncGenerator[by
             yield schemas.sse(err.body())
         finally:
             await events.aclose()
-            if not stream.done:
-                stream.interrupt()  # the client left: free the slot
+            if not choices.done:
+                choices.interrupt()  # the client left: free the slots
         yield schemas.sse("[DONE]")
 
     # No caching, and no buffering by a proxy in front (nginx's X-Accel-Buffering): each piece as it comes.
@@ -260,31 +368,35 @@ def _event_stream(server: Server, stream: AsyncStream, events: AsyncGenerator[by
 async def completions(request: Request, server: Server) -> Response:
     body = await _body(request)
     gen = schemas.generate_params(body, chat=False, server_max_tokens=server.max_tokens)
+    n, best_of = schemas.choices_of(body, chat=False)
     wants_usage = schemas.include_usage(body)
     prompt = _prompt_of(body)
+    await _fit(server, n, best_of)
     reply = schemas.Reply("cmpl", server.model_name)
     if not body.get("stream"):
-        result = await _unless_gone(request, await _submit(server, prompt, gen, None), server)
-        return JSONResponse(schemas.completion(result, reply))
-    stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
-    await _submit(server, prompt, gen, stream)
+        results, generated = await _generate(request, server, prompt, gen, n, best_of)
+        return JSONResponse(schemas.completion(results, reply, generated))
+    choices = await _submit(server, prompt, gen, n, stream=True)
 
     async def events() -> AsyncGenerator[bytes, None]:
-        async for piece in stream:
-            yield schemas.sse(schemas.completion_chunk(piece, reply))
-        result = await stream.result()
-        # The tokens' logprobs ride in the last chunk: the streamed pieces are text, not tokens.
-        yield schemas.sse(schemas.completion_chunk("", reply, schemas.finish_reason(result),
-                                                   schemas.completion_logprobs(result)))
+        async for i, piece in choices.pieces():
+            if piece is not None:
+                yield schemas.sse(schemas.completion_chunk(piece, reply, index=i))
+                continue
+            result = await choices.result(i)
+            # The tokens' logprobs ride in the choice's last chunk: the streamed pieces are text, not tokens.
+            yield schemas.sse(schemas.completion_chunk("", reply, schemas.finish_reason(result),
+                                                       schemas.completion_logprobs(result), index=i))
         if wants_usage:
-            yield schemas.sse(reply.usage_chunk("text_completion", result))
+            yield schemas.sse(reply.usage_chunk("text_completion", await choices.results()))
 
-    return _event_stream(server, stream, events())
+    return _event_stream(server, choices, events())
 
 
 async def chat_completions(request: Request, server: Server) -> Response:
     body = await _body(request)
     gen = schemas.generate_params(body, chat=True, server_max_tokens=server.max_tokens)
+    n, _ = schemas.choices_of(body, chat=True)
     wants_usage = schemas.include_usage(body)
     messages = schemas.messages_of(body)
     tools, tool_choice = schemas.tools_of(body)
@@ -304,6 +416,7 @@ async def chat_completions(request: Request, server: Server) -> Response:
     gen = formatted_params(fmt, gen, opener, parallel)
     if server.chat_logit_bias:  # the request's own bias on a token wins
         gen = dataclasses.replace(gen, logit_bias={**server.chat_logit_bias, **gen.logit_bias})
+    await _fit(server, n, n)
     reply = schemas.Reply("chatcmpl", server.model_name)
 
     async def parse(result: Result) -> Any:
@@ -316,27 +429,30 @@ async def chat_completions(request: Request, server: Server) -> Response:
         return message
 
     if not body.get("stream"):
-        result = await _unless_gone(request, await _submit(server, fmt.prompt + opener, gen, None), server)
-        return JSONResponse(schemas.chat_completion(await parse(result), result, reply))
-    stream = AsyncStream(lambda _id: None, asyncio.get_running_loop())
-    await _submit(server, fmt.prompt + opener, gen, stream)
+        results, _ = await _generate(request, server, fmt.prompt + opener, gen, n, n)
+        parsed = [await parse(result) for result in results]
+        return JSONResponse(schemas.chat_completion(parsed, results, reply))
+    choices = await _submit(server, fmt.prompt + opener, gen, n, stream=True)
     whole = bool(tools) and tool_choice != "none"  # the text may be a call: it is parsed once whole
 
     async def events() -> AsyncGenerator[bytes, None]:
-        yield schemas.sse(schemas.chat_chunk({"role": "assistant", "content": ""}, reply))
-        async for piece in stream:
-            if not whole:
-                yield schemas.sse(schemas.chat_chunk({"content": piece}, reply))
-        result = await stream.result()
-        message = await parse(result)
-        if whole:
-            yield schemas.sse(schemas.chat_chunk(schemas.chat_delta(message), reply))
-        yield schemas.sse(schemas.chat_chunk({}, reply, schemas.finish_reason(result, bool(message.tool_calls)),
-                                             schemas.chat_logprobs(result)))
+        for i in range(n):
+            yield schemas.sse(schemas.chat_chunk({"role": "assistant", "content": ""}, reply, index=i))
+        async for i, piece in choices.pieces():
+            if piece is not None:
+                if not whole:
+                    yield schemas.sse(schemas.chat_chunk({"content": piece}, reply, index=i))
+                continue
+            result = await choices.result(i)
+            message = await parse(result)
+            if whole:
+                yield schemas.sse(schemas.chat_chunk(schemas.chat_delta(message), reply, index=i))
+            yield schemas.sse(schemas.chat_chunk({}, reply, schemas.finish_reason(result, bool(message.tool_calls)),
+                                                 schemas.chat_logprobs(result), index=i))
         if wants_usage:
-            yield schemas.sse(reply.usage_chunk("chat.completion.chunk", result))
+            yield schemas.sse(reply.usage_chunk("chat.completion.chunk", await choices.results()))
 
-    return _event_stream(server, stream, events())
+    return _event_stream(server, choices, events())
 
 
 async def embeddings(request: Request, server: Server) -> Response:

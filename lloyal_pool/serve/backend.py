@@ -76,6 +76,12 @@ class Backend(Protocol):
     def submit(self, prompt: str | list[int], gen: GenerateParams,
                on_piece: Callable[[str], None] | None) -> BatchRequest: ...
 
+    def submit_many(self, prompt: str | list[int], gen: GenerateParams, n: int,
+                    on_piece: Callable[[int, str], None] | None) -> list[BatchRequest]:
+        """``n`` choices of one prompt (OpenAI's ``n``), choice i drawing with the seed
+        batching.choice_params gives it; ``on_piece(i, piece)`` gets choice i's pieces."""
+        ...
+
     def format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str) -> p.ChatPrompt: ...
 
@@ -121,6 +127,10 @@ class PoolBackend:
     def submit(self, prompt: str | list[int], gen: GenerateParams,
                on_piece: Callable[[str], None] | None) -> BatchRequest:
         return self.pool.submit(prompt, gen, on_piece=on_piece)
+
+    def submit_many(self, prompt: str | list[int], gen: GenerateParams, n: int,
+                    on_piece: Callable[[int, str], None] | None) -> list[BatchRequest]:
+        return self.pool.submit_many(prompt, gen, n, on_piece=on_piece)  # one batcher: the prompt decoded once
 
     def format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str) -> p.ChatPrompt:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..chat import ChatMessage
@@ -36,7 +36,7 @@ DEFAULT_TEMPERATURE = 1.0
 # name (a 400), never ignored, since a client that asks for them would read an answer that lacks them.
 UNSUPPORTED: dict[str, dict[str, tuple[object, ...]]] = {
     "chat": {"audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)},
-    "completions": {"echo": (None, False), "best_of": (None, 1), "suffix": (None,)},
+    "completions": {"echo": (None, False), "suffix": (None,)},
 }
 
 
@@ -101,10 +101,8 @@ def generate_params(body: Mapping[str, Any], *, chat: bool,
     """The GenerateParams an OpenAI request body asks for: max_tokens (max_completion_tokens; without
     either, default_max_tokens of ``server_max_tokens``), temperature, top_p, seed, stop, logit_bias,
     presence_penalty and frequency_penalty (over the whole reply), response_format (a JSON schema, or any
-    JSON object, as a grammar)."""
-    n = body.get("n")
-    if n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", param="n")
+    JSON object, as a grammar), priority (vLLM's: lower is admitted to a slot first). How many choices:
+    choices_of."""
     for name, allowed in UNSUPPORTED["chat" if chat else "completions"].items():
         if body.get(name) not in allowed:
             raise APIError(400, f"{name} is not supported by this server", param=name)
@@ -120,6 +118,7 @@ def generate_params(body: Mapping[str, Any], *, chat: bool,
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     seed = _integer(body, "seed")
+    priority = _integer(body, "priority")
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -168,9 +167,40 @@ def generate_params(body: Mapping[str, Any], *, chat: bool,
                               repeat_last_n=-1 if presence or frequency else 0,
                               # any integer OpenAI takes is a seed; folded into the sampler's range
                               seed=secrets.randbits(31) if seed is None else seed % (MAX_SEED + 1),
-                              stop=stops, logit_bias=bias, grammar=grammar, ignore_eos=ignore_eos, logprobs=logprobs)
+                              stop=stops, logit_bias=bias, grammar=grammar, ignore_eos=ignore_eos, logprobs=logprobs,
+                              priority=priority or 0)
     except LloyalError as exc:
         raise api_error(exc) from exc
+
+
+def choices_of(body: Mapping[str, Any], *, chat: bool) -> tuple[int, int]:
+    """How many choices a request returns (``n``, default 1) and generates (a completion's ``best_of``,
+    default n; the n whose tokens have the highest mean log-probability are returned). A chat has no
+    best_of. best_of above n cannot be streamed (the choices are picked once they have ended), as
+    OpenAI's. Their upper bound, one worker's slots, is check_slots'."""
+    n = _integer(body, "n")
+    if n is None:
+        n = 1
+    if n < 1:
+        raise APIError(400, f"n must be at least 1, got {n}", param="n")
+    best_of = None if chat else _integer(body, "best_of")
+    if best_of is None:
+        return n, n
+    if best_of < n:
+        raise APIError(400, f"best_of must be at least n ({n}), got {best_of}", param="best_of")
+    if best_of > n and body.get("stream"):
+        raise APIError(400, "best_of cannot be streamed: its choices are picked once they have ended",
+                       param="best_of")
+    return n, best_of
+
+
+def check_slots(n: int, best_of: int, slots: int) -> None:
+    """APIError unless a request's choices (choices_of) fit the ``slots`` of one worker: they run side by
+    side on one batcher, which decodes their prompt once."""
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value > slots:
+            raise APIError(400, f"{name}={value} choices run side by side in one worker's slots; this server's "
+                                f"workers have {slots} each", param=name)
 
 
 def _logprobs(body: Mapping[str, Any], *, chat: bool) -> int | None:
@@ -240,10 +270,12 @@ def finish_reason(result: Result, tool_calls: bool = False) -> str:
     return "tool_calls" if tool_calls else "stop"
 
 
-def usage(result: Result) -> dict[str, int]:
-    """The token counts of a completion."""
-    return {"prompt_tokens": result.n_prompt, "completion_tokens": result.n_decoded,
-            "total_tokens": result.n_prompt + result.n_decoded}
+def usage(results: Sequence[Result]) -> dict[str, int]:
+    """The token counts of a completion: the choices of one prompt (or best_of's candidates, all that was
+    generated) count their tokens together and the prompt once."""
+    prompt = results[0].n_prompt
+    completion = sum(r.n_decoded for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def new_id(prefix: str) -> str:
@@ -260,24 +292,26 @@ class Reply:
     def head(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
-    def usage_chunk(self, object_: str, result: Result) -> dict[str, Any]:
+    def usage_chunk(self, object_: str, results: Sequence[Result]) -> dict[str, Any]:
         """The last chunk of a stream that asked for usage (stream_options.include_usage): no choices."""
-        return {**self.head(object_), "choices": [], "usage": usage(result)}
+        return {**self.head(object_), "choices": [], "usage": usage(results)}
 
 
-def completion(result: Result, reply: Reply) -> dict[str, Any]:
-    """A /v1/completions response."""
+def completion(results: Sequence[Result], reply: Reply, generated: Sequence[Result] | None = None) -> dict[str, Any]:
+    """A /v1/completions response: choice i is results[i]. ``generated``: what usage counts (best_of's
+    candidates), if not the results."""
     return {**reply.head("text_completion"),
-            "choices": [{"index": 0, "text": result.text, "logprobs": completion_logprobs(result),
-                         "finish_reason": finish_reason(result)}],
-            "usage": usage(result)}
+            "choices": [{"index": i, "text": r.text, "logprobs": completion_logprobs(r),
+                         "finish_reason": finish_reason(r)} for i, r in enumerate(results)],
+            "usage": usage(generated or results)}
 
 
 def completion_chunk(text: str, reply: Reply, finish: str | None = None,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed piece of a completion (``logprobs``: completion_logprobs of the tokens it carries)."""
+                     logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One streamed piece of choice ``index`` of a completion (``logprobs``: completion_logprobs of the
+    tokens it carries)."""
     return {**reply.head("text_completion"),
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def chat_message(message: ChatMessage) -> dict[str, Any]:
@@ -303,20 +337,20 @@ def chat_delta(message: ChatMessage) -> dict[str, Any]:
     return delta
 
 
-def chat_completion(message: ChatMessage, result: Result, reply: Reply) -> dict[str, Any]:
-    """A /v1/chat/completions response."""
+def chat_completion(messages: Sequence[ChatMessage], results: Sequence[Result], reply: Reply) -> dict[str, Any]:
+    """A /v1/chat/completions response: choice i is messages[i], parsed from results[i]."""
     return {**reply.head("chat.completion"),
-            "choices": [{"index": 0, "message": chat_message(message),
-                         "finish_reason": finish_reason(result, bool(message.tool_calls)),
-                         "logprobs": chat_logprobs(result)}],
-            "usage": usage(result)}
+            "choices": [{"index": i, "message": chat_message(m), "finish_reason": finish_reason(r, bool(m.tool_calls)),
+                         "logprobs": chat_logprobs(r)} for i, (m, r) in enumerate(zip(messages, results, strict=True))],
+            "usage": usage(results)}
 
 
 def chat_chunk(delta: dict[str, Any], reply: Reply, finish: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed delta of a chat completion (``logprobs``: chat_logprobs of the tokens it carries)."""
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One streamed delta of choice ``index`` of a chat completion (``logprobs``: chat_logprobs of the
+    tokens it carries)."""
     return {**reply.head("chat.completion.chunk"),
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
 
 def sse(data: Mapping[str, Any] | str) -> bytes:

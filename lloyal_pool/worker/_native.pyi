@@ -496,13 +496,15 @@ class Context:
         branch's row, position += 1. A failed decode removes the cells it added (seq_rm)."""
     def prefill(self, items: Sequence[tuple[int, Sequence[int]]], request_id: int = 0,
                 on_progress: Callable[[int, int], None] | None = None,
-                commits: Sequence[tuple[int, int]] = ()) -> None:
+                commits: Sequence[tuple[int, int]] = (), loras: Sequence[tuple[Lora, float]] | None = None) -> None:
         """Tokens into each branch (on_progress(done, total) after each chunk), packed first-fit into
         n_batch chunks (an item longer than n_batch gets chunks of its own, in order); logits for each
         item's last token; no grammar/penalty/perplexity accept (prefill is context, not a choice).
         ``commits`` (branch, token) are committed exactly as commit() does, their tokens at the head of the
         first chunk (more than n_batch: ValueError). All or nothing like commit. Empty items are skipped;
-        a branch named twice in items and commits raises BranchError."""
+        a branch named twice in items and commits raises BranchError. ``loras``: the (adapter, scale)
+        configuration these decodes run under instead of the context's (set_lora's checks, LoraError); the
+        caller keeps each branch's cells under one configuration."""
     def step(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool]]:
         """produce, then one commit of every branch whose token is not a stop. More than n_batch branches
         (ValueError) or an interrupt already requested (InterruptedByClient) fail before sampling: a step

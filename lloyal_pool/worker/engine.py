@@ -690,8 +690,17 @@ class Engine:
     @handles(p.Prefill)
     def prefill(self, req: p.Prefill, call: Call) -> p.Decoded:
         entry = self._context(req.context)
+        loras = None
+        if req.loras is not None:
+            # A request's own adapter that was closed meanwhile fails that request (LoraError), not the
+            # context as a stale handle would say.
+            missing = [h for h, _ in req.loras if h not in self._loras]
+            if missing:
+                raise LoraError(f"LoRA adapter handle(s) {missing} are not loaded in this worker (closed, or freed "
+                                f"with their model)")
+            loras = [(self._loras[h].native, float(scale)) for h, scale in req.loras]
         entry.native.prefill([(h, self._prompt_tokens(entry, toks, bos=False)) for h, toks in req.items],
-                             call.request_id, call.prompt_progress(req.progress), req.commits)
+                             call.request_id, call.prompt_progress(req.progress), req.commits, loras)
         return self._decoded(entry, [h for h, _ in req.items] + [h for h, _ in req.commits])
 
     @handles(p.Step)

@@ -70,7 +70,7 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.BranchSetText(context=2, branch=65537, stop=["\n\n"], render_special=False),
     p.ProduceText(context=2, branches=[65537]),
     p.Commit(context=2, pairs=[(65537, 11)]),
-    p.Prefill(context=2, items=[(65537, [1, 2]), (131073, "text")], commits=[(196609, 5)]),
+    p.Prefill(context=2, items=[(65537, [1, 2]), (131073, "text")], commits=[(196609, 5)], loras=[(3, 0.5)]),
     p.Step(context=2, branches=[65537, 131073]),
     p.ClearAndReseed(context=2, sinks=[1], tail=[2, 3]),
     p.KvCopy(context=2, src=0, dst=1, p0=2, p1=5),

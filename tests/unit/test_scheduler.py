@@ -5,6 +5,7 @@ no worker, no thread; the loop that does the round trips is tested with Gemma in
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,9 @@ def admit_all(sched: Scheduler, kept: Callable[[int], int] = lambda keep: keep) 
         if source is not None:  # the copy is sound: the source holds those cells of this prompt
             keep = placement.keep
             assert source is not placement.slot and len(source.tokens) >= keep
-            assert source.tokens[:keep] == placement.job.prompt[:keep]
+            assert source.tokens[:keep] == placement.job.prompt[:keep] and source.group == placement.job.group
+        elif placement.keep:  # cells are kept only in the group that computed them
+            assert placement.slot.group == placement.job.group
         sched.placed(placement, kept(placement.keep))
 
 
@@ -66,6 +69,7 @@ def run(sched: Scheduler, streams: dict[int, list[int]], jobs: list[Job],
                 ends[id(job)] = reason
         decode = sched.decode(step, going)
         if decode is not None:
+            assert all(j.group == decode.group for j in decode.jobs)  # one configuration per decode
             sched.decoded(decode)
             decodes.append(decode)
         for slot in sched.slots:  # invariants of every iteration
@@ -289,6 +293,26 @@ def test_lower_priority_values_are_admitted_first_and_equal_ones_in_order_of_arr
     assert order == [jobs[2], jobs[3], jobs[0], jobs[1]]
 
 
+def test_groups_take_turns_and_never_share_cells() -> None:
+    # Two LoRA configurations: one decode each in turn, every job's tokens in order, and a prompt held by
+    # the other group's slot is decoded again, not kept or copied.
+    sched = Scheduler(list(range(4)), n_ctx_slot=256, chunk=512)
+    shared = prompt(40)
+    jobs = [Job(shared + [i], group="a" if i % 2 else "b") for i in range(4)]
+    streams = {id(j): [10 + i, 20 + i, 30 + i, EOG] for i, j in enumerate(jobs)}
+    ends, decodes = run(sched, streams, jobs)
+    assert all(reason == StopReason.EOS for reason in ends.values())
+    groups = [d.group for d in decodes]
+    assert all(a != b for a, b in pairwise(groups)), groups  # turns while both have work
+    for i, job in enumerate(jobs):
+        assert [t for d in decodes for j, t in d.commits if j is job] == [10 + i, 20 + i, 30 + i]
+    assert sorted(j.n_cached for j in jobs) == [0, 0, 40, 40]  # one copy within each group, none across
+    again = Job(shared + [9], group="c")
+    sched.submit(again)
+    [placement] = sched.admit()
+    assert placement.keep == 0 and placement.source is None
+
+
 def test_what_a_dead_worker_hands_over_is_every_job_that_produced_nothing() -> None:
     sched = Scheduler([0, 1], n_ctx_slot=64, chunk=8)
     started, placed, waiting = Job(prompt(3)), Job(prompt(5, 300)), Job(prompt(3, 600))
@@ -304,17 +328,18 @@ def test_what_a_dead_worker_hands_over_is_every_job_that_produced_nothing() -> N
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 12), st.integers(0, 30), st.booleans()),
-                min_size=1, max_size=12),
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 12), st.integers(0, 30), st.booleans(),
+                          st.integers(0, 2)), min_size=1, max_size=12),
        st.integers(1, 4), st.integers(1, 48))
 def test_every_job_ends_once_with_the_tokens_its_stream_gave(
-        specs: list[tuple[int, int, int, bool]], n_slots: int, chunk: int) -> None:
-    # Jobs of random prompts (some sharing a prefix), arriving over time, some cancelled: each ends exactly
-    # once, with its stream's tokens committed in order into the slot it held, and no slot is shared.
+        specs: list[tuple[int, int, int, bool, int]], n_slots: int, chunk: int) -> None:
+    # Jobs of random prompts (some sharing a prefix) in up to three groups (LoRA configurations), arriving
+    # over time, some cancelled: each ends exactly once, with its stream's tokens committed in order into
+    # the slot it held, no slot is shared, and each decode is of one group (run() checks).
     sched = Scheduler(list(range(n_slots)), n_ctx_slot=96, chunk=chunk)
     jobs, arrivals, cancels, streams = [], {}, {}, {}
-    for i, (n_prompt, n_gen, arrive, cancel) in enumerate(specs):
-        job = Job(prompt(n_prompt, 100 if i % 2 else 1000 * i), n_predict=-1)
+    for i, (n_prompt, n_gen, arrive, cancel, group) in enumerate(specs):
+        job = Job(prompt(n_prompt, 100 if i % 2 else 1000 * i), n_predict=-1, group=group)
         streams[id(job)] = [1000 + i] * n_gen + [EOG]
         arrivals.setdefault(arrive, []).append(job)
         if cancel:
