@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import ray
 from invariance import assert_same_within_invariance, reference
@@ -260,6 +261,10 @@ def test_the_http_endpoint_serves_from_a_ray_pool(rpool: RayPool, local: Pool) -
         whole = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=8, temperature=0)
         assert streamed == whole.choices[0].message.content and streamed
+        two = client.completions.create(model="x", prompt="Hi", max_tokens=3, n=2, seed=1, extra_body={"priority": -1})
+        assert [c.index for c in two.choices] == [0, 1]
+        with pytest.raises(openai.BadRequestError, match="slots"):  # each actor's batcher has 4
+            client.completions.create(model="x", prompt="Hi", max_tokens=3, n=5)
         vectors = client.embeddings.create(model="x", input=["a cat", "a dog"]).data
         assert len(vectors) == 2 and len(vectors[0].embedding) > 100
         health = httpx.get(served.url + "/health").json()

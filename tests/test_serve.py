@@ -274,8 +274,7 @@ def test_an_error_after_a_stream_began_is_an_error_event_then_done(tiny_model: P
 
 
 @pytest.mark.parametrize(("route", "field", "value"), [
-    ("chat", "audio", {"voice": "alloy"}), ("completions", "echo", True), ("completions", "best_of", 2),
-    ("completions", "suffix", "end"),
+    ("chat", "audio", {"voice": "alloy"}), ("completions", "echo", True), ("completions", "suffix", "end"),
 ])
 def test_what_the_server_cannot_give_is_refused_by_name(served: Served, route: str, field: str, value: object) -> None:
     # Ignored, these would answer without what was asked for (logprobs None where a client reads them).
@@ -528,3 +527,140 @@ def test_the_serve_command(gemma_path: Path) -> None:
     err = chat_with_the_serve_command(["-m", str(gemma_path), "--workers", "1", "--slots", "2", "--n-ctx-slot", "512"])
     assert "has no chat template: chats use the gemma format, with +12 on <end_of_turn>" in err
     assert "on 1 worker(s)" in err
+
+
+# -- several choices (n, best_of) and priority -------------------------------------------------------------
+def no_end(spool: Pool) -> dict[str, int]:
+    """A logit_bias that bans the model's end-of-generation tokens: every choice runs to max_tokens."""
+    return {str(t): -100 for t in spool[0].models[0].info.eog_tokens}
+
+
+def mean_logprob(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def test_a_chat_with_n_choices_returns_each_and_counts_their_tokens(served: Served, spool: Pool) -> None:
+    client = served.client()
+    ask = [{"role": "user", "content": "Write a line about the sea."}]
+    kw = dict(model="x", messages=ask, max_tokens=8, temperature=0.8, seed=42, logit_bias=no_end(spool))
+    got = client.chat.completions.create(n=3, **kw)  # type: ignore[call-overload]
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.role == "assistant" for c in got.choices)
+    texts = [c.message.content for c in got.choices]
+    assert len(set(texts)) > 1  # seeds 42, 43, 44: choices of their own
+    one = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    assert got.usage is not None and one.usage is not None
+    assert got.usage.completion_tokens == 3 * 8 and got.usage.prompt_tokens == one.usage.prompt_tokens  # once
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 24
+    assert one.choices[0].message.content == texts[0]  # choice 0 draws with the request's own seed
+    again = client.chat.completions.create(n=3, **kw)  # type: ignore[call-overload]
+    assert [c.message.content for c in again.choices] == texts  # seeded: the same call replays them
+
+
+def test_streamed_choices_carry_their_index_and_join_to_the_plain_replys(served: Served, spool: Pool) -> None:
+    client = served.client()
+    kw = dict(model="x", prompt="Once upon a time", max_tokens=10, temperature=0.8, seed=7, n=2,
+              logit_bias=no_end(spool))
+    plain = client.completions.create(**kw)  # type: ignore[call-overload]
+    assert [c.index for c in plain.choices] == [0, 1] and plain.usage is not None
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},  # type: ignore[call-overload]
+                                            **kw))
+    texts, finished = {0: "", 1: ""}, {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert choice.index in (0, 1) and choice.index not in finished  # nothing after a choice's last chunk
+        texts[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert finished == {0: "length", 1: "length"}
+    assert [texts[0], texts[1]] == [c.text for c in plain.choices]
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 20
+    assert usage.usage.prompt_tokens == plain.usage.prompt_tokens
+    # A chat, raw: each choice opens with its role and ends with its finish_reason; [DONE] once, at the end.
+    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=PATIENCE, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 3, "stream": True,
+            "logit_bias": no_end(spool), "stream_options": {"include_usage": True}}) as resp:
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    data = [json.loads(e) for e in events[:-1]]
+    assert data[-1]["choices"] == [] and data[-1]["usage"]["completion_tokens"] == 12
+    parts = [c for d in data[:-1] for c in d["choices"]]
+    for i in range(3):
+        mine = [c for c in parts if c["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in mine[:-1])
+
+
+def test_best_of_returns_the_candidate_with_the_highest_mean_logprob(served: Served, spool: Pool) -> None:
+    client = served.client()
+    kw = dict(model="x", prompt="The weather today is", max_tokens=8, temperature=0.9, seed=3, logprobs=1,
+              logit_bias=no_end(spool))
+    every = client.completions.create(n=3, **kw)  # type: ignore[call-overload]
+    means = [mean_logprob(c.logprobs.token_logprobs) for c in every.choices]
+    best = client.completions.create(best_of=3, **kw)  # type: ignore[call-overload]
+    (choice,) = best.choices
+    assert choice.index == 0 and choice.text == every.choices[means.index(max(means))].text
+    assert mean_logprob(choice.logprobs.token_logprobs) == pytest.approx(max(means), abs=1e-3)
+    assert best.usage is not None and best.usage.completion_tokens == 3 * 8  # every candidate was generated
+    quiet = client.completions.create(**{**kw, "logprobs": None}, best_of=3)  # type: ignore[call-overload]
+    assert quiet.choices[0].logprobs is None and quiet.choices[0].text == choice.text  # ranked all the same
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), [
+    ("completions", {"n": 9}, "n"),  # the spool's batchers have 8 slots
+    ("chat", {"n": 9}, "n"),
+    ("completions", {"n": 0}, "n"),
+    ("chat", {"n": "2"}, "n"),
+    ("completions", {"n": 2, "best_of": 1}, "best_of"),
+    ("completions", {"best_of": 9}, "best_of"),
+    ("completions", {"best_of": 2, "stream": True}, "best_of"),
+    ("chat", {"priority": "high"}, "priority"),
+    ("completions", {"priority": 1.5}, "priority"),
+])
+def test_bad_choices_and_priorities_are_refused_in_openais_shape(served: Served, route: str,
+                                                                  fields: dict[str, object], param: str) -> None:
+    body: dict[str, object] = {"max_tokens": 2, **fields}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if route == "chat" else {"prompt": "Hi"})
+    url = f"{served.url}/v1/{'chat/' if route == 'chat' else ''}completions"
+    got = httpx.post(url, json=body, timeout=PATIENCE)
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"], error
+    fine = {k: v for k, v in body.items() if k not in fields}
+    assert httpx.post(url, json={**fine, "priority": -1}, timeout=PATIENCE).status_code == 200  # it serves on
+
+
+def test_the_openai_client_reads_n_and_best_of_errors(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().completions.create(model="x", prompt="Hi", max_tokens=2, n=9)
+    assert err.value.status_code == 400 and err.value.param == "n"
+    got = served.client().completions.create(model="x", prompt="Hi", max_tokens=2, n=8, best_of=8)
+    assert len(got.choices) == 8  # as many as a worker's slots
+
+
+def test_a_client_that_disconnects_from_several_streamed_choices_frees_their_slots(served: Served,
+                                                                                    spool: Pool) -> None:
+    batchers = [inst.models[0].batcher() for inst in spool]
+    with httpx.stream("POST", served.url + "/v1/completions", timeout=PATIENCE,
+                      json={"prompt": "Tell me a very long story.", "max_tokens": 0, "stream": True, "n": 3,
+                            "logit_bias": no_end(spool)}) as resp:
+        got = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+                if got == 6:
+                    break
+    assert_cut_short(batchers)  # every choice interrupted
+
+
+def test_langchain_chat_openai_with_n_gets_n_generations(served: Served) -> None:
+    import langchain_openai
+    from langchain_core.messages import HumanMessage
+
+    llm = langchain_openai.ChatOpenAI(base_url=served.url + "/v1", api_key="x", model="gemma",  # type: ignore[arg-type,call-arg]
+                                      temperature=0.8, n=2, max_tokens=6, max_retries=0, timeout=PATIENCE)
+    out = llm.generate([[HumanMessage("Name a fruit.")]])
+    assert len(out.generations) == 1 and len(out.generations[0]) == 2
+    assert all(isinstance(g.text, str) for g in out.generations[0])
