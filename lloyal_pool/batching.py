@@ -156,10 +156,16 @@ class Batcher:
     tokens: the context has slots x n_ctx_slot cells); ``chunk`` is the most prompt tokens one
     iteration prefills, all new requests together, between two steps of the running ones.
 
+    ``deterministic=True`` makes a request's result independent of the other requests in the batch: its
+    context is batch-invariant (ContextParams.batch_invariant: ggml's reference CPU kernels, flash
+    attention), so a greedy request gives the tokens it gives alone on such a batcher, bit for bit. It
+    needs a model loaded with ``repack=False`` on a CPU worker (ContextError otherwise) and costs
+    throughput (bench/bench_deterministic.py).
+
     Made by Model.batcher(); Instance.generate/stream and Pool.generate/stream use the default one."""
 
     def __init__(self, model: Model, *, slots: int = 8, n_ctx_slot: int = 2048, chunk: int = 128,
-                 n_threads: int | None = None) -> None:
+                 n_threads: int | None = None, deterministic: bool = False) -> None:
         slots = whole(slots, "slots")
         n_ctx_slot = whole(n_ctx_slot, "n_ctx_slot")
         chunk = whole(chunk, "chunk")
@@ -172,9 +178,13 @@ class Batcher:
         self.n_ctx_slot = n_ctx_slot
         self.chunk = chunk
         self._eog = list(model.info.eog_tokens)
+        self.deterministic = bool(deterministic)
         self.context: Context = model.new_context(n_ctx=slots * n_ctx_slot, n_seq_max=slots,
-                                                  n_batch=max(512, chunk, slots), n_threads=n_threads)
-        self._plan = Scheduler([self.context.branches.create().detach() for _ in range(slots)], n_ctx_slot, chunk)
+                                                  n_batch=max(512, chunk, slots), n_threads=n_threads,
+                                                  batch_invariant=self.deterministic)
+        # A deterministic context keeps each slot in a cache stream of its own: nothing to copy between them.
+        self._plan = Scheduler([self.context.branches.create().detach() for _ in range(slots)], n_ctx_slot, chunk,
+                               share=not self.deterministic)
         self._lock = threading.Lock()  # the scheduler's queue and slots, which callers' threads read
         self._wake = threading.Event()
         self._closed: BaseException | None = None
@@ -184,7 +194,8 @@ class Batcher:
     @property
     def options(self) -> dict[str, Any]:
         """The options it was made with (Model.batcher's keywords)."""
-        return {"slots": self.slots, "n_ctx_slot": self.n_ctx_slot, "chunk": self.chunk, "n_threads": self.n_threads}
+        return {"slots": self.slots, "n_ctx_slot": self.n_ctx_slot, "chunk": self.chunk, "n_threads": self.n_threads,
+                "deterministic": self.deterministic}
 
     def __repr__(self) -> str:
         return f"<Batcher slots={self.slots} n_ctx_slot={self.n_ctx_slot} model={self.model!r}>"

@@ -156,7 +156,7 @@ class Instance(BatchedCalls):
         return time.perf_counter() - t0
 
     def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                   vocab_only: bool = False, progress: ProgressCallback | None = None,
+                   vocab_only: bool = False, repack: bool = True, progress: ProgressCallback | None = None,
                    timeout: float | None = None) -> Model:
         """Loads a GGUF model into this worker and returns its handle; blocks until it is loaded.
         ``n_gpu_layers`` layers go to the GPU (GPU variants only), ``use_mmap`` maps the file instead of
@@ -167,10 +167,12 @@ class Instance(BatchedCalls):
         serving. ``timeout``: seconds to wait at most (CallTimeoutError; the load goes on in the worker)."""
         check_timeout(timeout)
         return wait(self.load_model_async(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
-                                          vocab_only=vocab_only, progress=progress), timeout, what="load_model")
+                                          vocab_only=vocab_only, repack=repack, progress=progress), timeout,
+                    what="load_model")
 
     def load_model_async(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                         vocab_only: bool = False, progress: ProgressCallback | None = None) -> Future[Model]:
+                         vocab_only: bool = False, repack: bool = True,
+                         progress: ProgressCallback | None = None) -> Future[Model]:
         """load_model() without waiting: a Future of the Model."""
         abspath = os.path.abspath(os.fspath(path))
         why = irregular_path(abspath)
@@ -181,11 +183,12 @@ class Instance(BatchedCalls):
             raise ModelLoadError(f"{abspath} is outside the pool's allowed_dirs {list(allowed)}: the worker "
                                  "may not read it (Pool(allowed_dirs=...))")
         return self._load(abspath, p.LoadModel(path=abspath, n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"),
-                                               use_mmap=bool(use_mmap), vocab_only=bool(vocab_only)), progress)
+                                               use_mmap=bool(use_mmap), vocab_only=bool(vocab_only),
+                                               repack=bool(repack)), progress)
 
     def load_model_from_memory(self, data: ModelBytes, *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                               vocab_only: bool = False, progress: ProgressCallback | None = None,
-                               timeout: float | None = None) -> Model:
+                               vocab_only: bool = False, repack: bool = True,
+                               progress: ProgressCallback | None = None, timeout: float | None = None) -> Model:
         """load_model() for a GGUF held in memory (go-llama's in-memory filesystem): its bytes (bytes,
         bytearray, a memoryview, e.g. of an mmap) or an open descriptor or binary file that reads it from
         offset 0 (a memfd, a file; not a pipe). It reaches the worker as a sealed memfd that the worker
@@ -196,7 +199,7 @@ class Instance(BatchedCalls):
         check_timeout(timeout)
         source = MemorySource(data)
         req = p.LoadModel(path="", n_gpu_layers=whole(n_gpu_layers, "n_gpu_layers"), use_mmap=bool(use_mmap),
-                          vocab_only=bool(vocab_only))
+                          vocab_only=bool(vocab_only), repack=bool(repack))
         return wait(self._load(f"<memory: {source.size} bytes>", req, progress, source), timeout,
                     what="load_model_from_memory")
 

@@ -367,6 +367,9 @@ class ContextParams:
     # Compute with fewer threads while other processes hold the cores (docs/RELIABILITY.md, "A busy machine");
     # False keeps the thread count fixed. CPU builds only.
     adapt_threads: bool = True
+    # A row's logits do not depend on what is decoded beside it: ggml's reference CPU kernels and flash
+    # attention (ContextError with flash_attn "off", a model loaded with repack=True, or a GPU). Slower.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         # None is how the other fields leave a choice to llama.cpp; n_ctx has a value of its own for that (0).

@@ -271,6 +271,7 @@ class LoadModel(Request[ModelLoaded]):
     n_gpu_layers: int = 0
     use_mmap: bool = True
     vocab_only: bool = False
+    repack: bool = True  # llama.cpp's extra buffer types (repacked weights); False for batch_invariant contexts
 
 
 class FreeModel(Request[None]):

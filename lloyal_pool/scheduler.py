@@ -100,12 +100,14 @@ class Decode:
 class Scheduler:
     """Slots, waiting jobs and the rules between them, for a context of ``len(seqs)`` sequences with
     ``n_ctx_slot`` cells of room each; ``chunk``: the most prompt tokens a decode takes while more jobs
-    generate than prefill."""
+    generate than prefill. ``share`` False: cells are never copied between slots (a context whose
+    sequences live in streams of their own), only kept in a slot for its next job."""
 
-    def __init__(self, seqs: Sequence[int], n_ctx_slot: int, chunk: int) -> None:
+    def __init__(self, seqs: Sequence[int], n_ctx_slot: int, chunk: int, *, share: bool = True) -> None:
         self.slots = [Slot(seq) for seq in seqs]
         self.n_ctx_slot = n_ctx_slot
         self.chunk = chunk
+        self.share = share
         self.waiting: list[Job] = []
         self._served: dict[Hashable, int] = {}  # the decode count when each group was last decoded
         self._n_decodes = 0
@@ -116,9 +118,13 @@ class Scheduler:
 
     def affinity(self, prompt: Sequence[int]) -> int:
         """The longest prefix of prompt a job without adapters admitted now would not decode (0 when no
-        slot is free): what any slot holds, or a running job's prompt will hold once it is in."""
+        slot is free): what any slot holds, or a running job's prompt will hold once it is in (without
+        ``share``: what a free slot holds)."""
         if all(s.job is not None for s in self.slots):
             return 0
+        if not self.share:
+            return max((common_prefix(s.tokens, prompt) for s in self.slots if s.job is None and s.group == ()),
+                       default=0)
         return max(max((common_prefix(s.tokens, prompt) for s in self.slots if s.group == ()), default=0),
                    self._coming(prompt, ()))
 
@@ -163,9 +169,10 @@ class Scheduler:
             # Among free slots that hold as much of it, the one holding least: what the others cached stays.
             slot = max(free, key=lambda s: (held(s), -len(s.tokens)))
             own = min(held(slot), limit)
-            source = max((s for s in self.slots if s is not slot and s not in taken), default=None, key=held)
+            sources = [s for s in self.slots if self.share and s is not slot and s not in taken]
+            source = max(sources, default=None, key=held)
             shared = 0 if source is None else min(held(source), limit)
-            if min(self._coming(job.prompt, job.group), limit) - max(own, shared) >= AFFINITY_TOKENS:
+            if self.share and min(self._coming(job.prompt, job.group), limit) - max(own, shared) >= AFFINITY_TOKENS:
                 continue  # a running job is decoding this prefix: copy it once it is in
             self.waiting.remove(job)
             free.remove(slot)

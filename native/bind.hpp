@@ -105,5 +105,7 @@ std::vector<std::pair<llama_token, float>> parse_logit_bias(py::handle bias, con
 llama_context_params parse_context_params(const py::dict & params);
 // The context param adapt_threads (default true): whether the thread governor may lower the threads.
 bool parse_adapt_threads(const py::dict & params);
+// The context param batch_invariant (default false): context_core's batch_invariant.
+bool parse_batch_invariant(const py::dict & params);
 
 }  // namespace lloyal

@@ -22,7 +22,7 @@ py_context::py_context(std::shared_ptr<Model> model, const py::dict & params, st
     const bool adapt_threads = parse_adapt_threads(params);
     {
         gil_release nogil;
-        core = std::make_unique<context_core>(std::move(model), cp, arena->arena);
+        core = std::make_unique<context_core>(std::move(model), cp, arena->arena, parse_batch_invariant(params));
     }
     if (!adapt_threads) {
         core->set_adapt_threads(false);

@@ -11,7 +11,7 @@ namespace lloyal {
 
 namespace {
 
-std::shared_ptr<Model> load(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only,
+std::shared_ptr<Model> load(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, bool repack,
                             const py::object & progress) {
     Model::progress_fn fn;
     if (!progress.is_none()) {
@@ -36,7 +36,7 @@ std::shared_ptr<Model> load(const std::string & path, int n_gpu_layers, bool use
         };
     }
     gil_release nogil;
-    return std::make_shared<Model>(path, n_gpu_layers, use_mmap, vocab_only, std::move(fn));
+    return std::make_shared<Model>(path, n_gpu_layers, use_mmap, vocab_only, repack, std::move(fn));
 }
 
 py::dict info(const Model & m) {
@@ -98,7 +98,7 @@ void register_model(py::module_ & m) {
         "Test only: per step, the tokens llama.cpp's grammar sampler allows and those ours (sliced) allows.");
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
         .def(py::init(&load), py::arg("path"), py::kw_only(), py::arg("n_gpu_layers") = 0, py::arg("use_mmap") = true,
-             py::arg("vocab_only") = false, py::arg("progress") = py::none(),
+             py::arg("vocab_only") = false, py::arg("repack") = true, py::arg("progress") = py::none(),
              "Loads a GGUF (GIL released). progress(fraction) returning False cancels the load.\n"
              "Raises ModelLoadError (with llama.cpp's last error line) on failure.")
         .def_property_readonly("n_vocab", &Model::n_vocab)

@@ -211,7 +211,7 @@ const std::set<std::string> & known_context_keys() {
     static const std::set<std::string> keys = {
         "n_ctx",      "n_batch",         "n_ubatch", "n_threads", "n_threads_batch", "n_seq_max", "embeddings",
         "rope_freq_base", "rope_freq_scale", "type_k", "type_v",  "swa_full",        "flash_attn",
-        "pooling",    "adapt_threads",
+        "pooling",    "adapt_threads",   "batch_invariant",
     };
     return keys;
 }
@@ -452,6 +452,10 @@ std::vector<std::pair<llama_token, float>> parse_logit_bias(py::handle bias, con
     return normalized_bias(std::move(out));
 }
 
+bool parse_batch_invariant(const py::dict & params) {
+    return params.contains("batch_invariant") && ctx_bool(params, "batch_invariant");
+}
+
 bool parse_adapt_threads(const py::dict & params) {
     return !params.contains("adapt_threads") || ctx_bool(params, "adapt_threads");
 }
@@ -548,6 +552,14 @@ llama_context_params parse_context_params(const py::dict & params) {
         } else {
             throw context_error("flash_attn must be \"auto\", \"on\" or \"off\"");
         }
+    }
+    if (parse_batch_invariant(params)) {
+        // Flash attention on the CPU visits a row's own cells only, in cache order; without it the attention
+        // sums run over every sequence's cells, and where another sequence's cells lie changes the rounding.
+        if (cp.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+            throw context_error("batch_invariant needs flash attention: leave flash_attn unset or \"on\"");
+        }
+        cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     }
     return cp;
 }

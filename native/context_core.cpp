@@ -2,6 +2,7 @@
 #include "devices.hpp"
 #include "heartbeat.hpp"
 #include "errors.hpp"
+#include "llama-context.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -68,14 +69,26 @@ context_core::busy_guard::busy_guard(context_core & c) : c_(c) {
 context_core::busy_guard::~busy_guard() { c_.busy_.store(false, std::memory_order_release); }
 
 context_core::context_core(std::shared_ptr<Model> model, const llama_context_params & params,
-                           std::shared_ptr<region_arena> arena)
+                           std::shared_ptr<region_arena> arena, bool batch_invariant)
     : model_(std::move(model)), arena_(std::move(arena)) {
     if (model_->vocab_only()) {
         throw context_error("the model was loaded with vocab_only=True: it has no weights to run");
     }
+    if (batch_invariant && model_->repack()) {
+        throw context_error("batch_invariant needs the model loaded with repack=False: the kernels of repacked "
+                            "weights compute a row differently by the rows beside it");
+    }
+    if (batch_invariant && (model_->n_gpu_layers() != 0 || gpu_device_count() > 0)) {
+        throw context_error("batch_invariant is a CPU mode: the model has layers on a GPU, or the worker's variant "
+                            "has a GPU");
+    }
     llama_context_params cp = params;
-    // Branches and detached sequences share one cache: a unified cache lets any sequence use all of it.
-    cp.kv_unified = true;
+    // Branches and detached sequences share one cache: a unified cache lets any sequence use all of it. A
+    // batch-invariant context gives each sequence a stream of its own instead: flash attention visits a
+    // row's cells in cache order, and only a stream of one sequence keeps that order its positions' order
+    // (in a shared cache, new cells fill whatever holes other sequences left).
+    cp.kv_unified = !batch_invariant;
+    kv_unified = cp.kv_unified;
     cp.no_perf = true;
     const llama_model * lm = model_->get();
     constexpr int64_t i32_max = std::numeric_limits<int32_t>::max();
@@ -131,6 +144,9 @@ context_core::context_core(std::shared_ptr<Model> model, const llama_context_par
         throw context_error("failed to create the llama context" + log_reason_since(mark));
     }
 
+    if (batch_invariant) {
+        make_batch_invariant();
+    }
     // llama.cpp rounds the cache up to a multiple of 256 cells; the context still holds what was asked
     // for (n_ctx 64 means 64 tokens), the extra cells are left unused in sequence mode.
     const uint32_t asked = cp.n_ctx == 0 ? static_cast<uint32_t>(std::max(n_ctx_train, 1)) : cp.n_ctx;
@@ -158,6 +174,34 @@ context_core::~context_core() {
     llama_batch_free(batch_);
     if (ctx_ != nullptr) {
         llama_free(ctx_);
+    }
+}
+
+void context_core::make_batch_invariant() {
+    // ggml's CPU reference path: one kernel per op whatever the batch (no tiled K-quant matmul, no tiled or
+    // split-KV flash attention, no fused ops), so a row's logits do not depend on the rows decoded beside
+    // it. llama.cpp has no switch for it; the CPU backend exports its setter by name.
+    ggml_backend_sched_t sched = ctx_->get_sched();
+    bool set = false;
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        if (dev == nullptr || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            continue;
+        }
+        using set_use_ref_fn = void (*)(ggml_backend_t, bool);
+        auto fn = reinterpret_cast<set_use_ref_fn>(
+            ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev), "ggml_backend_cpu_set_use_ref"));
+        if (fn == nullptr) {
+            break;
+        }
+        fn(backend, true);
+        set = true;
+    }
+    if (!set) {
+        llama_free(ctx_);
+        ctx_ = nullptr;
+        throw context_error("batch_invariant: this build's CPU backend has no reference mode");
     }
 }
 

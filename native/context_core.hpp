@@ -38,7 +38,10 @@ class context_core {
     // context without embeddings. An embedding context whose pooling is left unspecified gets the
     // model's own (GGUF <arch>.pooling_type), or mean pooling when the model declares none. arena: where the context's
     // logits row (and its branches' snapshots) live.
-    context_core(std::shared_ptr<Model> model, const llama_context_params & cp, std::shared_ptr<region_arena> arena);
+    // batch_invariant: a row's logits are the same whatever is decoded beside it (a CPU model loaded with
+    // repack=False, flash attention on: bind_params; ggml's reference kernels: make_batch_invariant).
+    context_core(std::shared_ptr<Model> model, const llama_context_params & cp, std::shared_ptr<region_arena> arena,
+                 bool batch_invariant = false);
     ~context_core();
     context_core(const context_core &) = delete;
     context_core & operator=(const context_core &) = delete;
@@ -61,6 +64,7 @@ class context_core {
     int32_t n_swa = 0;
     uint32_t n_cells = 0;  // the KV cache's real size
     bool swa_full = true;
+    bool kv_unified = true;  // false: one cache stream per sequence (batch_invariant)
     // The context's adapter configuration (lora.cpp's set_loras): what its decodes run under, unless a
     // lora_scope names another for the decodes of one call.
     std::vector<lora_weight> loras;
@@ -183,6 +187,7 @@ class context_core {
 
   private:
     static bool abort_callback(void * data);
+    void make_batch_invariant();
 
     std::shared_ptr<Model> model_;
     std::shared_ptr<region_arena> arena_;

@@ -52,6 +52,11 @@ void branch_driver::seq_cp(int64_t src_obj, int64_t dst_obj, llama_pos a, llama_
     context_core::busy_guard busy(core_);
     const llama_seq_id src = seq_arg(src_obj);
     const llama_seq_id dst = seq_arg(dst_obj);
+    if (!core_.kv_unified && src != dst && (a > 0 || b >= 0)) {
+        // llama.cpp copies between streams by whole buffers only (and aborts on a part).
+        throw context_error("this context keeps each sequence in a cache stream of its own (batch_invariant): "
+                            "kv.copy copies whole sequences only (p0 0, p1 -1)");
+    }
     // A free destination is leased, as decode() leases one: lloyal.node's kvSeqCopy(0, n) needs no lease.
     const bool lease = store_.is_free(dst) && core_.held_by_others(this).empty();
     if (lease) {

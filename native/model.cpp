@@ -170,8 +170,9 @@ bool is_marker(const llama_vocab * vocab, llama_token t) {
 
 }  // namespace
 
-Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, progress_fn progress)
-    : path_(path), vocab_only_(vocab_only) {
+Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, bool repack,
+             progress_fn progress)
+    : path_(path), vocab_only_(vocab_only), repack_(repack), n_gpu_layers_(n_gpu_layers) {
     // Say what is wrong with the path ourselves: llama.cpp's own message for it is generic.
     struct stat sb {};
     if (::stat(path.c_str(), &sb) != 0) {
@@ -186,6 +187,7 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
     params.n_gpu_layers = n_gpu_layers;
     params.load_mode = use_mmap ? LLAMA_LOAD_MODE_MMAP : LLAMA_LOAD_MODE_NONE;
     params.vocab_only = vocab_only;
+    params.use_extra_bufts = repack;
 
     progress_state pstate;
     if (progress) {

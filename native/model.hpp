@@ -15,7 +15,10 @@ class Model {
     // progress(fraction) runs on the loading thread; false cancels the load, and an exception from it
     // cancels the load and propagates.
     using progress_fn = std::function<bool(float)>;
-    Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, progress_fn progress);
+    // repack: weights may go to llama.cpp's extra buffer types (repacked for the CPU's gemm kernels, AMX);
+    // false keeps every weight as the file has it, which a batch-invariant context needs.
+    Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, bool repack,
+          progress_fn progress);
     ~Model();
     Model(const Model &) = delete;
     Model & operator=(const Model &) = delete;
@@ -24,6 +27,8 @@ class Model {
     const llama_vocab * vocab() const { return vocab_; }
     int32_t n_vocab() const { return n_vocab_; }
     bool vocab_only() const { return vocab_only_; }
+    bool repack() const { return repack_; }
+    int n_gpu_layers() const { return n_gpu_layers_; }
     const std::string & path() const { return path_; }
     // Every token llama_vocab_is_eog() is true for; ignore_eos bans them all, not only llama_vocab_eos().
     const std::vector<llama_token> & eog_tokens() const { return eog_tokens_; }
@@ -52,6 +57,8 @@ class Model {
     const llama_vocab * vocab_ = nullptr;
     int32_t n_vocab_ = 0;
     bool vocab_only_ = false;
+    bool repack_ = true;
+    int n_gpu_layers_ = 0;
     std::vector<llama_token> eog_tokens_;
     std::vector<llama_token> hidden_tokens_;
     std::vector<llama_token> markers_;  // sorted

@@ -81,11 +81,14 @@ class Model:
         n_gpu_layers: int = 0,
         use_mmap: bool = True,
         vocab_only: bool = False,
+        repack: bool = True,
         progress: Callable[[float], bool] | None = None,
     ) -> None:
         """Loads a GGUF (GIL released). progress(fraction) returning False cancels the load (None or a
         truthy value continues; an exception from it cancels the load and propagates).
-        Raises ModelLoadError (with llama.cpp's last error line(s)) on failure. n_gpu_layers < 0: all."""
+        Raises ModelLoadError (with llama.cpp's last error line(s)) on failure. n_gpu_layers < 0: all.
+        repack=False keeps the weights as the file has them (no CPU repacking, no AMX buffers): what a
+        batch_invariant context needs."""
     def info(self) -> dict[str, Any]:
         """desc, n_params, size, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, n_swa, n_vocab,
         has_encoder, has_decoder, bos, eos, add_bos, chat_template (str or None), meta (dict[str, str]).

@@ -226,7 +226,7 @@ class Engine:
 
         try:
             native = self.native.Model(req.path, n_gpu_layers=req.n_gpu_layers, use_mmap=req.use_mmap,
-                                       vocab_only=req.vocab_only, progress=progress)
+                                       vocab_only=req.vocab_only, repack=req.repack, progress=progress)
         except (ModelLoadError, MemoryError) as exc:
             raise _name_memory_limit_load(exc) from None
         model_id = self._new_id()

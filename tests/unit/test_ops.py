@@ -25,7 +25,7 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.Freeze(),
     p.Fork(worker_id=3, cwd="/tmp/lloyal-worker0-x/fork3-y"),
     p.Reap(pid=4242, timeout=0.5),
-    p.LoadModel(path="/m.gguf", n_gpu_layers=-1, use_mmap=False, vocab_only=True),
+    p.LoadModel(path="/m.gguf", n_gpu_layers=-1, use_mmap=False, vocab_only=True, repack=False),
     p.FreeModel(model=1),
     p.Tokenize(model=1, text="héllo", add_special=False, parse_special=True),
     p.Detokenize(model=1, tokens=[1, 2], remove_special=True, unparse_special=True),

@@ -313,6 +313,18 @@ def test_groups_take_turns_and_never_share_cells() -> None:
     assert placement.keep == 0 and placement.source is None
 
 
+def test_without_sharing_a_job_keeps_its_own_slot_s_cells_only_and_never_waits() -> None:
+    sched = Scheduler(list(range(3)), n_ctx_slot=256, chunk=512, share=False)
+    preamble = prompt(60)
+    jobs = [Job(preamble + prompt(5, 1000 * (i + 1))) for i in range(3)]
+    _, decodes = run(sched, {id(j): [1, EOG] for j in jobs}, jobs)
+    assert len({id(j) for j, _ in decodes[0].parts}) == 3 and [j.n_cached for j in jobs] == [0, 0, 0]
+    again = Job(preamble + [7])
+    sched.submit(again)
+    [placement] = sched.admit()
+    assert placement.source is None and placement.keep == 60
+
+
 def test_what_a_dead_worker_hands_over_is_every_job_that_produced_nothing() -> None:
     sched = Scheduler([0, 1], n_ctx_slot=64, chunk=8)
     started, placed, waiting = Job(prompt(3)), Job(prompt(5, 300)), Job(prompt(3, 600))
