@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -180,18 +181,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise SystemExit(f"lloyal-pool serve needs the serve extra: pip install 'lloyal_pool[serve]' ({exc})") from None
     if args.ray is not None:
+        if args.lora:
+            raise SystemExit("lloyal-pool serve: --lora serves adapters from workers on this machine, not --ray")
         return _serve_on_ray(args, uvicorn.run, create_app)
     path = _model_path(args.model)
+    loras = _serve_loras(args, path)
     with Pool(args.workers, variant=args.variant, cpu=args.cpu, threads_per_worker=args.threads) as pool:
         for inst in pool:
             model = inst.load_model(path)
             model.batcher(slots=args.slots, n_ctx_slot=args.n_ctx_slot)
         template, bias = _serve_template(args, path.name, model.info.chat_template is not None,
                                          _special_tokenizer(model))
+        # Every worker's model loads the adapters here (LoraError, naming the adapter, for a bad one).
         app = create_app(pool, model_name=args.name, chat_template=template, chat_logit_bias=bias,
-                         api_key=args.api_key, **_max_tokens(args))
-        print(f"lloyal-pool serve: {path.name} on {args.workers} worker(s), http://{args.host}:{args.port}/",
-              file=sys.stderr)
+                         api_key=args.api_key, lora=loras, **_max_tokens(args))
+        with_loras = f" with LoRA adapters {', '.join(name for name, _ in loras)}" if loras else ""
+        print(f"lloyal-pool serve: {path.name} on {args.workers} worker(s){with_loras}, "
+              f"http://{args.host}:{args.port}/", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -221,6 +227,35 @@ def _serve_on_ray(args: argparse.Namespace, run: Any, create_app: Any) -> int:
               f"http://{args.host}:{args.port}/", file=sys.stderr)
         run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _lora_arg(text: str) -> tuple[str, str]:
+    """--lora's value: NAME=PATH, or PATH (named by the file's stem; a path that exists is a path, even
+    with an = in it)."""
+    name, sep, path = text.partition("=")
+    if not sep or os.path.exists(text):
+        name, path = Path(text).stem, text
+    return name, path
+
+
+def _serve_loras(args: argparse.Namespace, model: Path) -> list[tuple[str, str]]:
+    """--lora's adapters as (name, path), checked before any worker starts: the names unique and not the
+    model's, each file there (llama.cpp checks the rest when every worker loads them)."""
+    from .serve.backend import served_loras
+
+    pairs = [_lora_arg(text) for text in args.lora or ()]
+    try:
+        adapters = served_loras(pairs)
+    except ValueError as exc:
+        raise SystemExit(f"lloyal-pool serve: --lora: {exc}") from None
+    model_name = args.name or model.name.removesuffix(".gguf")
+    for a in adapters:
+        if a.name == model_name:
+            raise SystemExit(f"lloyal-pool serve: --lora: the adapter {a.path} is named {a.name!r}, as the model is: "
+                             f"name it apart (--lora NAME=PATH) or the model (--name)")
+        if not os.path.isfile(a.path):
+            raise SystemExit(f"lloyal-pool serve: --lora {a.name}={a.path}: no such file")
+    return pairs
 
 
 def _max_tokens(args: argparse.Namespace) -> dict[str, int]:
@@ -310,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens of a chat reply whose request sets no max_tokens (default 1024; 0: until the "
                         "slot is full); a completion's default stays OpenAI's 16, or N if smaller")
     s.add_argument("-t", "--threads", type=int, default=None, help="threads per worker")
+    s.add_argument("--lora", action="append", metavar="[NAME=]PATH",
+                   help="a LoRA adapter GGUF every worker's model loads (repeatable; ids 0, 1, ... in this order). "
+                   "A request runs it when its model is NAME (default: the file's stem) or its lora field "
+                   "lists the id; others get the base model")
     s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the workers as actors of a Ray cluster (needs lloyal_pool[ray]): its address, or none "
                    "for Ray's default (RAY_ADDRESS, a cluster running here, else a new local one); -m is then "

@@ -29,12 +29,14 @@ def pool(gemma_path: Path) -> Iterator[Pool]:
 
 @pytest.fixture(scope="module")
 def model(pool: Pool, gemma_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """Gemma in worker 0 with two random adapters on q and v of its first six layers: style-a, style-b."""
+    """Gemma in worker 0 with two random adapters on q and v of its first six layers: style-a, style-b. Small
+    ones (std 0.6): an adapter with large weights makes llama.cpp's rounding beside other rows drift by
+    several nats (3.2 at std 2.0, measured on one context alone), past the invariance bound."""
     m = pool[0].load_model(gemma_path)
     d = tmp_path_factory.mktemp("batched-lora")
     shapes = attention_shapes(m.info, range(6))
     for name, seed in (("style-a", 11), ("style-b", 12)):
-        m.load_lora(write_lora(d / f"{name}.gguf", "gemma3", shapes, rank=8, seed=seed, std=2.0))
+        m.load_lora(write_lora(d / f"{name}.gguf", "gemma3", shapes, rank=8, seed=seed, std=0.6))
     return m
 
 
@@ -117,7 +119,7 @@ def test_bad_adapters_fail_their_request_and_the_batcher_serves_on(model: Model,
         ctx.close()
         # An adapter closed while its request waits for the slot: that request fails, the others are served.
         shapes = attention_shapes(model.info, range(6))
-        extra = model.load_lora(write_lora(tmp_path / "style-c.gguf", "gemma3", shapes, rank=8, seed=13, std=2.0))
+        extra = model.load_lora(write_lora(tmp_path / "style-c.gguf", "gemma3", shapes, rank=8, seed=13, std=0.6))
         busy = batcher.submit("Once upon a time", n_predict=20, ignore_eos=True)
         doomed = batcher.submit("Tell me a story", n_predict=20, ignore_eos=True, lora={"style-c": 1.0})
         extra.close()

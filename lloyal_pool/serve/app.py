@@ -5,9 +5,12 @@ one model, reached through a Backend (backend.py).
                                                    request; its n choices on one worker, the prompt decoded once)
     POST /v1/embeddings                         ─▶ an embedding context per worker
     POST /tokenize, /detokenize, /apply-template, GET /props   ─▶ questions to any live worker (llama-server's)
-    GET  /v1/models, /health, /metrics, /        (the last: a chat page, no build step, no external assets)
+    GET  /v1/models, /lora-adapters, /health, /metrics, /   (the last: a chat page, no build step, no external assets)
 
 Every request that generates is a batched request (batching.py): many clients share each worker's slots.
+A request may run LoRA adapters the server loaded for every worker's model (create_app's ``lora``): its
+``model`` names one, or its ``lora`` field (llama-server's) lists them by id with scales (schemas.lora_of);
+requests on different adapters share the batcher, decoded in turns.
 A request for ``n`` choices (or a completion's ``best_of``) is that many batched requests of one prompt on
 one worker, followed together (_Choices); one choice is a request of one. A client that goes away interrupts
 its generation (a stream at its next piece; a plain request within a
@@ -46,7 +49,7 @@ from ..params import GenerateParams, Result, StopReason
 from ..pool import Pool
 from ..session import call_opener, formatted_params
 from . import schemas
-from .backend import WorkerGauge, backend_of
+from .backend import LoraSpec, PoolBackend, WorkerGauge, backend_of, served_loras
 from .schemas import APIError, api_error
 
 DISCONNECT_POLL = 0.25  # seconds between checks that the client of a plain (not streamed) request is there
@@ -157,18 +160,29 @@ class _Metrics:
 
 
 class Server:
-    """The app's state: the backend (a Pool or a RayPool), the model's name and chat template, the API key,
-    the default cap on a reply (max_tokens), the metrics."""
+    """The app's state: the backend (a Pool or a RayPool), the model's name and chat template, the LoRA
+    adapters served, the API key, the default cap on a reply (max_tokens), the metrics."""
 
     def __init__(self, pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
                  chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None,
-                 max_tokens: int = schemas.DEFAULT_MAX_TOKENS) -> None:
+                 max_tokens: int = schemas.DEFAULT_MAX_TOKENS, lora: LoraSpec | None = None) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens is a whole number of tokens (0: no cap), got {max_tokens!r}")
         self.max_tokens = max_tokens
         self.pool = pool
+        adapters = served_loras(lora)  # refused before anything is asked of a worker
         self.backend = backend_of(pool)
         self.model_name = model_name or self.backend.model_path().rsplit("/", 1)[-1].removesuffix(".gguf")
+        #: The LoRA adapters served, in id order.
+        self.loras: list[schemas.ServedLora] = adapters
+        if adapters:
+            if not isinstance(self.backend, PoolBackend):
+                raise ValueError("LoRA adapters (lora=) are served from a Pool on this machine; a RayPool's "
+                                 "actors load none")
+            if any(a.name == self.model_name for a in adapters):
+                raise ValueError(f"a LoRA adapter is named {self.model_name!r}, as the model is: name it apart "
+                                 f"(NAME=PATH), or the model (model_name, --name)")
+            self.backend.serve_loras(adapters)
         self.chat_template = chat_template
         self.chat_logit_bias = dict(chat_logit_bias or {})
         self.api_key = api_key
@@ -181,6 +195,13 @@ class Server:
             served, _ = await asyncio.to_thread(self.backend.served_model)
             self._slots = served.slots
         return self._slots
+
+    def generate_params(self, body: Mapping[str, Any], *, chat: bool) -> tuple[GenerateParams, str]:
+        """A generating request's GenerateParams, its adapters included (schemas.lora_of), and the model
+        its reply names: the adapter its ``model`` named, else the served model."""
+        gen = schemas.generate_params(body, chat=chat, server_max_tokens=self.max_tokens)
+        lora, shown = schemas.lora_of(body, self.model_name, self.loras)
+        return (dataclasses.replace(gen, lora=lora) if lora else gen), shown
 
     def check_key(self, request: Request) -> None:
         """APIError 401 unless the request carries the API key (when one is set)."""
@@ -367,12 +388,12 @@ def _event_stream(server: Server, choices: _Choices, events: AsyncGenerator[byte
 # -- routes ----------------------------------------------------------------------------------------------------
 async def completions(request: Request, server: Server) -> Response:
     body = await _body(request)
-    gen = schemas.generate_params(body, chat=False, server_max_tokens=server.max_tokens)
+    gen, shown = server.generate_params(body, chat=False)
     n, best_of = schemas.choices_of(body, chat=False)
     wants_usage = schemas.include_usage(body)
     prompt = _prompt_of(body)
     await _fit(server, n, best_of)
-    reply = schemas.Reply("cmpl", server.model_name)
+    reply = schemas.Reply("cmpl", shown)
     if not body.get("stream"):
         results, generated = await _generate(request, server, prompt, gen, n, best_of)
         return JSONResponse(schemas.completion(results, reply, generated))
@@ -395,7 +416,7 @@ async def completions(request: Request, server: Server) -> Response:
 
 async def chat_completions(request: Request, server: Server) -> Response:
     body = await _body(request)
-    gen = schemas.generate_params(body, chat=True, server_max_tokens=server.max_tokens)
+    gen, shown = server.generate_params(body, chat=True)
     n, _ = schemas.choices_of(body, chat=True)
     wants_usage = schemas.include_usage(body)
     messages = schemas.messages_of(body)
@@ -417,7 +438,7 @@ async def chat_completions(request: Request, server: Server) -> Response:
     if server.chat_logit_bias:  # the request's own bias on a token wins
         gen = dataclasses.replace(gen, logit_bias={**server.chat_logit_bias, **gen.logit_bias})
     await _fit(server, n, n)
-    reply = schemas.Reply("chatcmpl", server.model_name)
+    reply = schemas.Reply("chatcmpl", shown)
 
     async def parse(result: Result) -> Any:
         partial = result.stop_reason in ("length", "interrupted")
@@ -457,6 +478,9 @@ async def chat_completions(request: Request, server: Server) -> Response:
 
 async def embeddings(request: Request, server: Server) -> Response:
     body = await _body(request)
+    if schemas.lora_of({"model": body.get("model")}, server.model_name, server.loras)[0]:
+        raise APIError(400, f"LoRA adapters run in completions and chats; embeddings are the model's own: name "
+                            f"{server.model_name!r}", param="model")
     inputs = body.get("input")
     if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(isinstance(i, int) for i in inputs)):
         inputs = [inputs]
@@ -473,21 +497,35 @@ async def embeddings(request: Request, server: Server) -> Response:
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
 
-def _model_card(server: Server) -> dict[str, Any]:
-    return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "lloyal_pool"}
+def _model_cards(server: Server) -> list[dict[str, Any]]:
+    """The served model's card, then one per LoRA adapter, whose ``parent`` is the model (as vLLM lists
+    its LoRA modules)."""
+    return ([{"id": server.model_name, "object": "model", "created": 0, "owned_by": "lloyal_pool"}]
+            + [{"id": a.name, "object": "model", "created": 0, "owned_by": "lloyal_pool", "parent": server.model_name}
+               for a in server.loras])
 
 
 async def models(request: Request, server: Server) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(server)]})
+    return JSONResponse({"object": "list", "data": _model_cards(server)})
 
 
 async def model(request: Request, server: Server) -> Response:
-    """GET /v1/models/{model}: the served model under the name /v1/models lists (any name maps to it for
-    generation, but only that one is a model to look up)."""
-    if request.path_params["model"] != server.model_name:
+    """GET /v1/models/{model}: the served model, or one of its LoRA adapters, under the name /v1/models
+    lists (on a server without adapters any name maps to the model for generation, but only its own is a
+    model to look up)."""
+    card = next((c for c in _model_cards(server) if c["id"] == request.path_params["model"]), None)
+    if card is None:
+        adapters = f" and its LoRA adapters {', '.join(repr(a.name) for a in server.loras)}" if server.loras else ""
         raise APIError(404, f"the model {request.path_params['model']!r} does not exist; this server serves "
-                            f"{server.model_name!r}", param="model", code="model_not_found")
-    return JSONResponse(_model_card(server))
+                            f"{server.model_name!r}{adapters}", param="model", code="model_not_found")
+    return JSONResponse(card)
+
+
+async def lora_adapters(request: Request, server: Server) -> Response:
+    """GET /lora-adapters, as llama-server's: the adapters loaded, ``[{"id", "path", "scale"}, ...]`` (and
+    the ``name`` a request's ``model`` selects one by). ``scale`` is 0: none applies to a request that
+    does not ask for it (llama-server's --lora-init-without-apply); there is no POST to change that."""
+    return JSONResponse([{"id": a.id, "path": a.path, "name": a.name, "scale": 0.0} for a in server.loras])
 
 
 def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -653,10 +691,17 @@ def _route(path: str, fn: Callable[[Request, Server], Awaitable[Response]], serv
 
 def create_app(pool: Pool | Any, *, model_name: str | None = None, chat_template: str | None = None,
                chat_logit_bias: Mapping[int, float] | None = None, api_key: str | None = None,
-               max_tokens: int = schemas.DEFAULT_MAX_TOKENS) -> Starlette:
+               max_tokens: int = schemas.DEFAULT_MAX_TOKENS, lora: LoraSpec | None = None) -> Starlette:
     """The ASGI app serving ``pool`` (a Pool, or a lloyal_pool.ray.RayPool), whose workers each hold the
-    one model it serves (any ``model`` a
-    request names maps to it; ``model_name`` is the id /v1/models shows, default the file's stem).
+    one model it serves (``model_name`` is the id /v1/models shows, default the file's stem; without
+    adapters any ``model`` a request names maps to it).
+    ``lora``: LoRA adapters to serve (a Pool only): paths (each named by its file's stem) or (name,
+    path) pairs, or a mapping of names to paths. Every worker's model loads them now (LoraError for one
+    that cannot be loaded; ValueError for two of one name, one file twice, a name that is the model's),
+    and so does a model a worker holds later (after Pool.replace) before its next request. A request
+    runs them through its ``model`` (an adapter's name: that adapter at scale 1) or llama-server's
+    ``lora`` field (``[{"id": i, "scale": s}]``, ids in this order); a ``model`` that is neither the
+    model's name nor an adapter's is then a 400 (model_not_found).
     ``chat_template``: a chat format name or Jinja source for models without one. ``chat_logit_bias``:
     added to every chat completion's logit bias, the request's own bias on a token winning (what
     ``lloyal-pool serve`` passes for a model without a template: session.chat_fallback). ``api_key``: every
@@ -664,7 +709,7 @@ def create_app(pool: Pool | Any, *, model_name: str | None = None, chat_template
     chat's max_tokens when the request gives none (0: until the slot is full or the reply ends); a
     completion's is OpenAI's 16, or this where it is smaller."""
     server = Server(pool, model_name=model_name, chat_template=chat_template, chat_logit_bias=chat_logit_bias,
-                    api_key=api_key, max_tokens=max_tokens)
+                    api_key=api_key, max_tokens=max_tokens, lora=lora)
     routes = [
         _route("/v1/completions", completions, server, ["POST"], "completions"),
         _route("/v1/chat/completions", chat_completions, server, ["POST"], "chat_completions"),
@@ -675,6 +720,7 @@ def create_app(pool: Pool | Any, *, model_name: str | None = None, chat_template
         _route("/detokenize", detokenize, server, ["POST"], "detokenize"),
         _route("/apply-template", apply_template, server, ["POST"], "apply_template"),
         _route("/props", props, server, ["GET"], "props"),
+        _route("/lora-adapters", lora_adapters, server, ["GET"], "lora_adapters"),
         _route("/health", health, server, ["GET"], "health", auth=False),
         _route("/metrics", metrics, server, ["GET"], "metrics", auth=False),
         _route("/", chat_page, server, ["GET"], "chat_page", auth=False),

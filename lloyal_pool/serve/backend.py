@@ -1,10 +1,14 @@
 """What the HTTP app needs of whatever serves the model: a Pool on this machine (``PoolBackend``) or a
 RayPool across a cluster (lloyal_pool.ray). Every method blocks (the app calls them on a thread), and
-every worker behind a backend holds the same one model."""
+every worker behind a backend holds the same one model (and, on a Pool, the LoRA adapters the server
+serves: PoolBackend.serve_loras)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -15,10 +19,52 @@ from .. import protocol as p
 from .._embedder import Embedder
 from ..batching import BatchRequest
 from ..chat import ChatMessage
+from ..errors import LloyalError, LoraError
+from ..lifecycle import WorkerEvent
 from ..model import Model
 from ..params import GenerateParams, token_ids
 from ..pool import Pool
-from .schemas import APIError
+from .schemas import APIError, ServedLora
+
+_log = logging.getLogger("lloyal_pool.serve")
+
+LoraPath = str | os.PathLike[str]
+#: create_app's ``lora``: adapter paths (each named by its file's stem) or (name, path) pairs, in the order
+#: their ids number them; or a mapping of names to paths.
+LoraSpec = Sequence[LoraPath | tuple[str, LoraPath]] | Mapping[str, LoraPath]
+
+
+def served_loras(spec: LoraSpec | None) -> list[ServedLora]:
+    """The adapters create_app's ``lora`` names, in order (a request's ``lora`` ids index them): each a
+    path (named by its file's stem) or a (name, path) pair; a mapping is name -> path. ValueError for
+    anything else, two adapters of one name, or one file given twice."""
+    if spec is None:
+        return []
+    if isinstance(spec, (str, bytes, os.PathLike)):
+        raise ValueError(f"lora is a list of adapter paths or (name, path) pairs; got the single path {spec!r}: "
+                         f"write [{spec!r}]")
+    items = list(spec.items()) if isinstance(spec, Mapping) else list(spec)
+    out: list[ServedLora] = []
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            name, where = item
+        else:
+            name, where = None, item
+        if isinstance(where, bytes) or not isinstance(where, (str, os.PathLike)):
+            raise ValueError(f"lora: each adapter is a path or a (name, path) pair, got {item!r}")
+        path = os.path.abspath(os.fspath(where))
+        if name is None:
+            name = os.path.splitext(os.path.basename(path))[0]
+        if not name:
+            raise ValueError(f"lora: the adapter {path} needs a name")
+        for other in out:
+            if other.path == path:
+                raise ValueError(f"the LoRA adapter {path} is given twice (as {other.name!r} and {name!r})")
+            if other.name == name:
+                raise ValueError(f"two LoRA adapters are named {name!r} ({other.path} and {path}): name them "
+                                 f"apart (NAME=PATH)")
+        out.append(ServedLora(len(out), name, path))
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,6 +158,67 @@ class PoolBackend:
         self.pool = pool
         self._embedders: dict[int, Embedder] = {}  # one per worker's model, made at its first request
         self._lock = threading.Lock()
+        self._loras: list[ServedLora] = []
+        # The served models that have loaded every adapter in _loras (or failed to and were logged).
+        self._ready: weakref.WeakSet[Model] = weakref.WeakSet()
+        self._lora_lock = threading.Lock()
+
+    def serve_loras(self, adapters: Sequence[ServedLora]) -> None:
+        """Has the model of every live worker load ``adapters`` now (those it has not loaded already),
+        LoraError naming the adapter and the worker for one that cannot be loaded; and the model of any
+        worker that comes later (Pool.replace started it and the application loaded the model there)
+        before the next request is routed. Crash recovery (Pool(recover=True)) loads a model's adapters
+        again itself; one it could not is loaded here at the next request."""
+        self._loras = list(adapters)
+        if self._loras:
+            self._prepare(strict=True)
+            self.pool.subscribe(self._on_event)
+
+    def _on_event(self, event: WorkerEvent) -> None:
+        if event.kind == "recovered" and event.instance is not None:
+            for model in event.instance.models:  # an adapter may have failed to load again: check at the next request
+                self._ready.discard(model)
+
+    def _served_models(self) -> list[Model]:
+        out = []
+        for inst in self.pool:
+            if inst.alive:
+                models = inst.models
+                if len(models) == 1:  # a worker the server routes to (pool.submit names no model)
+                    out.append(models[0])
+        return out
+
+    def _prepare(self, *, strict: bool = False) -> None:
+        """Loads the served adapters for every served model that has not loaded them yet. ``strict``: a
+        failure raises (at start); otherwise it is logged, and that model takes no request naming the
+        adapter (the pool routes such requests to a worker that has it)."""
+        if not self._loras:
+            return
+        models = self._served_models()
+        if all(m in self._ready for m in models):
+            return
+        with self._lora_lock:  # one load per adapter and model: two of one path would make its name ambiguous
+            for model in models:
+                if model in self._ready:
+                    continue
+                try:
+                    self._load_loras(model)
+                except LloyalError as exc:
+                    if strict:
+                        raise
+                    _log.error("%s", exc)
+                self._ready.add(model)
+
+    def _load_loras(self, model: Model) -> None:
+        loaded = {a.path for a in model.loras}
+        for lora in self._loras:
+            if lora.path in loaded:
+                continue
+            try:
+                model.load_lora(lora.path)
+            except LloyalError as exc:
+                raise LoraError(f"the LoRA adapter {lora.name!r} ({lora.path}) cannot be loaded for "
+                                f"{os.path.basename(model.path)} in worker {model.instance.worker_id}: {exc}") from exc
 
     def any_model(self) -> Model:
         for inst in self.pool:
@@ -126,10 +233,12 @@ class PoolBackend:
 
     def submit(self, prompt: str | list[int], gen: GenerateParams,
                on_piece: Callable[[str], None] | None) -> BatchRequest:
+        self._prepare()
         return self.pool.submit(prompt, gen, on_piece=on_piece)
 
     def submit_many(self, prompt: str | list[int], gen: GenerateParams, n: int,
                     on_piece: Callable[[int, str], None] | None) -> list[BatchRequest]:
+        self._prepare()
         return self.pool.submit_many(prompt, gen, n, on_piece=on_piece)  # one batcher: the prompt decoded once
 
     def format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,

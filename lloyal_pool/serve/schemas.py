@@ -5,9 +5,11 @@ object with the status code its kind deserves. Nothing here knows HTTP or the po
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..chat import ChatMessage
@@ -171,6 +173,62 @@ def generate_params(body: Mapping[str, Any], *, chat: bool,
                               priority=priority or 0)
     except LloyalError as exc:
         raise api_error(exc) from exc
+
+
+@dataclass(frozen=True)
+class ServedLora:
+    """A LoRA adapter the server serves (create_app's ``lora``, ``lloyal-pool serve --lora``): ``id``, its
+    place in that list (what a request's ``lora`` field names, as llama-server's ids), ``name`` (what a
+    request's ``model`` names, and /v1/models lists) and ``path`` (absolute: what GenerateParams.lora
+    names it by)."""
+
+    id: int
+    name: str
+    path: str
+
+
+def lora_of(body: Mapping[str, Any], model_name: str, adapters: Sequence[ServedLora]) -> tuple[dict[str, float], str]:
+    """The adapters a generating request runs under (GenerateParams.lora, by path) and the model its reply
+    names. ``model``: the served model (``model_name``), or an adapter's name, which runs that adapter at
+    scale 1 (vLLM's LoRA modules); on a server without adapters, any name is the model. ``lora``:
+    llama-server's ``[{"id": i, "scale": s}, ...]``, ids indexing ``adapters``; an adapter neither field
+    names runs at scale 0, and the list's entry wins over ``model``'s for the same adapter. APIError (400) for an
+    unknown model (code model_not_found), an unknown or repeated id, or a scale that is not a finite
+    number."""
+    scales: dict[int, float] = {}
+    shown = model_name
+    requested = body.get("model")
+    if adapters and requested is not None and requested != model_name:
+        named = next((a for a in adapters if a.name == requested), None)
+        if named is None:
+            known = ", ".join(repr(a.name) for a in adapters)
+            raise APIError(400, f"the model {requested!r} does not exist: this server serves {model_name!r} and its "
+                                f"LoRA adapters {known}", param="model", code="model_not_found")
+        scales[named.id] = 1.0
+        shown = named.name
+    field = body.get("lora")
+    if field is not None:
+        shape = 'lora is a list of {"id": adapter id, "scale": number} (GET /lora-adapters lists the ids)'
+        if not isinstance(field, list):
+            raise APIError(400, shape, param="lora")
+        listed: set[int] = set()
+        for entry in field:
+            if not isinstance(entry, Mapping):
+                raise APIError(400, shape, param="lora")
+            i, scale = entry.get("id"), entry.get("scale")
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise APIError(400, f"lora: an adapter's id is an integer, got {i!r}", param="lora")
+            if not 0 <= i < len(adapters):
+                held = f"ids 0 to {len(adapters) - 1}" if adapters else "no LoRA adapters"
+                raise APIError(400, f"lora: no adapter has the id {i}; this server has {held}", param="lora")
+            if i in listed:
+                raise APIError(400, f"lora: the adapter id {i} is listed twice", param="lora")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+                raise APIError(400, f"lora: the scale of adapter {i} must be a finite number, got {scale!r}",
+                               param="lora")
+            listed.add(i)
+            scales[i] = float(scale)
+    return {adapters[i].path: s for i, s in sorted(scales.items()) if s != 0}, shown
 
 
 def choices_of(body: Mapping[str, Any], *, chat: bool) -> tuple[int, int]:
