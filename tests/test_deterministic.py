@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from served import Served, chat_with_the_serve_command
 
 from lloyal_pool import ContextError, Model, Pool, Result
 
@@ -97,3 +99,28 @@ def test_what_a_batch_invariant_context_needs_is_said_and_the_worker_serves_on(p
         ctx.close()
     finally:
         repacked.close()
+
+
+def test_the_serve_command_s_deterministic_flag() -> None:
+    err = chat_with_the_serve_command(["--deterministic", "--slots", "2", "--n-ctx-slot", "256"])
+    assert "deterministic" in err
+
+
+def test_the_endpoint_on_a_deterministic_batcher_answers_each_request_as_alone(pool: Pool, model: Model) -> None:
+    model.batcher(slots=4, n_ctx_slot=256, deterministic=True)
+    served = Served(pool)
+    try:
+        client = served.client()
+
+        def ask(prompt: str) -> tuple[str, list[float]]:
+            c = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+            lp = c.choices[0].logprobs
+            assert lp is not None and lp.token_logprobs is not None
+            return c.choices[0].text, [float(x) for x in lp.token_logprobs]
+
+        alone = [ask(p) for p in PROMPTS[:4]]
+        with ThreadPoolExecutor(4) as ex:
+            together = list(ex.map(ask, PROMPTS[:4]))
+        assert together == alone
+    finally:
+        served.close()
