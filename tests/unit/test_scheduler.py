@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lloyal_pool.params import StopReason
 from lloyal_pool.routing import AFFINITY_TOKENS
-from lloyal_pool.scheduler import Decode, Job, Scheduler
+from lloyal_pool.scheduler import Decode, Job, Placement, Scheduler
 
 EOG = -1  # what a fake stream yields to end generation
 
@@ -80,6 +80,20 @@ def run(sched: Scheduler, streams: dict[int, list[int]], jobs: list[Job],
                 assert slot.tokens[:n_in] == job.prompt[:n_in] and (not job.todo or len(slot.tokens) == n_in)
             assert len(slot.tokens) <= sched.n_ctx_slot
     return ends, decodes
+
+
+def admission_order(sched: Scheduler) -> list[Job]:
+    """The jobs sched admits from now on, in order (its admit() watched)."""
+    order: list[Job] = []
+    original = sched.admit
+
+    def admit() -> list[Placement]:
+        placements = original()
+        order.extend(p.job for p in placements)
+        return placements
+
+    sched.admit = admit  # type: ignore[method-assign]
+    return order
 
 
 def prompt(n: int, start: int = 100) -> list[int]:
@@ -181,15 +195,7 @@ def test_jobs_wait_for_a_slot_first_come_first_served_and_a_cancelled_waiter_nev
     sched = Scheduler([0], n_ctx_slot=64, chunk=8)
     first, second, third = Job(prompt(3)), Job(prompt(3, 300)), Job(prompt(3, 600))
     streams = {id(first): [1, EOG], id(second): [2, EOG], id(third): [3, EOG]}
-    order: list[Job] = []
-    original = sched.admit
-
-    def admit() -> list:
-        placements = original()
-        order.extend(p.job for p in placements)
-        return placements
-
-    sched.admit = admit  # type: ignore[method-assign]
+    order = admission_order(sched)
     ends, _ = run(sched, streams, [first, second, third], cancel_at={0: [second]})
     assert order == [first, third]
     assert ends[id(second)] == StopReason.INTERRUPTED and second.n_decoded == 0
@@ -276,15 +282,7 @@ def test_a_job_whose_prefix_is_short_does_not_wait_for_it() -> None:
 def test_lower_priority_values_are_admitted_first_and_equal_ones_in_order_of_arrival() -> None:
     sched = Scheduler([0], n_ctx_slot=64, chunk=8)
     jobs = [Job(prompt(3, 100 * i), priority=p) for i, p in enumerate([0, 5, -1, 0])]
-    order: list[Job] = []
-    original = sched.admit
-
-    def admit() -> list:
-        placements = original()
-        order.extend(p.job for p in placements)
-        return placements
-
-    sched.admit = admit  # type: ignore[method-assign]
+    order = admission_order(sched)
     streams = {id(j): [1, EOG] for j in jobs}
     for job in jobs[1:]:
         sched.submit(job)
