@@ -135,14 +135,26 @@ class _Request(Job):
         if self.wake is not None:
             self.wake.set()
 
+    def handle(self) -> BatchRequest:
+        # The list only grows, on the loop's thread; a copy read on another thread is a prefix of it.
+        return BatchRequest(self.future, self.cancel, lambda: list(self.logprobs or ()))
+
 
 class BatchRequest:
     """A handle on one independent request (in a Batcher, or on a RayPool's actor): its ``future`` (of
     the Result) and ``interrupt()``."""
 
-    def __init__(self, future: Future[Result], interrupt: Callable[[], None]) -> None:
+    def __init__(self, future: Future[Result], interrupt: Callable[[], None],
+                 logprobs: Callable[[], list[TokenLogprob]] | None = None) -> None:
         self.future = future
         self._interrupt = interrupt
+        self._logprobs = logprobs
+
+    def logprobs_so_far(self) -> list[TokenLogprob]:
+        """While it runs, the log-probabilities (GenerateParams.logprobs) of the tokens whose pieces were
+        handed out so far, each before its piece reaches ``on_piece`` (a streaming server sends them with
+        the pieces); [] when it asked for none, or where they arrive only with the Result (a RayPool)."""
+        return [] if self._logprobs is None else self._logprobs()
 
     def interrupt(self) -> None:
         """Ends the request at the next step (its Result says ``interrupted``); a no-op once it ended.
@@ -221,7 +233,7 @@ class Batcher:
         gen = GenerateParams.of(params, overrides)
         req = self._request(self.tokens(prompt), gen, on_piece)
         self._enqueue([req])
-        return BatchRequest(req.future, req.cancel)
+        return req.handle()
 
     def submit_many(self, prompt: str | Sequence[int], params: GenerateParams | None = None, n: int = 1, *,
                     on_piece: Callable[[int, str], None] | None = None, **overrides: Any) -> list[BatchRequest]:
@@ -239,7 +251,7 @@ class Batcher:
         reqs = [self._request(list(tokens), choice_params(gen, i),
                               None if on_piece is None else _choice_pieces(on_piece, i)) for i in range(n)]
         self._enqueue(reqs)
-        return [BatchRequest(r.future, r.cancel) for r in reqs]
+        return [r.handle() for r in reqs]
 
     def _request(self, tokens: list[int], gen: GenerateParams, on_piece: Callable[[str], None] | None) -> _Request:
         if len(tokens) >= self.n_ctx_slot:
@@ -423,9 +435,9 @@ class Batcher:
         going: list[tuple[Job, int]] = []
         for req, (token, is_stop, final, held, stop_string, logprobs) in zip(reqs, produced, strict=True):
             if not is_stop:
-                req.output.push(token, final, held)
-                if req.logprobs is not None and logprobs is not None:
+                if req.logprobs is not None and logprobs is not None:  # before its piece: logprobs_so_far
                     req.logprobs.append(msgspec.convert(logprobs, TokenLogprob))
+                req.output.push(token, final, held)
             reason = self._plan.sampled(req, token, eog=is_stop,
                                         stop=stop_string or req.output.callback_error is not None)
             if reason is None:

@@ -316,11 +316,22 @@ def test_logprobs_in_chat_and_completions(served: Served, spool: Pool) -> None:
         ctx.close()
     first = model.tokenize(lp.tokens[0], add_special=False)
     assert len(first) == 1 and lp.token_logprobs[0] == pytest.approx(want[first[0]], abs=INVARIANCE)
-    # Streamed: the last chunk carries them.
-    chunks = list(client.chat.completions.create(model="x", max_tokens=4, temperature=0, logprobs=True, stream=True,
-                                                 messages=[{"role": "user", "content": "Hi"}]))
-    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
-    assert len(streamed) == 1 and streamed[0].content
+    # Streamed: each chunk carries the tokens handed out with its piece (the last, any held back), and
+    # together they are the tokens of the same request unstreamed (both run alone, one after the other).
+    ask = {"model": "x", "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+           "messages": [{"role": "user", "content": "Count to five."}]}
+    whole = client.chat.completions.create(**ask).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(streamed) >= 2
+    assert [(t.token, t.logprob) for part in streamed for t in part] == [(t.token, t.logprob) for t in whole]
+    parts = [c.choices[0] for c in client.completions.create(model="x", prompt="Count: 1, 2,", max_tokens=8,
+                                                                 temperature=0, logprobs=1, stream=True)]
+    tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+    offsets = [o for p in parts if p.logprobs for o in p.logprobs.text_offset]
+    assert len([p for p in parts if p.logprobs]) >= 2 and len(tokens) == 8
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    assert "".join(tokens) == "".join(p.text for p in parts)
     for bad in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": "yes"}):
         got = httpx.post(f"{served.url}/v1/chat/completions", timeout=PATIENCE,
                          json={"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], **bad})

@@ -45,7 +45,7 @@ from .._aio import _LoopQueue, settle
 from ..batching import BatchRequest, best_choices, ranked_params
 from ..chat import CHAT_FORMATS, template_source
 from ..errors import InvalidTokenError
-from ..params import GenerateParams, Result, StopReason
+from ..params import GenerateParams, Result, StopReason, TokenLogprob
 from ..pool import Pool
 from ..session import call_opener, formatted_params
 from . import schemas
@@ -265,6 +265,7 @@ class _Choices:
     def __init__(self, progress: _Progress, handles: Sequence[BatchRequest]) -> None:
         self._progress = progress
         self.handles = list(handles)
+        self._sent = [0] * len(self.handles)  # per choice, the token log-probabilities streamed so far
         for i, handle in enumerate(self.handles):
             handle.future.add_done_callback(progress.ended(i))
 
@@ -281,6 +282,14 @@ class _Choices:
         """Ends every choice that is still running (from any thread)."""
         for handle in self.handles:
             handle.interrupt()
+
+    def fresh_logprobs(self, i: int, result: Result | None = None) -> list[TokenLogprob]:
+        """Choice i's token log-probabilities not streamed yet: of the tokens handed out so far (each is
+        there before its piece), or, given its Result, all the rest."""
+        seen = (result.logprobs or []) if result is not None else self.handles[i].logprobs_so_far()
+        fresh = seen[self._sent[i]:]
+        self._sent[i] = max(self._sent[i], len(seen))
+        return fresh
 
     async def result(self, i: int) -> Result:
         """Choice i's Result (its error raised); a cancelled wait interrupts every choice."""
@@ -399,15 +408,29 @@ async def completions(request: Request, server: Server) -> Response:
         return JSONResponse(schemas.completion(results, reply, generated))
     choices = await _submit(server, prompt, gen, n, stream=True)
 
+    offsets = [0] * n  # per choice, where the next token's text starts (text_offset)
+
+    def logprobs(i: int, result: Result | None = None) -> dict[str, Any] | None:
+        # The tokens each chunk carries; a piece held back (a stop string that may complete, a split UTF-8
+        # character) comes with a later chunk's tokens, and the last chunk carries whatever is left.
+        if gen.logprobs is None:
+            return None
+        fresh = choices.fresh_logprobs(i, result)
+        if not fresh and result is None:
+            return None
+        shown = schemas.completion_logprobs(fresh, offsets[i])
+        assert shown is not None
+        offsets[i] += sum(len(t) for t in shown["tokens"])
+        return shown
+
     async def events() -> AsyncGenerator[bytes, None]:
         async for i, piece in choices.pieces():
             if piece is not None:
-                yield schemas.sse(schemas.completion_chunk(piece, reply, index=i))
+                yield schemas.sse(schemas.completion_chunk(piece, reply, logprobs=logprobs(i), index=i))
                 continue
             result = await choices.result(i)
-            # The tokens' logprobs ride in the choice's last chunk: the streamed pieces are text, not tokens.
             yield schemas.sse(schemas.completion_chunk("", reply, schemas.finish_reason(result),
-                                                       schemas.completion_logprobs(result), index=i))
+                                                       logprobs(i, result), index=i))
         if wants_usage:
             yield schemas.sse(reply.usage_chunk("text_completion", await choices.results()))
 
@@ -461,15 +484,18 @@ async def chat_completions(request: Request, server: Server) -> Response:
             yield schemas.sse(schemas.chat_chunk({"role": "assistant", "content": ""}, reply, index=i))
         async for i, piece in choices.pieces():
             if piece is not None:
-                if not whole:
-                    yield schemas.sse(schemas.chat_chunk({"content": piece}, reply, index=i))
+                if not whole:  # with the log-probabilities of the tokens handed out so far (completions')
+                    fresh = choices.fresh_logprobs(i) if gen.logprobs is not None else []
+                    yield schemas.sse(schemas.chat_chunk({"content": piece}, reply, index=i,
+                                                         logprobs=schemas.chat_logprobs(fresh) if fresh else None))
                 continue
             result = await choices.result(i)
             message = await parse(result)
             if whole:
                 yield schemas.sse(schemas.chat_chunk(schemas.chat_delta(message), reply, index=i))
+            rest = choices.fresh_logprobs(i, result) if gen.logprobs is not None else None
             yield schemas.sse(schemas.chat_chunk({}, reply, schemas.finish_reason(result, bool(message.tool_calls)),
-                                                 schemas.chat_logprobs(result), index=i))
+                                                 schemas.chat_logprobs(rest), index=i))
         if wants_usage:
             yield schemas.sse(reply.usage_chunk("chat.completion.chunk", await choices.results()))
 

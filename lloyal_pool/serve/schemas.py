@@ -25,7 +25,7 @@ from ..errors import (
     TemplateError,
     WorkerCrashedError,
 )
-from ..params import MAX_LOGPROBS, MAX_SEED, GenerateParams, Grammar, Result, StopReason
+from ..params import MAX_LOGPROBS, MAX_SEED, GenerateParams, Grammar, Result, StopReason, TokenLogprob
 
 #: OpenAI's own defaults where its API has one (max_tokens of a completion is 16; of a chat, unlimited).
 COMPLETION_MAX_TOKENS = 16
@@ -284,30 +284,32 @@ def _token_text(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
-def chat_logprobs(result: Result) -> dict[str, Any] | None:
-    """OpenAI's choice.logprobs of a chat completion: per token its text, log-probability, bytes and the
-    most likely tokens at its step (the raw model distribution, as llama-server reports it)."""
-    if result.logprobs is None:
+def chat_logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI's choice.logprobs of a chat completion (or of the tokens one streamed chunk carries): per
+    token its text, log-probability, bytes and the most likely tokens at its step (the raw model
+    distribution, as llama-server reports it)."""
+    if logprobs is None:
         return None
     return {"content": [{"token": _token_text(lp.piece), "logprob": lp.logprob, "bytes": list(lp.piece),
                          "top_logprobs": [{"token": _token_text(piece), "logprob": value, "bytes": list(piece)}
                                           for _, value, piece in lp.top]}
-                        for lp in result.logprobs],
+                        for lp in logprobs],
             "refusal": None}
 
 
-def completion_logprobs(result: Result) -> dict[str, Any] | None:
-    """OpenAI's legacy choice.logprobs of a completion: tokens, token_logprobs, top_logprobs (a mapping
-    of token text to log-probability per step) and text_offset (where each token starts in the text)."""
-    if result.logprobs is None:
+def completion_logprobs(logprobs: Sequence[TokenLogprob] | None, start: int = 0) -> dict[str, Any] | None:
+    """OpenAI's legacy choice.logprobs of a completion (or of the tokens one streamed chunk carries):
+    tokens, token_logprobs, top_logprobs (a mapping of token text to log-probability per step) and
+    text_offset (where each token starts in the text; the first at ``start``)."""
+    if logprobs is None:
         return None
-    offsets, at = [], 0
-    for lp in result.logprobs:
+    offsets, at = [], start
+    for lp in logprobs:
         offsets.append(at)
         at += len(_token_text(lp.piece))
-    return {"tokens": [_token_text(lp.piece) for lp in result.logprobs],
-            "token_logprobs": [lp.logprob for lp in result.logprobs],
-            "top_logprobs": [{_token_text(piece): value for _, value, piece in lp.top} for lp in result.logprobs],
+    return {"tokens": [_token_text(lp.piece) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{_token_text(piece): value for _, value, piece in lp.top} for lp in logprobs],
             "text_offset": offsets}
 
 
@@ -359,7 +361,7 @@ def completion(results: Sequence[Result], reply: Reply, generated: Sequence[Resu
     """A /v1/completions response: choice i is results[i]. ``generated``: what usage counts (best_of's
     candidates), if not the results."""
     return {**reply.head("text_completion"),
-            "choices": [{"index": i, "text": r.text, "logprobs": completion_logprobs(r),
+            "choices": [{"index": i, "text": r.text, "logprobs": completion_logprobs(r.logprobs),
                          "finish_reason": finish_reason(r)} for i, r in enumerate(results)],
             "usage": usage(generated or results)}
 
@@ -399,7 +401,8 @@ def chat_completion(messages: Sequence[ChatMessage], results: Sequence[Result], 
     """A /v1/chat/completions response: choice i is messages[i], parsed from results[i]."""
     return {**reply.head("chat.completion"),
             "choices": [{"index": i, "message": chat_message(m), "finish_reason": finish_reason(r, bool(m.tool_calls)),
-                         "logprobs": chat_logprobs(r)} for i, (m, r) in enumerate(zip(messages, results, strict=True))],
+                         "logprobs": chat_logprobs(r.logprobs)}
+                        for i, (m, r) in enumerate(zip(messages, results, strict=True))],
             "usage": usage(results)}
 
 
