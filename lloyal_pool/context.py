@@ -460,18 +460,22 @@ class Context:
         return self._link.call(p.LoadState(context=self.handle, path=os.path.abspath(os.fspath(path)))).result()
 
     # -- scoring ---------------------------------------------------------------------------------------
-    def score(self, text: str | Sequence[int], *, timeout: float | None = None) -> Score:
+    def score(self, text: str | Sequence[int], *, logprobs: int | None = None, timeout: float | None = None) -> Score:
         """Teacher-forced score of a whole text (text gets the model's BOS; token ids are taken as they
         are): every token after the first is scored against the logits of the tokens before it, so
-        n_scored = n_tokens - 1. Like a generate prompt, the text replaces what the context held and stays
-        in it afterwards. ValueError for fewer than two tokens, ContextOverflowError past n_ctx."""
+        n_scored = n_tokens - 1. ``logprobs=N`` (0 to MAX_LOGPROBS) adds Score.logprobs: each scored
+        token's log-probability and its N most likely alternatives (a prompt's log-probabilities, as a
+        completion's ``echo`` shows them). Like a generate prompt, the text replaces what the context held
+        and stays in it afterwards. ValueError for fewer than two tokens, ContextOverflowError past n_ctx."""
         check_timeout(timeout)
-        return self._link.wait(self.score_async(text), timeout, "score")
+        return self._link.wait(self.score_async(text, logprobs=logprobs), timeout, "score")
 
-    def score_async(self, text: str | Sequence[int]) -> Future[Score]:
+    def score_async(self, text: str | Sequence[int], *, logprobs: int | None = None) -> Future[Score]:
         """score() without waiting: a Future of the Score."""
         wire = wire_prompt(text, self.model.n_vocab)
-        return self._link.call(p.ScoreText(context=self.handle, text=wire))
+        if logprobs is not None:
+            GenerateParams(logprobs=logprobs)  # the same bounds and refusal as a generation's
+        return self._link.call(p.ScoreText(context=self.handle, text=wire, logprobs=logprobs))
 
     ascore = twin(score_async, """score() for asyncio; cancelling the awaiting task interrupts it.""")
 

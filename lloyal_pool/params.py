@@ -437,12 +437,15 @@ class Result(msgspec.Struct, frozen=True):
 class Score(msgspec.Struct, frozen=True):
     """A teacher-forced score (Context.score / score_choices): ``nll`` is the sum over the ``n_scored``
     predicted tokens of -log p(token | everything before it), in nats, and ``perplexity`` is
-    exp(nll / n_scored). ``n_tokens`` counts the tokens of the text (of the choice, for score_choices)."""
+    exp(nll / n_scored). ``n_tokens`` counts the tokens of the text (of the choice, for score_choices).
+    ``logprobs`` (Context.score(logprobs=N)): each scored token's TokenLogprob, the text's tokens after
+    the first, in order: a prompt's log-probabilities (a completion's ``echo``)."""
 
     n_tokens: int
     n_scored: int
     nll: float
     perplexity: float
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def mean_nll(self) -> float:

@@ -443,6 +443,7 @@ class ScoreText(ContextRequest[Score]):
     op = Op.SCORE
     decodes = True
     text: str | list[int]  # text: tokenized with the model's BOS, special tokens parsed
+    logprobs: int | None = None  # N: each scored token's TokenLogprob with N alternatives; None: none
 
 
 class ScoreChoices(ContextRequest[list[Score]]):

@@ -570,6 +570,17 @@ class _RayBackend:
                     on_piece: Callable[[int, str], None] | None) -> list[BatchRequest]:
         return self.pool.submit_many(prompt, gen, n, on_piece=on_piece)
 
+    def echo(self, prompt: str | list[int], logprobs: int | None) -> Any:
+        from .serve.schemas import APIError, Echo
+
+        if logprobs is not None:
+            raise APIError(400, "echo with logprobs scores the prompt on a worker of this machine's pool; a Ray "
+                                "pool does not yet", param="echo")
+        if isinstance(prompt, str):
+            return Echo(prompt, [], [])
+        raise APIError(400, "echo of a token prompt is served by a pool on this machine, not yet a Ray pool",
+                       param="echo")
+
     def format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str) -> p.ChatPrompt:
         fmt: p.ChatPrompt = self._ask("format_chat", list(messages), template, tools, tool_choice)

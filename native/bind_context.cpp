@@ -290,14 +290,18 @@ py::dict score_dict(const score_result & r) {
     return d;
 }
 
-py::dict score(py_context & c, py::handle tokens, uint64_t request_id) {
+py::dict score(py_context & c, py::handle tokens, uint64_t request_id, int32_t n_logprobs) {
     const std::vector<llama_token> toks = tokens_from_py(tokens, c.core->model());
     score_result r;
     {
         gil_release nogil;
-        r = c.sequence->score(toks, request_id);
+        r = c.sequence->score(toks, request_id, n_logprobs);
     }
-    return score_dict(r);
+    py::dict d = score_dict(r);
+    if (n_logprobs >= 0) {
+        d["logprobs"] = logprobs_list(r.logprobs, c.core->model());
+    }
+    return d;
 }
 
 py::list score_choices(py_context & c, py::handle choices, uint64_t request_id) {
@@ -442,7 +446,7 @@ void register_context(py::module_ & m) {
                 return c.sequence->load_state(path);
             },
             py::arg("path"))
-        .def("score", &score, py::arg("tokens"), py::arg("request_id") = 0)
+        .def("score", &score, py::arg("tokens"), py::arg("request_id") = 0, py::arg("n_logprobs") = -1)
         .def("score_choices", &score_choices, py::arg("choices"), py::arg("request_id") = 0)
         .def("generate", &generate, py::arg("prompt"), py::arg("params"), py::arg("request_id") = 0,
              py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none())

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace lloyal {
 
@@ -44,7 +45,7 @@ double token_nll(const float * row, size_t n_vocab, llama_token tok) {
 
 }  // namespace
 
-score_result sequence_driver::score(const std::vector<llama_token> & toks, uint64_t request_id) {
+score_result sequence_driver::score(const std::vector<llama_token> & toks, uint64_t request_id, int32_t n_logprobs) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("score");
     core_.reset_decode_timer();
@@ -89,7 +90,12 @@ score_result sequence_driver::score(const std::vector<llama_token> & toks, uint6
             if (row == nullptr) {
                 throw lloyal_error("llama.cpp has no logits for position " + std::to_string(pos0 + j));
             }
-            r.nll += token_nll(row, n_vocab, toks[pos0 + j + 1]);
+            const llama_token next = toks[pos0 + j + 1];
+            r.nll += token_nll(row, n_vocab, next);
+            if (n_logprobs >= 0) {
+                r.logprobs.push_back(logprobs_of(row, static_cast<int32_t>(n_vocab), max_of(row, n_vocab),
+                                                 std::numeric_limits<float>::quiet_NaN(), next, n_logprobs));
+            }
             ++r.n_scored;
         }
         append_history(toks.data() + pos0, m);

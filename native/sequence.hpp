@@ -59,6 +59,7 @@ struct score_result {
     size_t n_tokens = 0;  // tokens of the text (a choice's own tokens, for score_choices)
     size_t n_scored = 0;  // of them, how many had a prediction to score
     double nll = 0.0;     // sum of -log p(token | everything before it), nats
+    std::vector<token_logprobs> logprobs;  // score with n_logprobs >= 0: one per scored token
 };
 
 // Receives each piece of final text (bytes) as it is decided; may throw (the generation then stops
@@ -116,7 +117,8 @@ class sequence_driver : public kv_tenant {
     size_t save_state(const std::string & path);
     size_t load_state(const std::string & path);
     // score.cpp: the contracts are the stub's Context.score / score_choices.
-    score_result score(const std::vector<llama_token> & toks, uint64_t request_id);
+    // n_logprobs >= 0: each scored token's log-probability and its n_logprobs most likely alternatives too.
+    score_result score(const std::vector<llama_token> & toks, uint64_t request_id, int32_t n_logprobs = -1);
     std::vector<score_result> score_choices(const std::vector<std::vector<llama_token>> & choices,
                                             uint64_t request_id);
 

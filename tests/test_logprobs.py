@@ -85,3 +85,20 @@ def test_logprobs_out_of_range_are_refused(ctx: Context) -> None:
     with pytest.raises(InvalidArgumentError, match="speculative"):
         ctx.generate_with_draft("Hi", draft="ngram", n_predict=2, logprobs=1)
     assert ctx.generate("Hi", n_predict=1, logprobs=20).logprobs is not None  # still serving
+
+
+def test_a_scored_prompt_reports_each_token_s_log_probability(ctx: Context, other_ctx: Context, gemma: Model) -> None:
+    # Context.score(logprobs=N): what a completion's echo shows of its prompt. Each scored token against the
+    # log-softmax of the row before it (that row decoded token by token on another context: within the
+    # invariance bound), and their sum is the score's own nll.
+    tokens = gemma.tokenize(PROMPT, add_special=True)
+    score = ctx.score(tokens, logprobs=3)
+    assert score.logprobs is not None and [lp.token for lp in score.logprobs] == tokens[1:]
+    assert -sum(lp.logprob for lp in score.logprobs) == pytest.approx(score.nll, rel=1e-5)
+    for lp, z in zip(score.logprobs, rows(other_ctx, tokens[:1], tokens[1:]), strict=True):
+        want = log_softmax(z)
+        assert lp.logprob == pytest.approx(want[lp.token], abs=INVARIANCE)
+        assert len(lp.top) == 3 and all(v == pytest.approx(want[t], abs=INVARIANCE) for t, v, _ in lp.top)
+    assert ctx.score(tokens).logprobs is None
+    with pytest.raises(InvalidArgumentError):
+        ctx.score(tokens, logprobs=21)

@@ -274,7 +274,7 @@ def test_an_error_after_a_stream_began_is_an_error_event_then_done(tiny_model: P
 
 
 @pytest.mark.parametrize(("route", "field", "value"), [
-    ("chat", "audio", {"voice": "alloy"}), ("completions", "echo", True), ("completions", "suffix", "end"),
+    ("chat", "audio", {"voice": "alloy"}), ("completions", "suffix", "end"),
 ])
 def test_what_the_server_cannot_give_is_refused_by_name(served: Served, route: str, field: str, value: object) -> None:
     # Ignored, these would answer without what was asked for (logprobs None where a client reads them).
@@ -285,6 +285,43 @@ def test_what_the_server_cannot_give_is_refused_by_name(served: Served, route: s
     quiet = {**body, field: None}  # null, as clients send what they leave unset, passes
     again = httpx.post(f"{served.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=quiet, timeout=PATIENCE)
     assert again.status_code == 200, again.text
+
+
+def test_echo_shows_the_prompt_and_its_tokens_log_probabilities(served: Served, spool: Pool) -> None:
+    # What evaluation harnesses send to score a text: echo, logprobs, max_tokens 0. The prompt's tokens (the
+    # BOS the server adds is not shown) against Context.score of the same tokens on a context of its own
+    # (within the invariance bound), their text offsets into the echoed text, and then the reply's tokens.
+    client = served.client()
+    model = spool[0].models[0]
+    text = "The capital of France is Paris, and the capital of Italy is"
+    tokens = model.tokenize(text, add_special=True)
+    ctx = model.new_context(n_ctx=256)
+    try:
+        want = ctx.score(tokens, logprobs=2).logprobs
+    finally:
+        ctx.close()
+    assert want is not None
+    scored = client.completions.create(model="x", prompt=text, echo=True, logprobs=2, max_tokens=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == text and "".join(lp.tokens) == text and scored.usage.completion_tokens == 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    assert len(lp.token_logprobs) == len(want) == len(tokens) - 1
+    for got, top, w in zip(lp.token_logprobs, lp.top_logprobs, want, strict=True):
+        assert got == pytest.approx(w.logprob, abs=INVARIANCE) and len(top) <= 2
+    # With a reply: the prompt, then its tokens, offsets running on; streamed, the prompt comes first.
+    both = client.completions.create(model="x", prompt=text, echo=True, logprobs=1, max_tokens=4, temperature=0)
+    lp = both.choices[0].logprobs
+    assert both.choices[0].text.startswith(text) and len(lp.tokens) == len(tokens) - 1 + 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    assert "".join(lp.tokens) == both.choices[0].text
+    parts = [c.choices[0] for c in client.completions.create(model="x", prompt=text, echo=True, max_tokens=4,
+                                                                 temperature=0, stream=True)]
+    assert parts[0].text == text and "".join(p.text for p in parts) == both.choices[0].text
+    plain = client.completions.create(model="x", prompt=text, echo=True, max_tokens=2, temperature=0)
+    assert plain.choices[0].text.startswith(text) and plain.choices[0].logprobs is None
+    got = httpx.post(f"{served.url}/v1/completions", json={"prompt": "Hi", "echo": "yes"}, timeout=PATIENCE)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "echo"
 
 
 def test_logprobs_in_chat_and_completions(served: Served, spool: Pool) -> None:

@@ -403,12 +403,21 @@ async def completions(request: Request, server: Server) -> Response:
     prompt = _prompt_of(body)
     await _fit(server, n, best_of)
     reply = schemas.Reply("cmpl", shown)
+    echo = await asyncio.to_thread(server.backend.echo, prompt, gen.logprobs) if schemas.echo_of(body) else None
+    if echo is not None and body.get("max_tokens") == 0:
+        # The prompt alone, scored: how evaluation harnesses ask for a text's log-likelihood (max_tokens 0
+        # elsewhere means no cap but the slot's room).
+        nothing = Result(text="", tokens=[], n_prompt=echo.n_prompt, n_decoded=0, n_cached=0,
+                         stop_reason=StopReason.LENGTH, prompt_ms=0.0, decode_ms=0.0,
+                         logprobs=None if gen.logprobs is None else [])
+        return JSONResponse(schemas.completion([nothing] * n, reply, echo=echo, logprobs=gen.logprobs is not None))
     if not body.get("stream"):
         results, generated = await _generate(request, server, prompt, gen, n, best_of)
-        return JSONResponse(schemas.completion(results, reply, generated))
+        return JSONResponse(schemas.completion(results, reply, generated, echo=echo,
+                                               logprobs=gen.logprobs is not None))
     choices = await _submit(server, prompt, gen, n, stream=True)
 
-    offsets = [0] * n  # per choice, where the next token's text starts (text_offset)
+    offsets = [0 if echo is None else len(echo.text)] * n  # per choice, where its next token's text starts
 
     def logprobs(i: int, result: Result | None = None) -> dict[str, Any] | None:
         # The tokens each chunk carries; a piece held back (a stop string that may complete, a split UTF-8
@@ -424,6 +433,10 @@ async def completions(request: Request, server: Server) -> Response:
         return shown
 
     async def events() -> AsyncGenerator[bytes, None]:
+        if echo is not None:  # each choice starts with the prompt
+            for i in range(n):
+                yield schemas.sse(schemas.completion_chunk(echo.text, reply, index=i, logprobs=None if gen.logprobs
+                                                           is None else schemas.echo_logprobs(echo)))
         async for i, piece in choices.pieces():
             if piece is not None:
                 yield schemas.sse(schemas.completion_chunk(piece, reply, logprobs=logprobs(i), index=i))

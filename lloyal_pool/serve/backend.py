@@ -19,12 +19,13 @@ from .. import protocol as p
 from .._embedder import Embedder
 from ..batching import BatchRequest
 from ..chat import ChatMessage
+from ..context import Context
 from ..errors import LloyalError, LoraError
 from ..lifecycle import WorkerEvent
 from ..model import Model
-from ..params import GenerateParams, token_ids
+from ..params import GenerateParams, TokenLogprob, token_ids
 from ..pool import Pool
-from .schemas import APIError, ServedLora
+from .schemas import APIError, Echo, ServedLora
 
 _log = logging.getLogger("lloyal_pool.serve")
 
@@ -146,6 +147,10 @@ class Backend(Protocol):
 
     def token_pieces(self, tokens: Sequence[int]) -> list[bytes]: ...
 
+    def echo(self, prompt: str | list[int], logprobs: int | None) -> Echo:
+        """A completion prompt as ``echo`` shows it, its tokens scored when ``logprobs`` is not None."""
+        ...
+
     def served_model(self) -> tuple[ServedModel, int]:
         """The model as one live worker serves it, and the slots of all live workers together."""
         ...
@@ -157,6 +162,7 @@ class PoolBackend:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self._embedders: dict[int, Embedder] = {}  # one per worker's model, made at its first request
+        self._scorers: dict[int, _Scorer] = {}  # the same, for echo's prompt log-probabilities
         self._lock = threading.Lock()
         self._loras: list[ServedLora] = []
         # The served models that have loaded every adapter in _loras (or failed to and were logged).
@@ -250,6 +256,23 @@ class PoolBackend:
         return self.any_model()._parse_chat(text, template=template, tools=tools, messages=messages,
                                             tool_choice=tool_choice, partial=partial)
 
+    def echo(self, prompt: str | list[int], logprobs: int | None) -> Echo:
+        model = self.any_model()
+        batcher = model.batcher()
+        tokens = batcher.tokens(prompt)  # as the request's own prompt: text gets the BOS
+        entries: list[TokenLogprob | None] = [None] * len(tokens)
+        if logprobs is not None and len(tokens) >= 2:
+            with self._lock:
+                scorer = self._scorers.get(id(model))
+                if scorer is None or scorer.model is not model:
+                    scorer = self._scorers[id(model)] = _Scorer(model, batcher.n_ctx_slot)
+            entries[1:] = scorer.score(tokens, logprobs)
+        n_prompt, pieces = len(tokens), token_pieces(model, tokens)
+        if model.info.bos >= 0 and tokens[0] == model.info.bos:  # not part of the text the reply echoes
+            tokens, pieces, entries = tokens[1:], pieces[1:], entries[1:]
+        text = prompt if isinstance(prompt, str) else model.detokenize(tokens)
+        return Echo(text, pieces, entries, n_prompt)
+
     def embed(self, inputs: Sequence[str | list[int]]) -> tuple[list[np.ndarray], int]:
         model = self.any_model()
         with self._lock:
@@ -284,6 +307,25 @@ class PoolBackend:
         first = served_model(self.any_model())
         slots = sum(model.batcher().slots for inst in self.pool if inst.alive for model in inst.models)
         return first, slots
+
+
+class _Scorer:
+    """A context that scores prompts for ``echo`` (Context.score with logprobs), made on first use and
+    shared by threads, one score at a time."""
+
+    def __init__(self, model: Model, n_ctx: int) -> None:
+        self.model = model
+        self._n_ctx = n_ctx
+        self._ctx: Context | None = None
+        self._lock = threading.Lock()
+
+    def score(self, tokens: list[int], logprobs: int) -> list[TokenLogprob | None]:
+        with self._lock:
+            if self._ctx is None or self._ctx.closed:
+                self._ctx = self.model.new_context(n_ctx=self._n_ctx)
+            scored = self._ctx.score(tokens, logprobs=logprobs).logprobs
+        assert scored is not None
+        return list(scored)
 
 
 def backend_of(pool: Any) -> Backend:

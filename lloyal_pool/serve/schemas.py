@@ -38,7 +38,7 @@ DEFAULT_TEMPERATURE = 1.0
 # name (a 400), never ignored, since a client that asks for them would read an answer that lacks them.
 UNSUPPORTED: dict[str, dict[str, tuple[object, ...]]] = {
     "chat": {"audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)},
-    "completions": {"echo": (None, False), "suffix": (None,)},
+    "completions": {"suffix": (None,)},
 }
 
 
@@ -313,6 +313,48 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob] | None, start: int = 0)
             "text_offset": offsets}
 
 
+def echo_of(body: Mapping[str, Any]) -> bool:
+    """A completion's ``echo``: the reply starts with the prompt (and its tokens' log-probabilities, with
+    ``logprobs``). APIError for anything but true or false."""
+    echo = body.get("echo", False)
+    if echo is None:
+        return False
+    if not isinstance(echo, bool):
+        raise APIError(400, "echo is true or false", param="echo")
+    return echo
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion prompt as ``echo`` shows it: its text, and per token of it (a BOS the server added
+    is not part of the text and not shown) its bytes and log-probability given the tokens before it
+    (None for a first token nothing precedes; all None when the request asked no logprobs)."""
+
+    text: str
+    pieces: list[bytes]
+    logprobs: list[TokenLogprob | None]
+    n_prompt: int = 0  # the prompt's tokens, a BOS included (what usage counts)
+
+
+def echo_logprobs(echo: Echo) -> dict[str, Any]:
+    """completion_logprobs of the prompt's tokens (no log-probability or alternatives for one without)."""
+    offsets, at = [], 0
+    for piece in echo.pieces:
+        offsets.append(at)
+        at += len(_token_text(piece))
+    return {"tokens": [_token_text(piece) for piece in echo.pieces],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in echo.logprobs],
+            "top_logprobs": [None if lp is None else {_token_text(p): v for _, v, p in lp.top} for lp in echo.logprobs],
+            "text_offset": offsets}
+
+
+def joined_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completion_logprobs one after the other (the echoed prompt's, then the reply's)."""
+    if head is None or tail is None:
+        return head or tail
+    return {k: [*head[k], *tail[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 def include_usage(body: Mapping[str, Any]) -> bool:
     """Whether a stream ends with a usage chunk (stream_options.include_usage). APIError for a
     stream_options that is not an object."""
@@ -357,11 +399,16 @@ class Reply:
         return {**self.head(object_), "choices": [], "usage": usage(results)}
 
 
-def completion(results: Sequence[Result], reply: Reply, generated: Sequence[Result] | None = None) -> dict[str, Any]:
+def completion(results: Sequence[Result], reply: Reply, generated: Sequence[Result] | None = None,
+               echo: Echo | None = None, logprobs: bool = False) -> dict[str, Any]:
     """A /v1/completions response: choice i is results[i]. ``generated``: what usage counts (best_of's
-    candidates), if not the results."""
+    candidates), if not the results. ``echo``: each choice starts with the prompt (and its tokens'
+    ``logprobs`` when asked)."""
+    head = echo_logprobs(echo) if echo is not None and logprobs else None
+    start = len(echo.text) if echo is not None else 0
     return {**reply.head("text_completion"),
-            "choices": [{"index": i, "text": r.text, "logprobs": completion_logprobs(r.logprobs),
+            "choices": [{"index": i, "text": (echo.text if echo is not None else "") + r.text,
+                         "logprobs": joined_logprobs(head, completion_logprobs(r.logprobs, start)),
                          "finish_reason": finish_reason(r)} for i, r in enumerate(results)],
             "usage": usage(generated or results)}
 

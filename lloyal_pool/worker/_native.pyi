@@ -392,13 +392,14 @@ class Context:
         holds branches. What llama.cpp refuses after that (a cache of another type or layout) puts the
         context's previous state back and raises StateError. A history whose chunks were cut with the same
         n_batch/n_ubatch keeps its fresh-decode mark (cache_prompt's reuse stays result-neutral)."""
-    def score(self, tokens: Sequence[int], request_id: int = 0) -> dict[str, Any]:
+    def score(self, tokens: Sequence[int], request_id: int = 0, n_logprobs: int = -1) -> dict[str, Any]:
         """Replaces the history with tokens (decoded from position 0, every position with its output row,
         at most 64 MiB of logits per llama_decode) and scores each token after the first by the log-softmax
         of the row before it, computed here. -> {n_tokens, n_scored (n_tokens - 1), nll (sum, nats),
         perplexity (exp(nll / n_scored))}. Afterwards the context holds tokens, with the last position's
         logits. ValueError for fewer than two tokens, ContextOverflowError past n_ctx, ContextError with
-        branches, InterruptedByClient (the history then holds the whole chunks decoded before)."""
+        branches, InterruptedByClient (the history then holds the whole chunks decoded before).
+        n_logprobs >= 0 adds ``logprobs``: per scored token (token, logprob, piece, top n_logprobs)."""
     def score_choices(self, choices: Sequence[Sequence[int]], request_id: int = 0) -> list[dict[str, Any]]:
         """Scores each choice as the continuation of the history: its first token by the kept logits of the
         last position, each further token by the row of the one before it, so n_scored = n_tokens. The

@@ -555,7 +555,8 @@ class Engine:
     def score(self, req: p.ScoreText, call: Call) -> Score:
         entry = self._context(req.context)
         tokens = self._prompt_tokens(entry, req.text, bos=True)
-        return msgspec.convert(entry.native.score(tokens, call.request_id), Score)
+        n_logprobs = -1 if req.logprobs is None else req.logprobs
+        return msgspec.convert(entry.native.score(tokens, call.request_id, n_logprobs), Score)
 
     @handles(p.ScoreChoices)
     def score_choices(self, req: p.ScoreChoices, call: Call) -> list[Score]:
