@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
 from . import metrics
@@ -33,9 +34,11 @@ from .lora import LoraAdapter, lora_pairs, lora_wire
 from .params import (
     MAX_SEED,
     BranchInfo,
+    GenerateParams,
     Grammar,
     KVPressure,
     SamplerParams,
+    TokenLogprob,
     logit_bias_pairs,
     token_id,
     token_ids,
@@ -51,12 +54,16 @@ class Produced(NamedTuple):
     U+FFFD here; Branch.iterate() joins them properly). ``is_stop``: an end-of-generation token, or -1
     when the grammar or logit bias allow no token at all; a stop token's ``text`` and ``piece`` are empty,
     since it ends the output and is no part of it (as in generate's text). ``piece``: the token's raw
-    bytes, control tokens rendered (what ``text`` decodes)."""
+    bytes, control tokens rendered (what ``text`` decodes). ``logprobs``: after Branch.set_logprobs, the
+    token's TokenLogprob (None otherwise, and for a stop)."""
 
     token: int
     text: str
     is_stop: bool
     piece: bytes = b""  # the raw bytes of the token
+    # Branch.set_logprobs: its log-probability and alternatives in the row it was sampled from; None
+    # otherwise and for a stop
+    logprobs: TokenLogprob | None = None
 
 
 class StepResult(list[Produced]):
@@ -74,10 +81,12 @@ def _grammar_wire(grammar: GrammarLike) -> dict[str, object] | None:
     return grammar.to_wire()
 
 
-def _produced(rows: Sequence[tuple[int, bytes, bool]]) -> list[Produced]:
+def _produced(rows: Sequence[p.Produced]) -> list[Produced]:
     # A stop token ends the output and is no part of it, as in generate's text: no text, no piece.
-    return [Produced(t, "", True, b"") if stop else Produced(t, piece.decode("utf-8", "replace"), False, piece)
-            for t, piece, stop in rows]
+    return [Produced(t, "", True, b"") if stop else
+            Produced(t, piece.decode("utf-8", "replace"), False, piece,
+                     None if lp is None else msgspec.convert(lp, TokenLogprob))
+            for t, piece, stop, lp in rows]
 
 
 def _prune_quietly(branch: Branch) -> None:
@@ -284,6 +293,14 @@ class Branch:
         """Added to the logits before sampling (-inf bans a token); None or {} clears it."""
         pairs = None if bias is None else logit_bias_pairs(bias, self.store.n_vocab) or None
         self._call(p.BranchSetLogitBias(context=self._ctx, branch=self._live(), bias=pairs))
+
+    def set_logprobs(self, logprobs: int | None) -> None:
+        """From now on ``produce``/``step``/``iterate`` report each token's ``Produced.logprobs``: its
+        log-probability and the ``logprobs`` (0 to 20) most likely alternatives, the raw model
+        distribution as GenerateParams.logprobs reports it; None stops. Forks inherit it."""
+        n = -1 if logprobs is None else GenerateParams(logprobs=logprobs).logprobs
+        assert n is not None
+        self._call(p.BranchSetLogprobs(context=self._ctx, branch=self._live(), logprobs=n))
 
     def _set_text(self, stop: Sequence[str], render_special: bool, logprobs: int | None = None) -> None:
         # The batcher's: from now on the branch makes its text (and logprobs) in the worker

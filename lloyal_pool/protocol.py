@@ -99,6 +99,7 @@ class Op(str, enum.Enum):
     BRANCH_MERGE_LOGITS = "branch_merge_logits"
     PRODUCE = "produce"
     BRANCH_SET_TEXT = "branch_set_text"
+    BRANCH_SET_LOGPROBS = "branch_set_logprobs"
     PRODUCE_TEXT = "produce_text"
     COMMIT = "commit"
     PREFILL = "prefill"
@@ -232,8 +233,13 @@ class Decoded(Reply):
     states: list[BranchState]
 
 
+#: What produce and step report per branch: (token, piece, is_stop, logprobs), token -1 when nothing is
+#: allowed, logprobs a TokenLogprob's fields for a branch that reports them (BranchSetLogprobs), else None.
+Produced = tuple[int, bytes, bool, Any]
+
+
 class Stepped(Decoded):
-    produced: list[tuple[int, bytes, bool]]  # token, piece, is_stop (token -1: nothing allowed)
+    produced: list[Produced]
 
 
 class StateLoaded(Reply):
@@ -526,7 +532,7 @@ class BranchMergeLogits(BranchRequest[None]):
     alpha: float
 
 
-class Produce(ContextRequest[list[tuple[int, bytes, bool]]]):
+class Produce(ContextRequest[list[Produced]]):
     op = Op.PRODUCE
     decodes = True  # no llama_decode, but a grammar step can take seconds: interruptible all the same
     branches: list[int]
@@ -544,6 +550,14 @@ class BranchSetText(BranchRequest[None]):
 
 # token, is_stop, final text, held text, stop string completed, logprobs (TokenLogprob's fields) or None
 TextProduced = tuple[int, bool, bytes, bytes, bool, Any]
+
+
+class BranchSetLogprobs(BranchRequest[None]):
+    """From now on produce and step report each of the branch's tokens' logprobs, with ``logprobs``
+    alternatives (-1: none again); forks inherit it."""
+
+    op = Op.BRANCH_SET_LOGPROBS
+    logprobs: int
 
 
 class ProduceText(ContextRequest[list[TextProduced]]):

@@ -23,10 +23,14 @@ std::vector<uint32_t> handles_arg(py::handle seq, const char * what) {
     return out;
 }
 
-py::list produced_list(const std::vector<produced_token> & out) {
+py::list produced_list(const std::vector<produced_token> & out, const Model & model) {
     py::list result;
     for (const produced_token & p : out) {
-        result.append(py::make_tuple(p.token == LLAMA_TOKEN_NULL ? -1 : p.token, py::bytes(p.piece), p.is_stop));
+        py::object lp = py::none();
+        if (p.logprobs) {
+            lp = logprobs_list({*p.logprobs}, model)[0];
+        }
+        result.append(py::make_tuple(p.token == LLAMA_TOKEN_NULL ? -1 : p.token, py::bytes(p.piece), p.is_stop, lp));
     }
     return result;
 }
@@ -192,9 +196,19 @@ void register_branch_methods(context_class & cls) {
             "produce",
             [](py_context & c, py::handle handles, uint64_t request_id) {
                 const std::vector<uint32_t> hs = handles_arg(handles, "branch handles");
-                return produced_list(nogil([&] { return c.branches->produce(hs, request_id); }));
+                return produced_list(nogil([&] { return c.branches->produce(hs, request_id); }), c.core->model());
             },
             py::arg("branches"), py::arg("request_id") = 0)
+        .def(
+            "branch_set_logprobs",
+            [](py_context & c, py::handle branch, int64_t logprobs) {
+                const uint32_t b = handle_arg(branch);
+                if (logprobs < -1 || logprobs > 20) {
+                    throw std::invalid_argument("logprobs must be in [0, 20] (-1: none), got " + std::to_string(logprobs));
+                }
+                nogil([&] { c.branches->set_logprobs(b, static_cast<int32_t>(logprobs)); });
+            },
+            py::arg("branch"), py::arg("logprobs"))
         .def(
             "branch_set_text",
             [](py_context & c, py::handle branch, py::handle stops, bool render_special, int64_t logprobs) {
@@ -260,7 +274,7 @@ void register_branch_methods(context_class & cls) {
             "step",
             [](py_context & c, py::handle handles, uint64_t request_id) {
                 const std::vector<uint32_t> hs = handles_arg(handles, "branch handles");
-                return produced_list(nogil([&] { return c.branches->step(hs, request_id); }));
+                return produced_list(nogil([&] { return c.branches->step(hs, request_id); }), c.core->model());
             },
             py::arg("branches"), py::arg("request_id") = 0)
         .def(

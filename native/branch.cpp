@@ -224,6 +224,7 @@ branch_created branch_driver::fork(uint32_t src) {
     }
     b->accepted = parent.accepted;
     b->text = parent.text;
+    b->n_logprobs = parent.n_logprobs;
     b->nll_sum = parent.nll_sum;
     b->nll_count = parent.nll_count;
     b->samp_sum = parent.samp_sum;
@@ -412,12 +413,17 @@ std::vector<llama_token> branch_driver::produce_tokens(const std::vector<branch 
     return out;
 }
 
-std::vector<produced_token> branch_driver::produced(const std::vector<llama_token> & toks) const {
+std::vector<produced_token> branch_driver::produced(const std::vector<branch *> & bs,
+                                                    const std::vector<llama_token> & toks) const {
     const Model & model = core_.model();
     std::vector<produced_token> out(toks.size());
     for (size_t i = 0; i < toks.size(); ++i) {
         if (toks[i] != LLAMA_TOKEN_NULL) {
-            out[i] = {toks[i], model.token_to_piece(toks[i], true), llama_vocab_is_eog(model.vocab(), toks[i])};
+            out[i] = {toks[i], model.token_to_piece(toks[i], true), llama_vocab_is_eog(model.vocab(), toks[i]), {}};
+            const branch & b = *bs[i];
+            if (b.n_logprobs >= 0 && !out[i].is_stop) {
+                out[i].logprobs = logprobs_of(b.snapshot, model.n_vocab(), b.snap_max, b.snap_lse, toks[i], b.n_logprobs);
+            }
         }
     }
     return out;
@@ -436,7 +442,13 @@ std::vector<llama_token> branch_driver::produce_all_or_none(const std::vector<br
 
 std::vector<produced_token> branch_driver::produce(const std::vector<uint32_t> & handles, uint64_t request_id) {
     context_core::busy_guard busy(core_);
-    return produced(produce_all_or_none(with_logits(handles, "batch"), request_id));
+    const std::vector<branch *> bs = with_logits(handles, "batch");
+    return produced(bs, produce_all_or_none(bs, request_id));
+}
+
+void branch_driver::set_logprobs(uint32_t h, int32_t n_logprobs) {
+    context_core::busy_guard busy(core_);
+    store_.get(h).n_logprobs = n_logprobs;
 }
 
 void branch_driver::set_text(uint32_t h, std::vector<std::string> stops, bool render_special, int32_t n_logprobs) {

@@ -85,6 +85,7 @@ struct branch {
     float last_surprisal = 0.0f;
     bool sample_pending = false;  // last_token was produced from the current snapshot
     std::optional<branch_text> text;  // set_text; forks copy it
+    int32_t n_logprobs = -1;  // set_logprobs: produce reports each token's logprobs with this many alternatives
 
     logits_row row() const { return {snapshot, snap_max, snap_lse}; }
 };
@@ -189,6 +190,7 @@ struct produced_token {
     llama_token token = LLAMA_TOKEN_NULL;  // NULL: nothing allowed
     std::string piece;                     // token_to_piece(special=true)
     bool is_stop = true;                   // end of generation, or NULL
+    std::optional<token_logprobs> logprobs;  // a branch with set_logprobs, a token that is not a stop
 };
 
 // A produced token of a branch that makes text (set_text): what of its text became final with it, and
@@ -246,6 +248,9 @@ class branch_driver : public kv_tenant {
     void set_text(uint32_t h, std::vector<std::string> stops, bool render_special, int32_t n_logprobs = -1);
     // produce() for branches that make text: each token's text pushed, what became final handed out.
     std::vector<produced_text> produce_text(const std::vector<uint32_t> & handles, uint64_t request_id = 0);
+    // From now on produce and step report each of h's tokens' logprobs with n alternatives (-1: none);
+    // forks inherit it.
+    void set_logprobs(uint32_t h, int32_t n_logprobs);
 
     // branch_decode.cpp
     void commit(const std::vector<std::pair<uint32_t, llama_token>> & pairs, uint64_t request_id);
@@ -313,7 +318,9 @@ class branch_driver : public kv_tenant {
     std::vector<llama_token> produce_tokens(const std::vector<branch *> & bs);
     // produce_tokens under request_id's interrupt; an interrupt leaves every branch as it was.
     std::vector<llama_token> produce_all_or_none(const std::vector<branch *> & bs, uint64_t request_id);
-    std::vector<produced_token> produced(const std::vector<llama_token> & toks) const;
+    // What bs produced (toks), with the logprobs of branches that report them: read from their snapshots,
+    // so before a commit overwrites them.
+    std::vector<produced_token> produced(const std::vector<branch *> & bs, const std::vector<llama_token> & toks) const;
     void commit_tokens(const std::vector<branch *> & bs, const std::vector<llama_token> & toks, uint64_t request_id);
     // A run of prompt tokens for one branch (prefill's items, checked).
     struct prompt_item {

@@ -89,6 +89,7 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
         saved.restore();
         throw;
     }
+    const std::vector<produced_token> result = produced(bs, out);  // the snapshots, before the commit
     std::vector<branch *> go;
     std::vector<llama_token> toks;
     for (size_t i = 0; i < bs.size(); ++i) {
@@ -104,7 +105,7 @@ std::vector<produced_token> branch_driver::step(const std::vector<uint32_t> & ha
         saved.restore();
         throw;
     }
-    return produced(out);
+    return result;
 }
 
 void branch_driver::prefill(const std::vector<std::pair<uint32_t, std::vector<llama_token>>> & items_in,

@@ -88,7 +88,7 @@ class Ctx:
     def steps(self, hs: list[int], n: int) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in hs]
         for _ in range(n):
-            for i, (t, _piece, _stop) in enumerate(self.c.step(hs)):
+            for i, (t, _piece, _stop, _lp) in enumerate(self.c.step(hs)):
                 out[i].append(t)
         return out
 
@@ -194,7 +194,7 @@ def test_commit_rollback_when_the_cache_is_full(gemma_model: Any) -> None:
     assert x.c.kv_pressure()["n_ctx"] == 64  # branch mode too: what was asked for, not 256 padded cells
     failed = False
     for _ in range(10):
-        toks = [t for t, _p, _s in x.c.produce(hs)]
+        toks = [t for t, _p, _s, _l in x.c.produce(hs)]
         twins = [x.fork(h) for h in hs]  # same PRNG state and snapshot as the branch, after produce
         before = [x.info(h) for h in hs]
         snaps = [x.logits(h).copy() for h in hs]
@@ -348,7 +348,7 @@ def test_a_batch_samples_on_the_contexts_threads_what_each_branch_samples_alone(
         x.c.produce(batch, 9)
     word[0] = 0
     assert [x.info(h) for h in batch] == before
-    together = [t for t, _piece, _stop in x.c.produce(batch)]
+    together = [t for t, _piece, _stop, _lp in x.c.produce(batch)]
     assert together == [x.c.produce([h])[0][0] for h in alone]
     assert len(set(together)) > 1, "four seeds drew one token: the test shows nothing"
     assert x.steps(batch, 3) == [x.steps([h], 3)[0] for h in alone]
@@ -510,7 +510,7 @@ def test_json_schema_grammar_on_forks(gemma_model: Any) -> None:
         if not live:
             break
         out = x.c.step(live)
-        for h, (_t, piece, stop) in zip(list(live), out, strict=True):
+        for h, (_t, piece, stop, _lp) in zip(list(live), out, strict=True):
             if stop:
                 live.remove(h)
             else:
@@ -548,7 +548,7 @@ def test_lazy_grammar_waits_for_its_trigger(gemma_model: Any) -> None:
         x.c.commit([(g, t)])
     text = b""
     for _ in range(6):
-        tok, piece, stop = x.c.produce([g])[0]
+        tok, piece, stop, _lp = x.c.produce([g])[0]
         if stop:
             break
         x.c.commit([(g, tok)])
@@ -830,10 +830,10 @@ def test_commits_in_a_prefill_are_the_commits_made_beside_it(tiny_native: Any, n
         return x, going, x.fork(root)
 
     x, going, new = setup()
-    toks = [t for t, _p, _s in x.c.produce(going)]
+    toks = [t for t, _p, _s, _l in x.c.produce(going)]
     x.c.prefill([(new, prompt)], commits=list(zip(going, toks, strict=True)))
     y, y_going, y_new = setup()
-    assert [t for t, _p, _s in y.c.produce(y_going)] == toks
+    assert [t for t, _p, _s, _l in y.c.produce(y_going)] == toks
     for h, t in zip(y_going, toks, strict=True):
         y.c.commit([(h, t)])
     y.c.prefill([(y_new, prompt)])
@@ -909,7 +909,7 @@ def test_costs_of_fork_produce_and_commit(gemma_model: Any, capsys: pytest.Captu
     produce_ms, commit_ms = [], []
     for _ in range(6):
         t0 = time.perf_counter()
-        toks = [t for t, _p, _s in x.c.produce(hs)]
+        toks = [t for t, _p, _s, _l in x.c.produce(hs)]
         t1 = time.perf_counter()
         x.c.commit(list(zip(hs, toks, strict=True)))
         commit_ms.append((time.perf_counter() - t1) * 1e3)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from invariance import INVARIANCE, log_softmax, rows
 
-from lloyal_pool import Context, GenerateParams, InvalidArgumentError, Model
+from lloyal_pool import Context, GenerateParams, InvalidArgumentError, Model, SamplerParams
 
 PROMPT = "The three most interesting facts about octopuses are"
 
@@ -102,3 +102,26 @@ def test_a_scored_prompt_reports_each_token_s_log_probability(ctx: Context, othe
     assert ctx.score(tokens).logprobs is None
     with pytest.raises(InvalidArgumentError):
         ctx.score(tokens, logprobs=21)
+
+
+def test_a_branch_reports_its_tokens_log_probabilities_once_asked(ctx: Context, gemma: Model) -> None:
+    # Branch.set_logprobs(N): Produced.logprobs from the row each token was sampled from (the branch's
+    # logits before the step, read here), forks inherit it, None stops it.
+    root = ctx.branches.create(PROMPT, SamplerParams(temperature=0.9, seed=3))
+    assert root.produce().logprobs is None
+    root.set_logprobs(3)
+    for _ in range(4):
+        want = log_softmax(np.array(root.logits, copy=True))
+        produced = root.step()
+        lp = produced.logprobs
+        assert lp is not None and lp.token == produced.token and lp.piece == produced.piece
+        assert lp.logprob == pytest.approx(want[produced.token], abs=1e-3)
+        assert [t for t, _, _ in lp.top] == list(np.argsort(-want)[:3])
+    child = root.fork()
+    assert child.step().logprobs is not None
+    child.set_logprobs(None)
+    assert child.step().logprobs is None and root.produce().logprobs is not None
+    with pytest.raises(InvalidArgumentError):
+        root.set_logprobs(21)
+    child.prune()
+    root.prune()

@@ -470,11 +470,15 @@ class Context:
         """dst.snapshot += alpha * sum(expert snapshots); every branch needs logits (BranchError; dst may be
         one of the experts). After set_logits/merge_logits a produced-but-uncommitted sample no longer
         counts for the sampling perplexity."""
-    def produce(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool]]:
-        """(token, piece, is_stop) per branch, sampled from its snapshot; nothing but the PRNGs changes.
+    def produce(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool, Any]]:
+        """(token, piece, is_stop, logprobs) per branch, sampled from its snapshot; nothing but the PRNGs
+        changes. logprobs: (token, logprob, piece, top) for a branch with branch_set_logprobs, else None.
         Token -1 (piece b"", is_stop True) when nothing is allowed. BranchError: duplicates, no logits.
         InterruptedByClient when the interrupt word names request_id during a long grammar step: then
         no branch changed."""
+    def branch_set_logprobs(self, branch: int, logprobs: int) -> None:
+        """From now on produce and step report each of the branch's tokens' logprobs with that many
+        alternatives (at most 20; -1: none); forks inherit it. ValueError out of range."""
     def branch_set_text(self, branch: int, stop: Sequence[str], render_special: bool = False,
                         logprobs: int = -1) -> None:
         """From now on the branch makes text of what it produces, as generate does: stop strings matched
@@ -509,7 +513,7 @@ class Context:
         a branch named twice in items and commits raises BranchError. ``loras``: the (adapter, scale)
         configuration these decodes run under instead of the context's (set_lora's checks, LoraError); the
         caller keeps each branch's cells under one configuration."""
-    def step(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool]]:
+    def step(self, branches: Sequence[int], request_id: int = 0) -> list[tuple[int, bytes, bool, Any]]:
         """produce, then one commit of every branch whose token is not a stop. More than n_batch branches
         (ValueError) or an interrupt already requested (InterruptedByClient) fail before sampling: a step
         that commits nothing leaves the PRNGs and last samples as they were."""

@@ -666,8 +666,12 @@ class Engine:
         self._context(req.context).native.branch_merge_logits(req.branch, req.experts, req.alpha)
 
     @handles(p.Produce)
-    def produce(self, req: p.Produce, call: Call) -> list[tuple[int, bytes, bool]]:
+    def produce(self, req: p.Produce, call: Call) -> list[p.Produced]:
         return list(self._context(req.context).native.produce(req.branches, call.request_id))
+
+    @handles(p.BranchSetLogprobs)
+    def branch_set_logprobs(self, req: p.BranchSetLogprobs, call: Call) -> None:
+        self._context(req.context).native.branch_set_logprobs(req.branch, req.logprobs)
 
     @handles(p.BranchSetText)
     def branch_set_text(self, req: p.BranchSetText, call: Call) -> None:
@@ -708,7 +712,7 @@ class Engine:
     def step(self, req: p.Step, call: Call) -> p.Stepped:
         entry = self._context(req.context)
         produced = list(entry.native.step(req.branches, call.request_id))
-        committed = [h for h, (_, _, stop) in zip(req.branches, produced, strict=True) if not stop]
+        committed = [h for h, (_, _, stop, _) in zip(req.branches, produced, strict=True) if not stop]
         done = self._decoded(entry, committed)
         return p.Stepped(decode_ms=done.decode_ms, states=done.states, produced=produced)
 

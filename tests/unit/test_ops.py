@@ -69,6 +69,7 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.Produce(context=2, branches=[65537]),
     p.BranchSetText(context=2, branch=65537, stop=["\n\n"], render_special=False),
     p.ProduceText(context=2, branches=[65537]),
+    p.BranchSetLogprobs(context=2, branch=65537, logprobs=3),
     p.Commit(context=2, pairs=[(65537, 11)]),
     p.Prefill(context=2, items=[(65537, [1, 2]), (131073, "text")], commits=[(196609, 5)], loras=[(3, 0.5)]),
     p.Step(context=2, branches=[65537, 131073]),
@@ -141,8 +142,8 @@ def test_golden_frames_round_trip(op: Op) -> None:
 
 def test_reply_types_convert_from_the_wire() -> None:
     state = {"branch": 65537, "position": 3, "n_accepted": 1, "perplexity": 2.5, "sampling_perplexity": 1.5}
-    stepped = p.parse_reply(p.Step, {"decode_ms": 1.0, "states": [state], "produced": [[5, b"a", False]]})
-    assert stepped.produced == [(5, b"a", False)] and stepped.states[0].position == 3
+    stepped = p.parse_reply(p.Step, {"decode_ms": 1.0, "states": [state], "produced": [[5, b"a", False, None]]})
+    assert stepped.produced == [(5, b"a", False, None)] and stepped.states[0].position == 3
     assert p.parse_reply(p.Tokenize, [1, 2]) == [1, 2]
     assert p.parse_reply(p.FreeModel, None) is None
     with pytest.raises(errors.ProtocolError, match="does not match"):
