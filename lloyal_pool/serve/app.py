@@ -403,7 +403,8 @@ async def completions(request: Request, server: Server) -> Response:
     prompt = _prompt_of(body)
     await _fit(server, n, best_of)
     reply = schemas.Reply("cmpl", shown)
-    echo = await asyncio.to_thread(server.backend.echo, prompt, gen.logprobs) if schemas.echo_of(body) else None
+    # echo: the reply starts with the prompt (and its tokens' log-probabilities, with logprobs)
+    echo = await asyncio.to_thread(server.backend.echo, prompt, gen.logprobs) if _flag(body, "echo", False) else None
     if echo is not None and body.get("max_tokens") == 0:
         # The prompt alone, scored: how evaluation harnesses ask for a text's log-likelihood (max_tokens 0
         # elsewhere means no cap but the slot's room).

@@ -16,10 +16,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import protocol as p
-from .._embedder import Embedder
+from .._embedder import Embedder, Scorer
 from ..batching import BatchRequest
 from ..chat import ChatMessage
-from ..context import Context
 from ..errors import LloyalError, LoraError
 from ..lifecycle import WorkerEvent
 from ..model import Model
@@ -162,7 +161,7 @@ class PoolBackend:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self._embedders: dict[int, Embedder] = {}  # one per worker's model, made at its first request
-        self._scorers: dict[int, _Scorer] = {}  # the same, for echo's prompt log-probabilities
+        self._scorers: dict[int, Scorer] = {}  # the same, for echo's prompt log-probabilities
         self._lock = threading.Lock()
         self._loras: list[ServedLora] = []
         # The served models that have loaded every adapter in _loras (or failed to and were logged).
@@ -265,9 +264,11 @@ class PoolBackend:
             with self._lock:
                 scorer = self._scorers.get(id(model))
                 if scorer is None or scorer.model is not model:
-                    scorer = self._scorers[id(model)] = _Scorer(model, batcher.n_ctx_slot)
+                    scorer = self._scorers[id(model)] = Scorer(model, batcher.n_ctx_slot)
             entries[1:] = scorer.score(tokens, logprobs)
-        n_prompt, pieces = len(tokens), token_pieces(model, tokens)
+        # A scored token carries its piece; only the others are asked for.
+        asked = iter(token_pieces(model, [t for t, lp in zip(tokens, entries, strict=True) if lp is None]))
+        n_prompt, pieces = len(tokens), [next(asked) if lp is None else lp.piece for lp in entries]
         if model.info.bos >= 0 and tokens[0] == model.info.bos:  # not part of the text the reply echoes
             tokens, pieces, entries = tokens[1:], pieces[1:], entries[1:]
         text = prompt if isinstance(prompt, str) else model.detokenize(tokens)
@@ -307,25 +308,6 @@ class PoolBackend:
         first = served_model(self.any_model())
         slots = sum(model.batcher().slots for inst in self.pool if inst.alive for model in inst.models)
         return first, slots
-
-
-class _Scorer:
-    """A context that scores prompts for ``echo`` (Context.score with logprobs), made on first use and
-    shared by threads, one score at a time."""
-
-    def __init__(self, model: Model, n_ctx: int) -> None:
-        self.model = model
-        self._n_ctx = n_ctx
-        self._ctx: Context | None = None
-        self._lock = threading.Lock()
-
-    def score(self, tokens: list[int], logprobs: int) -> list[TokenLogprob | None]:
-        with self._lock:
-            if self._ctx is None or self._ctx.closed:
-                self._ctx = self.model.new_context(n_ctx=self._n_ctx)
-            scored = self._ctx.score(tokens, logprobs=logprobs).logprobs
-        assert scored is not None
-        return list(scored)
 
 
 def backend_of(pool: Any) -> Backend:

@@ -10,6 +10,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from ..chat import ChatMessage
@@ -303,25 +304,17 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob] | None, start: int = 0)
     text_offset (where each token starts in the text; the first at ``start``)."""
     if logprobs is None:
         return None
-    offsets, at = [], start
-    for lp in logprobs:
-        offsets.append(at)
-        at += len(_token_text(lp.piece))
-    return {"tokens": [_token_text(lp.piece) for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{_token_text(piece): value for _, value, piece in lp.top} for lp in logprobs],
+    return _legacy_logprobs([lp.piece for lp in logprobs], logprobs, start)
+
+
+def _legacy_logprobs(pieces: Sequence[bytes], logprobs: Sequence[TokenLogprob | None], start: int) -> dict[str, Any]:
+    # The legacy shape of tokens ``pieces``, each with its TokenLogprob (None: a token nothing predicts).
+    texts = [_token_text(piece) for piece in pieces]
+    offsets = list(accumulate((len(t) for t in texts), initial=start))[:len(texts)]
+    return {"tokens": texts,
+            "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp is None else {_token_text(p): v for _, v, p in lp.top} for lp in logprobs],
             "text_offset": offsets}
-
-
-def echo_of(body: Mapping[str, Any]) -> bool:
-    """A completion's ``echo``: the reply starts with the prompt (and its tokens' log-probabilities, with
-    ``logprobs``). APIError for anything but true or false."""
-    echo = body.get("echo", False)
-    if echo is None:
-        return False
-    if not isinstance(echo, bool):
-        raise APIError(400, "echo is true or false", param="echo")
-    return echo
 
 
 @dataclass(frozen=True)
@@ -338,14 +331,7 @@ class Echo:
 
 def echo_logprobs(echo: Echo) -> dict[str, Any]:
     """completion_logprobs of the prompt's tokens (no log-probability or alternatives for one without)."""
-    offsets, at = [], 0
-    for piece in echo.pieces:
-        offsets.append(at)
-        at += len(_token_text(piece))
-    return {"tokens": [_token_text(piece) for piece in echo.pieces],
-            "token_logprobs": [None if lp is None else lp.logprob for lp in echo.logprobs],
-            "top_logprobs": [None if lp is None else {_token_text(p): v for _, v, p in lp.top} for lp in echo.logprobs],
-            "text_offset": offsets}
+    return _legacy_logprobs(echo.pieces, echo.logprobs, 0)
 
 
 def joined_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
