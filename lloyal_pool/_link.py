@@ -30,7 +30,7 @@ from .errors import (
     WorkerCrashedError,
     WorkerError,
 )
-from .protocol import ContextRequest, Request
+from .protocol import PAUSE_BIT, ContextRequest, Request
 
 R = TypeVar("R")
 EventHandler = Callable[[dict[str, Any]], None]
@@ -128,6 +128,24 @@ class ContextLink:
         self._lost_error: WorkerCrashedError | None = None
         self._alias: dict[int, int] = {}
         self._sending = threading.local()  # .ids: where sending() collects this thread's decoding ids
+        # While the context moves to another worker (migration.py) the thread moving it holds the link:
+        # other threads' calls wait, then go to the worker it moved to.
+        self._gate = threading.Condition(threading.Lock())
+        self._mover: int | None = None
+
+    @contextmanager
+    def moving(self) -> Iterator[None]:
+        """Holds the link for the calling thread while the context moves (see _gate)."""
+        me = threading.get_ident()
+        with self._gate:
+            self._gate.wait_for(lambda: self._mover is None)
+            self._mover = me
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._mover = None
+                self._gate.notify_all()
 
     @contextmanager
     def sending(self) -> Iterator[list[int]]:
@@ -149,10 +167,15 @@ class ContextLink:
         callback that runs right after the journal has recorded the call (a checkpoint's mark)."""
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
+        if self._mover is not None and self._mover != threading.get_ident():
+            with self._gate:
+                self._gate.wait_for(lambda: self._mover is None)
         if not self.proc.alive:
             self.proc.await_recovery()  # rebinds this link when it succeeds
-            if isinstance(req, ContextRequest) and req.context != self.handle:
-                req = msgspec.structs.replace(req, context=self.handle)
+        if isinstance(req, ContextRequest) and req.context != self.handle:
+            req = msgspec.structs.replace(req, context=self.handle)  # made before a recovery or a move
+        if self.closed:
+            raise StaleHandleError(f"context handle {self.handle} was closed")
         if self.lost is not None:
             err = self._lost_error
             raise DeadWorkerError(
@@ -259,6 +282,16 @@ class ContextLink:
             target = self._decoding[0] if self._decoding else 0
         if target:
             self.proc.interrupt(self._slot, target)
+
+    def pause_request(self, req_id: int) -> bool:
+        """Asks one generation to pause at its next token boundary (protocol.PAUSE_BIT): now if the
+        worker runs it, else as soon as it starts. False when it is no longer in flight."""
+        with self._lock:
+            req_id = self._latest(req_id)
+            if req_id not in self._decoding:
+                return False
+        self.proc.interrupt(self._slot, req_id | PAUSE_BIT)
+        return True
 
     def interrupt_request(self, req_id: int) -> None:
         """Stops one decoding request: now if the worker runs it, else as soon as it starts; a no-op once

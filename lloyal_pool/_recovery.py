@@ -124,8 +124,11 @@ class Journal:
             return
         result = fut.result()
         if isinstance(req, (p.Generate, p.GenerateWithDraft)):
-            replay: p.Request[Any] = p.Generate(context=req.context, prompt=req.prompt, params=req.params,
-                                                append=req.append)  # greedy/seeded output is generate()'s
+            # Greedy/seeded output is generate()'s; a paused one's is its first n_decoded tokens, which
+            # the same call capped at that many gives (then a Resume that goes on raises the cap).
+            params = req.params if result.stop_reason != "paused" else {**req.params, "n_predict": result.n_decoded}
+            replay: p.Request[Any] = p.Generate(context=req.context, prompt=req.prompt, params=params,
+                                                append=req.append)
             why = None
             if getattr(result, "stop_reason", None) == "interrupted":
                 why = "a generation was interrupted"
@@ -137,6 +140,16 @@ class Journal:
                 self.lost = why
             elif self.lost is None:
                 self.entries.append(replay)
+        elif isinstance(req, p.Resume):
+            last = self.entries[-1] if self.entries else None
+            if self.lost is not None:
+                pass
+            elif result.stop_reason == "interrupted" or not isinstance(last, p.Generate):
+                self.lost = "a resumed generation was interrupted, or was taken over from another context"
+            else:
+                self.entries[-1] = msgspec.structs.replace(last, params={**last.params, "n_predict": result.n_decoded})
+        elif isinstance(req, p.AdoptGeneration):
+            pass  # the history is unchanged; the Resume that follows decides
         elif isinstance(req, p.Eval):
             if result.interrupted:
                 self.lost = "an eval was interrupted"

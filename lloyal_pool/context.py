@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -42,10 +43,11 @@ from .params import (
 )
 from .sampler import Sampler
 from .session import Session
-from .stream import Stream
+from .stream import Pausable, Stream
 
 if TYPE_CHECKING:
     from ._process import WorkerProcess
+    from .instance import Instance
     from .model import Model
 
 S = TypeVar("S", bound=PieceStream)
@@ -82,6 +84,7 @@ class Context:
         self.kv = KV(self._link, self.branches)
         self._lora: list[tuple[LoraAdapter, float]] = []
         self._logits_reads = 0  # logits() calls: a view shows the row as the one that made it wrote it
+        self._runs: weakref.WeakSet[Pausable] = weakref.WeakSet()  # its streams (pause, move_to)
 
     def _rebind(self, proc: WorkerProcess, desc: p.ContextCreated) -> None:
         """Crash recovery created the context again in a replacement worker."""
@@ -133,8 +136,13 @@ class Context:
         ``result``. Close it (or use ``with``) to stop early. ``timeout``: seconds the whole generation
         may take; past it the stream is interrupted and iterating it (or reading ``result``) raises
         CallTimeoutError."""
-        return self._start_stream(Stream(self._link.interrupt_request, timeout), prompt,
-                                  GenerateParams.of(params, overrides), append=append, progress=progress)
+        s = Stream(self._link.interrupt_request, timeout)
+        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=True, append=append,
+                                     progress=progress is not None)
+        run = Pausable(self._link, req, events(piece=s._q.put, prompt_progress=spread_progress(progress)))
+        self._runs.add(run)
+        s._start_run(run)
+        return s
 
     def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
                       progress: PromptProgress | None) -> S:
@@ -458,6 +466,27 @@ class Context:
     def load_state_file(self, path: str | os.PathLike[str]) -> int:
         """load_state() from a file the worker reads (StateError also for a missing file)."""
         return self._link.call(p.LoadState(context=self.handle, path=os.path.abspath(os.fspath(path)))).result()
+
+    # -- live migration --------------------------------------------------------------------------------
+    def move_to(self, instance: Instance) -> None:
+        """Moves the context to another worker: its tokens, KV cache, last logits and LoRA configuration
+        (the target must have loaded the same model file, and the adapters), and a stream running or
+        paused on it, which goes on in the target token for token as if it had not moved (its iterator
+        sees a gap of one move; a paused one stays paused). This handle, its streams and ``chat``
+        sessions stay valid; ``instance`` and ``model`` name the target afterwards. Calls other threads
+        make meanwhile wait and then run in the target. The state travels through shared memory
+        (Instance transfer files), never through a pipe.
+
+        InvalidArgumentError for the worker it lives in, or one without its model or adapters;
+        PoolClosedError for a closed or dead worker; ContextError for a context with branches or a
+        stream sampling with mirostat; StaleHandleError for a closed context. MigrationError when the
+        target fails on the way: the context then stays in its worker, whole and serving. If its own
+        worker dies before its state is read out, the crash's error is raised (Pool(recover=True)
+        restores the context there as for any crash)."""
+        take = getattr(instance, "_take_context", None)  # an Instance's (migration.py)
+        if take is None:
+            raise BadRequestError(f"a context moves to an Instance, got {type(instance).__name__}")
+        take(self)
 
     # -- scoring ---------------------------------------------------------------------------------------
     def score(self, text: str | Sequence[int], *, logprobs: int | None = None, timeout: float | None = None) -> Score:

@@ -145,6 +145,12 @@ class StateError(LloyalError):
     meant for is left as it was."""
 
 
+class MigrationError(LloyalError):
+    """A context could not be moved to another worker (Context.move_to, Pool.drain): the target failed
+    (it died, ran out of memory, could not take the state). The context stays where it was, whole and
+    serving, its paused or running stream going on there; ``__cause__`` is the target's error."""
+
+
 class SnapshotError(LloyalError):
     """A snapshot that cannot be made or forked: prepare() returned something that is not a handle of
     the instance it was given, the prepared worker runs native threads (it could not fork safely), or

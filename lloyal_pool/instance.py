@@ -20,6 +20,7 @@ from .batching import BatchedCalls, Batcher
 from .context import Context
 from .errors import BadRequestError, InvalidArgumentError, LloyalError, ModelLoadError, PoolClosedError
 from .lora import LoraAdapter
+from .migration import move
 from .model import MemorySource, Model, ModelBytes
 from .params import Device, whole
 
@@ -230,6 +231,10 @@ class Instance(BatchedCalls):
         fut = self._live().call(req, on_event) if source is None else source.load(self._live(), req, on_event)
         return mapped(fut, loaded)
 
+    def _load_like(self, model: Model) -> Model:
+        """Loads here the model another worker loaded, the same way (a path, or the same bytes)."""
+        return self._load(model.path, model._load, None, model._source).result()
+
     async def aload_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
                           vocab_only: bool = False, progress: ProgressCallback | None = None) -> Model:
         """load_model() for asyncio. A load cannot be interrupted: cancelling the awaiting task lets it
@@ -245,6 +250,14 @@ class Instance(BatchedCalls):
             fut.add_done_callback(free)
 
         return await settle(fut, free_when_loaded)
+
+    def _take_context(self, ctx: Context) -> None:
+        """Context.move_to(self)."""
+        move(ctx, self)
+
+    def drain_contexts(self) -> list[Context]:
+        """The contexts of this worker's models that are not closed (what Pool.drain moves)."""
+        return [c for m in self.models for c in list(m._contexts) if not c.closed]
 
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""

@@ -33,12 +33,14 @@ RERANK_PROMPT = "Passage: {document}\nPlease write a question based on this pass
 class StopReason(str, enum.Enum):
     """Why a generation ended (Result.stop_reason): ``EOS``, an end-of-generation token (or no token that
     the grammar and logit bias allow); ``LENGTH``, n_predict tokens or a full context; ``STOP``, a stop
-    string; ``INTERRUPTED``, interrupt() or a closed Stream. A str, so it equals its value ("eos", ...)."""
+    string; ``INTERRUPTED``, interrupt() or a closed Stream; ``PAUSED``, only on the wire: a segment of
+    a paused stream (Stream.pause), never a stream's result. A str, so it equals its value ("eos", ...)."""
 
     EOS = "eos"
     LENGTH = "length"
     STOP = "stop"
     INTERRUPTED = "interrupted"
+    PAUSED = "paused"
 
     # "stop", not "StopReason.STOP", wherever it is printed (str(), f-strings, format()).
     def __str__(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from . import variants
 from ._aio import closed_in_thread
 from ._launch import LOG_LEVELS, TempRoot, WorkerOptions
+from ._link import check_timeout
 from ._process import WorkerProcess
 from ._recovery import PoolRecovery
 from ._watch import HangWatch
@@ -290,6 +292,45 @@ class Pool(BatchedCalls, Subscribers):
             self._instances[index] = fresh
             self._all_procs.remove(old)
         self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
+        return fresh
+
+    def drain(self, instance: Instance | int, *, timeout: float | None = None) -> Instance:
+        """Retires a worker without losing anything on it (a rolling restart, a worker that grew too
+        large): starts a fresh worker, loads there the models and LoRA adapters the old one holds, moves
+        every context of the old one to it (Context.move_to: a stream running or paused on one goes on
+        there), puts it in the old one's place, so that new batched requests go to it, lets the old
+        one's batched requests end (at most ``timeout`` seconds; then they fail with PoolClosedError),
+        and closes the old worker. Returns the fresh Instance. A context that cannot move (branches, a
+        mirostat stream) raises its error before the old worker is closed: the pool is left with the
+        fresh worker in place and the old one still serving what did not move, outside the pool's list
+        (close it, or drain again)."""
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+        check_timeout(timeout)
+        index = instance if isinstance(instance, int) else self._instances.index(instance)
+        old = self._instances[index]
+        proc = self._spawn(recoverable=True)
+        try:
+            proc.wait_ready()
+            fresh = Instance(proc)
+            for model in old.models:
+                loaded = fresh._load_like(model)
+                for adapter in model.loras:
+                    loaded.load_lora(adapter.path)
+        except BaseException:
+            self._release(proc)
+            raise
+        with self._lock:
+            self._instances[index] = fresh
+        self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
+        for ctx in old.drain_contexts():
+            ctx.move_to(fresh)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while any(m._batcher is not None and m._batcher.load for m in old.models) and old.alive and (
+                deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+        old.close()
+        self._release(old._proc)
         return fresh
 
     def _route(self, model: Model | str | None, prompt: str | Sequence[int],

@@ -37,7 +37,7 @@ from .chat import ChatMessage
 from .errors import BadRequestError, InvalidArgumentError, ProtocolError
 from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, ModelInfo, Result, Score
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_FRAME = 256 << 20  # state blobs can be large; anything bigger is a bug or garbage
 _LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
@@ -69,6 +69,8 @@ class Op(str, enum.Enum):
     EVAL = "eval"
     GENERATE = "generate"
     GENERATE_WITH_DRAFT = "generate_with_draft"
+    RESUME = "resume"
+    ADOPT_GENERATION = "adopt_generation"
     LOGITS = "logits"
     RESET = "reset"
     TOKENS = "tokens"
@@ -343,7 +345,8 @@ class Eval(ContextRequest[EvalResult]):
 
 
 class Generate(ContextRequest[Result]):
-    """Piece events when stream: {"piece": text}; prompt_progress events when progress."""
+    """Piece events when stream: {"piece": text}; prompt_progress events when progress; {"paused":
+    portable form or None} before the reply of a generation that paused (PAUSE_BIT)."""
 
     op = Op.GENERATE
     decodes = True
@@ -352,6 +355,31 @@ class Generate(ContextRequest[Result]):
     stream: bool = False
     append: bool = False  # the prompt continues the history instead of replacing it
     progress: bool = False
+
+
+class Resume(ContextRequest[Result]):
+    """Goes on with the generation paused on the context (a Generate whose request id the interrupt word
+    named with PAUSE_BIT): its result is the whole generation's. Events as for Generate; ContextError
+    when nothing is paused or the context changed since."""
+
+    op = Op.RESUME
+    decodes = True
+    stream: bool = False
+
+
+class AdoptGeneration(ContextRequest[None]):
+    """Takes in a paused generation from elsewhere (the ``paused`` event of a Generate or Resume, which
+    carries its portable form) for the params it was generated with; the context must hold the same
+    history (its state loaded). A Resume then goes on with it."""
+
+    op = Op.ADOPT_GENERATION
+    params: dict[str, Any]
+    suspension: dict[str, Any]
+
+
+PAUSE_BIT = 1 << 63
+"""Written into a context's interrupt word with a request's id: that generation pauses at its next token
+boundary (and emits a ``paused`` event before its reply, whose stop_reason is "paused")."""
 
 
 class GenerateWithDraft(ContextRequest[Result]):

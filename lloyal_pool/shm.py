@@ -337,6 +337,11 @@ class TransferFile:
     def __enter__(self) -> TransferFile:
         return self
 
+    @property
+    def fd(self) -> int:
+        """This process's descriptor of the file (what another transfer's write() copies from)."""
+        return self._fd
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -399,6 +404,11 @@ class WorkerTransfer:
         self.path = f"/proc/self/fd/{worker_fd}"  # the worker's path to it
         self.lock = threading.Lock()
 
+    @property
+    def fd(self) -> int:
+        """This process's descriptor of the file (what another transfer's write() copies from)."""
+        return self._fd
+
     def __enter__(self) -> WorkerTransfer:
         self.lock.acquire()
         os.ftruncate(self._fd, 0)
@@ -429,12 +439,28 @@ class WorkerTransfer:
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview | int) -> None:
     if isinstance(data, int):  # a descriptor: copied in pieces, never all of it in this process at once
-        off = 0
+        off = _copy_in_kernel(data, fd)
         while chunk := os.pread(data, 8 << 20, off):
             _write_all_at(fd, memoryview(chunk), off)
             off += len(chunk)
         return
     _write_all_at(fd, memoryview(data).cast("B"), 0)
+
+
+def _copy_in_kernel(src: int, dst: int) -> int:
+    """Copies src into dst from offset 0 without passing through this process (copy_file_range: a
+    state moving between two workers' memfds); returns how far it got, the rest for the caller to copy
+    (0 where the kernel cannot do it for these files)."""
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None:
+        return 0
+    off = 0
+    try:
+        while n := copy(src, dst, 1 << 30, off, off):
+            off += n
+    except OSError:
+        pass  # EXDEV, EINVAL, ENOSYS ...: whatever was copied stays, the caller goes on from there
+    return off
 
 
 def _write_all_at(fd: int, view: memoryview, at: int) -> None:
@@ -446,14 +472,15 @@ def _write_all_at(fd: int, view: memoryview, at: int) -> None:
 def _pread_all(fd: int) -> bytes:
     size = os.fstat(fd).st_size
     out = bytearray(size)
+    view = memoryview(out)
     off = 0
     while off < size:
-        chunk = os.pread(fd, min(size - off, 1 << 30), off)
-        if not chunk:
-            del out[off:]  # shrunk meanwhile
-            break
-        out[off:off + len(chunk)] = chunk
-        off += len(chunk)
+        n = os.preadv(fd, [view[off:off + (1 << 30)]], off)  # straight into the buffer: no chunk copies
+        if not n:
+            break  # shrunk meanwhile
+        off += n
+    view.release()
+    del out[off:]
     return bytes(out)
 
 

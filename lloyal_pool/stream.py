@@ -1,15 +1,175 @@
-"""Stream: the pieces of one generation as they are decoded, on a client thread's queue."""
+"""Stream: the pieces of one generation as they are decoded, on a client thread's queue; and Pausable,
+what lets a context's stream pause, resume and move between workers.
+
+    Stream.pause() ─▶ the context's interrupt word: request id | PAUSE_BIT ─▶ the worker stops at the next
+                      token boundary, keeps the generation, emits {"paused": portable form}, replies
+    Stream.resume() ─▶ Resume (after AdoptGeneration when another worker now holds the context: a move,
+                       or crash recovery) ─▶ the same generation goes on, its pieces into the same queue
+"""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from . import protocol as p
 from ._link import check_timeout, wait
 from ._pieces import PieceStream
-from .errors import CallTimeoutError
-from .params import Result
+from .errors import CallTimeoutError, ContextError
+from .params import Result, StopReason
+
+if TYPE_CHECKING:
+    from ._link import ContextLink
+    from ._process import WorkerProcess
+
+
+class Pausable:
+    """One streamed generation on a context across its pauses and moves: ``future`` is the whole
+    generation's result, behind the segments that make it (the Generate, then a Resume after each
+    pause). States: running, pausing (asked, not yet stopped), paused, done."""
+
+    def __init__(self, link: ContextLink, request: p.Generate,
+                 deliver: Callable[[dict[str, Any]], None] | None) -> None:
+        self._link = link
+        self._request = request
+        self._deliver = deliver
+        self.future: Future[Result] = Future()
+        self._cond = threading.Condition(threading.Lock())
+        self.state = "running"
+        self._request_id = 0
+        self.holder: WorkerProcess | None = None  # the worker that holds the paused generation
+        self.suspension: dict[str, Any] | None = None  # its portable form (None: mirostat, which has none)
+        self._partial: Result | None = None  # the paused segment's result
+        self._stop_wanted = False
+        self._adopting: Future[None] | None = None
+        self._before: Result | None = None  # adopted: what the worker that took it over does not report
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self._request.params
+
+    def start(self) -> None:
+        self._send(self._request)
+
+    def _send(self, req: p.Generate | p.Resume) -> None:
+        fut = self._link.call(req, self._on_event, on_id=self._set_id)
+        fut.add_done_callback(self._segment_ended)
+
+    def _set_id(self, request_id: int) -> None:
+        self._request_id = request_id
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if "paused" in event:
+            self.suspension = event["paused"]
+        elif self._deliver is not None:
+            self._deliver(event)
+
+    def _segment_ended(self, fut: Future[Result]) -> None:
+        error = fut.exception()
+        adopting, self._adopting = self._adopting, None
+        if error is not None and adopting is not None and adopting.exception() is not None:
+            error = adopting.exception()  # the Resume failed because the take-over did: say why
+        if error is None and fut.result().stop_reason == StopReason.PAUSED:
+            with self._cond:
+                self._partial, self.holder = fut.result(), self._link.proc
+                self.state = "paused"
+                self._cond.notify_all()
+                stop = self._stop_wanted
+            if stop:
+                self.interrupt()
+            return
+        with self._cond:
+            self.state = "done"
+            self._cond.notify_all()
+        if error is not None:
+            self.future.set_exception(error)
+            return
+        result = fut.result()
+        if self._before is not None:
+            before = self._before
+            result = msgspec.structs.replace(
+                result, decode_ms=before.decode_ms + result.decode_ms,
+                logprobs=None if result.logprobs is None else [*(before.logprobs or []), *result.logprobs])
+        self.future.set_result(result)
+
+    def pause(self, wait: bool = True, timeout: float | None = None) -> bool:
+        """Asks the generation to pause at its next token boundary; with ``wait``, returns once it has
+        (True) or has ended (False)."""
+        with self._cond:
+            if self.state == "running":
+                self.state = "pausing"
+                if not self._link.pause_request(self._request_id):
+                    self.state = "running"  # it ended meanwhile: its reply settles the state
+            if not wait:
+                return self.state in ("pausing", "paused")
+            self._cond.wait_for(lambda: self.state in ("paused", "done"), timeout)
+            return self.state == "paused"
+
+    def resume(self) -> bool:
+        """Goes on with a paused generation (after its pause has taken effect); False when it is not
+        paused (running, or ended)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state != "pausing")
+            if self.state != "paused":
+                return False
+            self.state = "running"
+        link = self._link
+        try:
+            if not link.proc.alive:
+                link.proc.await_recovery()  # crash recovery rebuilds the history; the generation is ours
+            if self.holder is not link.proc:
+                self.take_over()
+            self._send(p.Resume(context=link.handle, stream=self._request.stream))
+        except BaseException:
+            with self._cond:
+                self.state = "paused"
+                self._cond.notify_all()
+            raise
+        return True
+
+    def take_over(self) -> None:
+        """Hands the paused generation to the worker that now holds the context (its history already
+        there): sends its portable form, not waited for (the Resume after it fails if it does)."""
+        if self.suspension is None:
+            raise ContextError("the paused generation cannot go on in another worker: a mirostat sampler's state "
+                               "does not travel")
+        link = self._link
+        self._adopting = link.call(p.AdoptGeneration(context=link.handle, params=self._request.params,
+                                                     suspension=self.suspension))
+        self.handed_over(link.proc)
+
+    def handed_over(self, proc: WorkerProcess) -> None:
+        """A move took the paused generation to ``proc`` (AdoptGeneration sent and answered there)."""
+        self._before, self.holder = self._partial, proc
+
+    def interrupt(self) -> None:
+        """Ends the generation: a running one as interrupt() does; a paused one at once, its result the
+        text it had streamed, stop_reason interrupted."""
+        with self._cond:
+            if self.state == "pausing":
+                self._stop_wanted = True
+            if self.state != "paused":
+                request_id = self._request_id
+                paused = None
+            else:
+                self.state = "done"
+                self._cond.notify_all()
+                paused = self._partial
+        if paused is None:
+            self._link.interrupt_request(request_id)
+            return
+        result = msgspec.structs.replace(paused, stop_reason=StopReason.INTERRUPTED)
+        if self._before is not None:  # taken over, then paused again before it ended
+            before = self._before
+            result = msgspec.structs.replace(
+                result, logprobs=None if result.logprobs is None else [*(before.logprobs or []), *result.logprobs])
+        self.future.set_result(result)
 
 
 class Stream(PieceStream):
@@ -28,6 +188,7 @@ class Stream(PieceStream):
 
     def __init__(self, interrupt: Callable[[int], None], timeout: float | None = None) -> None:
         super().__init__(interrupt)
+        self._run: Pausable | None = None
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         check_timeout(timeout)
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -83,4 +244,45 @@ class Stream(PieceStream):
         wait: ``result`` does."""
         if not self.future.done():
             self.interrupt()
+
+    def _start_run(self, run: Pausable) -> None:
+        self._run = run
+        self._attach(run.future)
+        run.start()
+
+    def interrupt(self) -> None:
+        """Stops this stream's generation, from any thread: now if it runs, as soon as it starts if it is
+        still queued behind other calls on the context, at once if it is paused. Its result says
+        ``interrupted``."""
+        if self._run is not None:
+            self._run.interrupt()
+        else:
+            super().interrupt()
+
+    def pause(self, *, wait: bool = True, timeout: float | None = None) -> bool:
+        """Pauses a context's stream, from any thread: the generation stops at its next token boundary
+        (everything it streamed decoded), keeping its place, its sampler (the PRNG where it stood, the
+        grammar, the penalty windows) and its held-back text; iterating waits meanwhile. With ``wait``
+        (the default) returns once it has stopped (True) or ended first (False); a generation still
+        decoding its prompt stops after the prompt. The context is free while it is paused: another call
+        on it drops the paused generation (resume() then raises ContextError). ContextError for a
+        stream of batched calls (Pool/Model.stream), which do not pause."""
+        if self._run is None:
+            raise ContextError("only a context's stream (Context.stream) pauses")
+        check_timeout(timeout)
+        return self._run.pause(wait, timeout)
+
+    def resume(self) -> bool:
+        """Goes on with a paused stream, from any thread, token for token as if it had not stopped
+        (seeded sampling included); in another worker too, after Context.move_to or a crash of its
+        worker with Pool(recover=True). Waits for a pause that is under way; False when the stream is
+        not paused."""
+        if self._run is None:
+            raise ContextError("only a context's stream (Context.stream) pauses")
+        return self._run.resume()
+
+    @property
+    def paused(self) -> bool:
+        """Whether the stream is paused (or pausing)."""
+        return self._run is not None and self._run.state in ("pausing", "paused")
 

@@ -176,13 +176,26 @@ struct generate_args {
     context_core::progress_fn on_progress;
 };
 
-generate_args parse_generate_args(py_context & c, py::handle prompt, const py::dict & params, const py::object & on_piece,
-                                  bool append, const py::object & on_progress) {
-    if (!on_piece.is_none() && !PyCallable_Check(on_piece.ptr())) {
+// on_piece as the driver calls it: without the GIL, taking it for the Python call only. A borrowed
+// handle: the caller's reference outlives the call, and the std::function is destroyed without the GIL.
+piece_fn piece_arg(const py::object & on_piece) {
+    if (on_piece.is_none()) {
+        return nullptr;
+    }
+    if (!PyCallable_Check(on_piece.ptr())) {
         throw py::type_error("on_piece must be callable or None");
     }
+    return [cb = py::handle(on_piece)](std::string_view piece) {
+        gil_acquire gil;
+        cb(decode_utf8_replace(piece));
+    };
+}
+
+generate_args parse_generate_args(py_context & c, py::handle prompt, const py::dict & params, const py::object & on_piece,
+                                  bool append, const py::object & on_progress) {
     const Model & model = c.core->model();
     generate_args a;
+    a.on_piece = piece_arg(on_piece);
     a.params = parse_gen_params(params, model);
     a.prompt.append = append;
     if (PyUnicode_Check(prompt.ptr())) {
@@ -190,14 +203,6 @@ generate_args parse_generate_args(py_context & c, py::handle prompt, const py::d
         a.prompt.text = prompt.cast<std::string>();
     } else {
         a.prompt.tokens = tokens_from_py(prompt, model);
-    }
-    if (!on_piece.is_none()) {
-        // Called without the GIL; takes it for the Python call only. A borrowed handle: the caller's
-        // reference outlives the call, and the std::function is destroyed without the GIL.
-        a.on_piece = [cb = py::handle(on_piece)](std::string_view piece) {
-            gil_acquire gil;
-            cb(decode_utf8_replace(piece));
-        };
     }
     a.on_progress = progress_arg(on_progress);
     return a;
@@ -267,6 +272,59 @@ py::dict generate_with_draft(py_context & c, py::handle prompt, const py::dict &
         d.reset();  // releases the draft context
     }
     return result_dict(r, a.params, c.core->model());
+}
+
+py::dict resume(py_context & c, uint64_t request_id, const py::object & on_piece) {
+    const piece_fn piece = piece_arg(on_piece);
+    gen_params shown;
+    shown.n_logprobs = c.sequence->paused_logprobs();
+    generate_result r;
+    {
+        gil_release nogil;
+        r = c.sequence->resume(request_id, piece);
+    }
+    return result_dict(r, shown, c.core->model());
+}
+
+py::dict suspension(const py_context & c) {
+    const suspended_generation s = c.sequence->suspension();
+    py::list draws;
+    for (const auto & d : s.draws) {
+        draws.append(py::make_tuple(d.narrow, d.wide));
+    }
+    py::dict d;
+    d["tokens"] = s.tokens;
+    d["n_sampled"] = s.n_sampled;
+    d["emitted"] = s.emitted;
+    d["draws"] = draws;
+    d["n_prompt"] = s.n_prompt;
+    d["n_cached"] = s.n_cached;
+    d["prompt_ms"] = s.prompt_ms;
+    return d;
+}
+
+void adopt(py_context & c, const py::dict & params, const py::dict & d) {
+    const Model & model = c.core->model();
+    const gen_params p = parse_gen_params(params, model);
+    suspended_generation s;
+    try {
+        s.tokens = tokens_from_py(d["tokens"], model);
+        s.n_sampled = d["n_sampled"].cast<int32_t>();
+        s.emitted = d["emitted"].cast<size_t>();
+        for (auto item : py::iter(d["draws"])) {
+            auto pair = item.cast<std::pair<uint64_t, uint64_t>>();
+            s.draws.push_back(chain_sampler::draw_count{pair.first, pair.second});
+        }
+        s.n_prompt = d["n_prompt"].cast<size_t>();
+        s.n_cached = d["n_cached"].cast<size_t>();
+        s.prompt_ms = d["prompt_ms"].cast<double>();
+    } catch (const py::error_already_set & e) {
+        throw std::invalid_argument(std::string("not a paused generation: ") + e.what());
+    } catch (const py::cast_error & e) {
+        throw std::invalid_argument(std::string("not a paused generation: ") + e.what());
+    }
+    gil_release nogil;
+    c.sequence->adopt(p, s);
 }
 
 std::vector<std::vector<llama_token>> token_lists(py::handle inputs, const Model & model, const char * what) {
@@ -453,6 +511,10 @@ void register_context(py::module_ & m) {
         .def("generate_with_draft", &generate_with_draft, py::arg("prompt"), py::arg("params"), py::arg("draft"),
              py::arg("n_draft") = 8, py::arg("ngram_min") = 2, py::arg("ngram_max") = 4, py::arg("request_id") = 0,
              py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none())
+        .def("resume", &resume, py::arg("request_id") = 0, py::arg("on_piece") = py::none())
+        .def("paused", [](const py_context & c) { return c.sequence->paused(); })
+        .def("suspension", &suspension)
+        .def("adopt", &adopt, py::arg("params"), py::arg("suspension"))
         .def("embed", &embed, py::arg("inputs"), py::arg("normalize"), py::arg("request_id") = 0)
         .def("score_tails", &score_tails, py::arg("prompts"), py::arg("n_tail"), py::arg("request_id") = 0);
     register_branch_methods(cls);

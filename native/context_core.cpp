@@ -228,6 +228,14 @@ bool context_core::interrupt_requested() const {
     return __atomic_load_n(interrupt_word_, __ATOMIC_ACQUIRE) == id;
 }
 
+bool context_core::pause_requested() const {
+    const uint64_t id = current_request_.load(std::memory_order_acquire);
+    if (id == 0 || interrupt_word_ == nullptr) {
+        return false;
+    }
+    return __atomic_load_n(interrupt_word_, __ATOMIC_ACQUIRE) == (id | k_pause_bit);
+}
+
 void context_core::set_threads(int32_t n, int32_t n_batch) {
     governor_.set_wanted(n, n_batch);
     llama_set_n_threads(ctx_, n, n_batch);

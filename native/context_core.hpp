@@ -116,6 +116,10 @@ class context_core {
     void set_interrupt_word(const uint64_t * word) { interrupt_word_ = word; }
     // True while the running request is the one the interrupt word names.
     bool interrupt_requested() const;
+    // True while the word names the running request with k_pause_bit set: a generation asked to pause
+    // at its next token boundary (a decode in progress is not aborted for it).
+    bool pause_requested() const;
+    static constexpr uint64_t k_pause_bit = uint64_t{1} << 63;
 
     // One call at a time: drivers run without the GIL, so a second thread could otherwise enter the
     // same llama_context concurrently.

@@ -116,6 +116,20 @@ generation_output::verdict generation_output::push(llama_token tok) {
     return stop_string ? verdict::last_decoded : verdict::more;
 }
 
+void generation_output::restore(const std::vector<llama_token> & tokens, int32_t n_sampled, size_t emitted) {
+    for (llama_token t : tokens) {
+        res_.tokens.push_back(t);
+        if (text_.push(model_.text_piece(t, p_.render_special))) {
+            throw std::invalid_argument("a paused generation cannot hold a completed stop string");
+        }
+    }
+    if (emitted > text_.final_end()) {
+        throw std::invalid_argument("a paused generation streamed more text than its tokens make");
+    }
+    n_sampled_ = n_sampled;
+    emitted_ = emitted;
+}
+
 void generation_output::finish() {
     // Whatever was held back is final now (a stop prefix that never completed, a truncated UTF-8
     // sequence that becomes U+FFFD here exactly as in text).
@@ -224,71 +238,168 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
     core_.reset_decode_timer();
     const Model & model = core_.model();
     prompt_plan plan = plan_prompt(prompt, p);
-    std::vector<llama_token_data> scratch;
+    suspended_.reset();  // a new generation: a paused one can no longer resume
 
+    auto st = std::make_shared<generation_state>(p, model);
+    st->on_piece = on_piece;
     generate_result res;
-    generation_output out(p, model, on_piece, res);
     {
         context_core::request_scope req(core_, request_id);
         const stop_fn stop = [this] { return core_.interrupt_requested(); };
         // Everything that can be refused (the grammar above all) is refused before the KV cache is
         // touched; the parse of a large grammar already takes an interrupt.
-        std::unique_ptr<chain_sampler> sampler;
         try {
-            sampler = make_generation_sampler(p, model, core_.n_ctx_seq, seen_tokens(plan), stop);
+            st->sampler = make_generation_sampler(p, model, core_.n_ctx_seq, seen_tokens(plan), stop);
         } catch (const interrupted_error &) {
-            out.stop("interrupted");
+            st->out.stop("interrupted");
         }
         const int64_t t0 = now_us();
-        if (!out.stopped() && !take_prompt(plan, prompt.append, on_progress)) {
-            out.stop("interrupted");
+        if (!st->out.stopped() && !take_prompt(plan, prompt.append, on_progress)) {
+            st->out.stop("interrupted");
         }
         const int64_t t1 = now_us();
-        res.prompt_ms = elapsed_ms(t0, t1);
-        // At the top of each round everything emitted is decoded, and the last logits are the history's.
-        while (!out.stopped()) {
-            if (core_.interrupt_requested()) {
-                out.stop("interrupted");
-                break;
-            }
-            if (!out.may_sample() || history_.size() >= core_.n_ctx_seq) {
-                out.stop("length");  // n_predict reached, or no room to decode another token
-                break;
-            }
-            llama_token tok = LLAMA_TOKEN_NULL;
-            const float * row = last_logits();
-            try {
-                tok = choose_token(*sampler, row, model.n_vocab(), scratch, stop);
-            } catch (const interrupted_error &) {
-                out.stop("interrupted");  // inside a long grammar step: nothing of this token was kept
-                break;
-            }
-            const size_t n_kept = res.tokens.size();
-            const generation_output::verdict v = out.push(tok);
-            if (p.n_logprobs >= 0 && res.tokens.size() > n_kept) {  // the token joined the result
-                const float m = max_of(row, static_cast<size_t>(model.n_vocab()));
-                res.logprobs.push_back(logprobs_of(row, model.n_vocab(), m, std::numeric_limits<float>::quiet_NaN(),
-                                                   tok, p.n_logprobs));
-            }
-            if (v == generation_output::verdict::stop) {
-                break;  // not decoded: the history stays what it was before this token
-            }
-            if (draft != nullptr && v == generation_output::verdict::more &&
-                speculate(tok, *draft, n_draft, *sampler, scratch, out, res)) {
-                continue;  // tok, and what of the drafts the sampler chose, are decoded
-            }
-            if (!decode_tokens(&tok, 1, true)) {
-                out.stop("interrupted");
-            }
-        }
-        out.finish();
-        res.decode_ms = elapsed_ms(t1, now_us());
+        st->res.prompt_ms = elapsed_ms(t0, t1);
+        st->res.n_prompt = plan.tokens.size();
+        st->res.n_cached = plan.n_cached;
+        res = run_rounds(st, draft, n_draft, stop, t1);
     }
-    res.n_prompt = plan.tokens.size();
-    res.n_cached = plan.n_cached;
+    return res;
+}
+
+generate_result sequence_driver::run_rounds(const std::shared_ptr<generation_state> & st, drafter * draft, size_t n_draft,
+                                            const stop_fn & stop, int64_t t_start) {
+    const Model & model = core_.model();
+    generation_output & out = st->out;
+    generate_result & res = st->res;
+    const gen_params & p = st->p;
+    std::vector<llama_token_data> scratch;
+    bool paused = false;
+    // At the top of each round everything emitted is decoded, and the last logits are the history's.
+    while (!out.stopped()) {
+        if (core_.interrupt_requested()) {
+            out.stop("interrupted");
+            break;
+        }
+        if (!out.may_sample() || history_.size() >= core_.n_ctx_seq) {
+            out.stop("length");  // n_predict reached, or no room to decode another token
+            break;
+        }
+        if (draft == nullptr && core_.pause_requested()) {
+            paused = true;
+            break;
+        }
+        llama_token tok = LLAMA_TOKEN_NULL;
+        const float * row = last_logits();
+        try {
+            tok = choose_token(*st->sampler, row, model.n_vocab(), scratch, stop);
+        } catch (const interrupted_error &) {
+            out.stop("interrupted");  // inside a long grammar step: nothing of this token was kept
+            break;
+        }
+        const size_t n_kept = res.tokens.size();
+        const generation_output::verdict v = out.push(tok);
+        if (p.n_logprobs >= 0 && res.tokens.size() > n_kept) {  // the token joined the result
+            const float m = max_of(row, static_cast<size_t>(model.n_vocab()));
+            res.logprobs.push_back(logprobs_of(row, model.n_vocab(), m, std::numeric_limits<float>::quiet_NaN(),
+                                               tok, p.n_logprobs));
+        }
+        if (v == generation_output::verdict::stop) {
+            break;  // not decoded: the history stays what it was before this token
+        }
+        if (draft != nullptr && v == generation_output::verdict::more &&
+            speculate(tok, *draft, n_draft, *st->sampler, scratch, out, res)) {
+            continue;  // tok, and what of the drafts the sampler chose, are decoded
+        }
+        if (!decode_tokens(&tok, 1, true)) {
+            out.stop("interrupted");
+        }
+    }
+    res.decode_ms += elapsed_ms(t_start, now_us());
     res.n_past = history_.size();
     res.n_threads = core_.last_decode_threads();
+    if (paused) {
+        st->history = history_;
+        suspended_ = st;
+        generate_result part = res;  // what the caller has so far; the text held back stays held
+        part.text = out.streamed_text();
+        part.n_decoded = out.n_sampled();
+        part.stop_reason = "paused";
+        return part;
+    }
+    out.finish();
     return res;
+}
+
+generate_result sequence_driver::resume(uint64_t request_id, const piece_fn & on_piece) {
+    context_core::busy_guard busy(core_);
+    require_sequence_mode("resume");
+    if (suspended_ == nullptr) {
+        throw context_error("nothing to resume: no generation is paused on this context");
+    }
+    const std::shared_ptr<generation_state> st = std::move(suspended_);
+    suspended_.reset();
+    if (st->history != history_ || !has_logits_) {
+        throw context_error("the paused generation cannot resume: the context changed since it paused");
+    }
+    core_.reset_decode_timer();
+    st->on_piece = on_piece;
+    context_core::request_scope req(core_, request_id);
+    const stop_fn stop = [this] { return core_.interrupt_requested(); };
+    return run_rounds(st, nullptr, 0, stop, now_us());
+}
+
+int32_t sequence_driver::paused_logprobs() const { return suspended_ == nullptr ? -1 : suspended_->p.n_logprobs; }
+
+suspended_generation sequence_driver::suspension() const {
+    if (suspended_ == nullptr) {
+        throw context_error("no generation is paused on this context");
+    }
+    const generation_state & st = *suspended_;
+    if (!st.sampler->portable()) {
+        throw context_error("a mirostat generation keeps state that does not travel: it pauses and resumes in its "
+                            "own context only");
+    }
+    suspended_generation s;
+    s.tokens = st.res.tokens;
+    s.n_sampled = st.out.n_sampled();
+    s.emitted = st.out.emitted();
+    s.draws = st.sampler->draws();
+    s.n_prompt = st.res.n_prompt;
+    s.n_cached = st.res.n_cached;
+    s.prompt_ms = st.res.prompt_ms;
+    return s;
+}
+
+void sequence_driver::adopt(const gen_params & p, const suspended_generation & s) {
+    context_core::busy_guard busy(core_);
+    require_sequence_mode("adopt");
+    const Model & model = core_.model();
+    if (!has_logits_ || history_.size() < s.tokens.size() ||
+        !std::equal(s.tokens.rbegin(), s.tokens.rend(), history_.rbegin())) {
+        throw context_error("the context does not end with the paused generation's tokens: load its state first");
+    }
+    if (s.n_sampled < static_cast<int32_t>(s.tokens.size())) {
+        throw std::invalid_argument("a paused generation samples at least the tokens it holds");
+    }
+    auto st = std::make_shared<generation_state>(p, model);
+    // The windows start from the whole history, as they stood after accepting the generated tokens
+    // one by one; the grammar sees only what was generated.
+    st->sampler = make_generation_sampler(p, model, core_.n_ctx_seq, history_);
+    if (!st->sampler->portable()) {
+        throw context_error("a mirostat generation cannot be taken over");
+    }
+    if (st->sampler->has_grammar()) {
+        for (llama_token t : s.tokens) {
+            st->sampler->set_grammar(st->sampler->grammar_after(t));
+        }
+    }
+    st->sampler->replay_draws(s.draws);
+    st->out.restore(s.tokens, s.n_sampled, s.emitted);
+    st->res.n_prompt = s.n_prompt;
+    st->res.n_cached = s.n_cached;
+    st->res.prompt_ms = s.prompt_ms;
+    st->history = history_;
+    suspended_ = std::move(st);
 }
 
 }  // namespace lloyal

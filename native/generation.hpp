@@ -52,6 +52,12 @@ class generation_output {
     bool may_sample() const { return p_.n_predict <= 0 || n_sampled_ < p_.n_predict; }
     // Streams what was held back, cuts the text, sets stop_reason and n_decoded; rethrows an on_piece error.
     void finish();
+    // At a pause: the text streamed so far (what was held back stays held).
+    std::string streamed_text() const { return text_.text().substr(0, emitted_); }
+    size_t emitted() const { return emitted_; }
+    // A paused generation taken over from elsewhere: its tokens, pushed again without streaming (no
+    // stop string completed among them), n_sampled and the bytes of text it had streamed.
+    void restore(const std::vector<llama_token> & tokens, int32_t n_sampled, size_t emitted);
 
   private:
     void stream(size_t end);
@@ -65,6 +71,22 @@ class generation_output {
     int32_t n_sampled_ = 0;
     std::string stop_reason_;
     std::exception_ptr callback_error_;
+};
+
+// A generation between two of its rounds: what generate() builds and its loop runs on, and what a pause
+// keeps (sequence_driver::resume goes on with it). Heap-held and never moved: out refers to p, on_piece
+// and res.
+struct generation_state {
+    generation_state(const gen_params & params, const Model & model) : p(params), out(p, model, on_piece, res) {}
+    generation_state(const generation_state &) = delete;
+    generation_state & operator=(const generation_state &) = delete;
+
+    gen_params p;
+    piece_fn on_piece;  // replaced by each resume
+    generate_result res;
+    generation_output out;
+    std::unique_ptr<chain_sampler> sampler;
+    std::vector<llama_token> history;  // the context's at the pause: resume checks it still holds this
 };
 
 }  // namespace lloyal

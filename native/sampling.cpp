@@ -6,6 +6,7 @@
 #include "sampling.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -182,6 +183,7 @@ void chain_sampler::build(const std::vector<llama_token> & seen) {
     penalty_last_n_ = st.penalty_last_n;
     dry_last_n_ = st.dry_last_n;
     rest_starts_with_top_k_ = st.rest_starts_with_top_k;
+    draws_.assign(rest_.size(), draw_count{});
     prime_window(penalties_.get(), penalty_last_n_, seen);
     prime_window(dry_.get(), dry_last_n_, seen);
 }
@@ -198,6 +200,7 @@ std::unique_ptr<chain_sampler> chain_sampler::clone() const {
     c->penalty_last_n_ = penalty_last_n_;
     c->dry_last_n_ = dry_last_n_;
     c->rest_starts_with_top_k_ = rest_starts_with_top_k_;
+    c->draws_ = draws_;
     c->grammar_.reset(llama_sampler_clone(grammar_.get()));
     c->bias_ = bias_;
     return c;
@@ -215,6 +218,25 @@ void chain_sampler::reseed(uint32_t seed) {
     p_.seed = seed;
     // Only XTC, dist and mirostat hold state besides the windows, and all three are seeded.
     rest_ = make_rest_stages(p_, model_->n_vocab(), &rest_starts_with_top_k_);
+    draws_.assign(rest_.size(), draw_count{});
+}
+
+void chain_sampler::replay_draws(const std::vector<draw_count> & draws) {
+    if (draws.size() != rest_.size()) {
+        throw std::invalid_argument("the sampler's draws name " + std::to_string(draws.size()) + " stages, its chain has " +
+                                    std::to_string(rest_.size()));
+    }
+    // Two equal candidates: every stage keeps both (no threshold cuts a tie), so a later stage sees the
+    // width the count says.
+    std::array<llama_token_data, 2> two{};
+    for (size_t i = 0; i < rest_.size(); ++i) {
+        for (uint64_t k = 0; k < draws[i].narrow + draws[i].wide; ++k) {
+            two = {llama_token_data{0, 0.0f, 0.5f}, llama_token_data{1, 0.0f, 0.5f}};
+            llama_token_data_array cur{two.data(), k < draws[i].wide ? size_t{2} : size_t{1}, -1, false};
+            apply(rest_[i].get(), cur);
+        }
+    }
+    draws_ = draws;
 }
 
 void chain_sampler::fill(const float * z, std::vector<llama_token_data> & scratch) const {
@@ -258,8 +280,9 @@ chain_sampler::sample_result chain_sampler::finish(llama_token_data_array & cur,
     if (!any) {
         return r;
     }
-    for (auto & s : rest_) {
-        apply(s.get(), cur);
+    for (size_t i = 0; i < rest_.size(); ++i) {
+        ++(cur.size > 1 ? draws_[i].wide : draws_[i].narrow);
+        apply(rest_[i].get(), cur);
     }
     if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) {
         return r;

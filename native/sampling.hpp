@@ -177,6 +177,20 @@ class chain_sampler {
     sampler_ptr grammar_after(llama_token token, const stop_fn & stop = nullptr) const;
     void accept(llama_token token);  // penalty and DRY windows; the grammar is swapped in by the caller
 
+    // Where the chain's PRNGs stand, portably: per stage after the penalties and DRY, how often it was
+    // applied to one candidate and to several. llama.cpp's dist draws once per apply whatever the
+    // width, XTC once per apply to two or more candidates, the other stages hold no PRNG: a chain
+    // built again from the same params and seed is at the same point after replay_draws (a generation
+    // moved to another worker goes on with the draws its sampler would have made). Mirostat also
+    // keeps mu, which this does not carry: portable() is false for it.
+    struct draw_count {
+        uint64_t narrow = 0;  // applies to one candidate
+        uint64_t wide = 0;    // applies to two or more
+    };
+    const std::vector<draw_count> & draws() const { return draws_; }
+    void replay_draws(const std::vector<draw_count> & draws);
+    bool portable() const { return p_.mirostat != 1 && p_.mirostat != 2; }
+
   private:
     chain_sampler(const Model & model, uint32_t n_ctx) : model_(&model), n_ctx_(n_ctx) {}
     void build(const std::vector<llama_token> & seen);
@@ -194,6 +208,7 @@ class chain_sampler {
     int32_t penalty_last_n_ = 0;  // window sizes, -1 resolved to n_ctx
     int32_t dry_last_n_ = 0;
     bool rest_starts_with_top_k_ = false;
+    std::vector<draw_count> draws_;  // one per stage of rest_
     sampler_ptr grammar_;
     std::vector<std::pair<llama_token, float>> bias_;
 };

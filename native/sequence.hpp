@@ -20,6 +20,19 @@ namespace lloyal {
 class sequence_driver;
 class chain_sampler;
 class generation_output;
+struct generation_state;
+
+// A paused generation in portable form (sequence_driver::suspension/adopt): with the context's state and
+// the generation's params, what another worker needs to go on with it exactly.
+struct suspended_generation {
+    std::vector<llama_token> tokens;  // generated so far (the end of the history)
+    int32_t n_sampled = 0;
+    size_t emitted = 0;  // bytes of text streamed
+    std::vector<chain_sampler::draw_count> draws;
+    size_t n_prompt = 0;
+    size_t n_cached = 0;
+    double prompt_ms = 0.0;
+};
 
 struct eval_result {
     size_t n_tokens = 0;  // of those given, now in the cache (fewer when interrupted)
@@ -112,6 +125,20 @@ class sequence_driver : public kv_tenant {
     // Copies the last position's logits into the context's row in the region; LloyalError when there are none.
     void write_logits();
 
+    // Pause and resume (generate.cpp). A generation whose request the interrupt word names with
+    // context_core::k_pause_bit stops at its next token boundary, everything it emitted decoded, with
+    // stop_reason "paused", and keeps its sampler, text and budget here; resume goes on with them as if
+    // it had never stopped (ContextError when nothing is paused, or the context no longer holds what it
+    // held at the pause). suspension() is the paused generation's portable form (ContextError when
+    // nothing is paused, or for mirostat, whose mu does not travel); adopt() takes one in, for the
+    // params it was generated with, on a context that holds the same history (its state loaded).
+    generate_result resume(uint64_t request_id, const piece_fn & on_piece);
+    bool paused() const { return suspended_ != nullptr; }
+    // The paused generation's n_logprobs (-1 when none is paused): what its result reports.
+    int32_t paused_logprobs() const;
+    suspended_generation suspension() const;
+    void adopt(const gen_params & p, const suspended_generation & s);
+
     // state.cpp: the whole context (KV memory, history, last logits) to and from a file (the stub's
     // Context.save_state / load_state). load_state returns the restored n_past.
     size_t save_state(const std::string & path);
@@ -142,6 +169,9 @@ class sequence_driver : public kv_tenant {
     generate_result run_generation(const prompt_input & prompt, const gen_params & p, drafter * draft, size_t n_draft,
                                    uint64_t request_id, const piece_fn & on_piece,
                                    const context_core::progress_fn & on_progress);
+    // The rounds of a generation until it ends or pauses; then its result (generate.cpp).
+    generate_result run_rounds(const std::shared_ptr<generation_state> & st, drafter * draft, size_t n_draft,
+                               const stop_fn & stop, int64_t t_start);
     // One speculative step after the sampler chose tok (speculative.cpp): drafts, one batched decode of tok
     // and the drafts, the sampler's choices row by row, the rejected drafts removed. False when there was
     // nothing to draft (tok is not decoded yet); true when tok and the kept choices are decoded (or the
@@ -176,6 +206,7 @@ class sequence_driver : public kv_tenant {
     mutable std::mutex history_mu_;  // writers hold the busy guard too; this only orders them against readers
     std::vector<llama_token> history_;
     bool has_logits_ = false;
+    std::shared_ptr<generation_state> suspended_;  // a paused generation (resume)
     // history_[:fresh_upto_] is in the KV cache exactly as a decode from scratch in n_batch chunks
     // would have put it there (same ubatches, so bit-identical); always a ubatch boundary.
     size_t fresh_upto_ = 0;

@@ -14,7 +14,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("handles", {"stream", "branches", "sampler", "lora", "session", "context"}),
     ("serving", {"scheduler", "batching", "routing"}),
     # A model makes its contexts and its batcher; an instance holds the models and routes batched calls.
-    ("models", {"model", "instance"}),
+    ("models", {"model", "migration", "instance"}),
     ("features", {"_embedder"}),
     ("pool", {"lifecycle", "_recovery", "snapshot", "pool"}),
     # "" is lloyal_pool/__init__.py: the public names, loaded lazily (so importing it for __version__ is free).

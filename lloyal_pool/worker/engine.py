@@ -393,8 +393,30 @@ class Engine:
     def generate(self, req: p.Generate, call: Call) -> Result:
         entry = self._context(req.context)
         on_piece = self._on_piece(call) if req.stream else None
-        return msgspec.convert(entry.native.generate(req.prompt, self._gen_params(req.params), call.request_id,
-                                                     on_piece, req.append, call.prompt_progress(req.progress)), Result)
+        return self._generated(entry, call, entry.native.generate(
+            req.prompt, self._gen_params(req.params), call.request_id, on_piece, req.append,
+            call.prompt_progress(req.progress)))
+
+    @handles(p.Resume)
+    def resume(self, req: p.Resume, call: Call) -> Result:
+        entry = self._context(req.context)
+        on_piece = self._on_piece(call) if req.stream else None
+        return self._generated(entry, call, entry.native.resume(call.request_id, on_piece))
+
+    @handles(p.AdoptGeneration)
+    def adopt_generation(self, req: p.AdoptGeneration, call: Call) -> None:
+        self._context(req.context).native.adopt(self._gen_params(req.params), req.suspension)
+
+    def _generated(self, entry: _ContextEntry, call: Call, result: dict[str, Any]) -> Result:
+        if result["stop_reason"] == "paused" and call.emit is not None:
+            # Its portable form travels with the pause, so that the client can go on with it elsewhere
+            # (a move, or this worker's crash); a mirostat generation has none.
+            try:
+                suspension = entry.native.suspension()
+            except ContextError:
+                suspension = None
+            call.emit({"paused": suspension})
+        return msgspec.convert(result, Result)
 
     @handles(p.GenerateWithDraft)
     def generate_with_draft(self, req: p.GenerateWithDraft, call: Call) -> Result:

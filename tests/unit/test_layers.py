@@ -151,6 +151,7 @@ def test_the_back_references_are_the_owners_handles_name() -> None:
     assert back_references(PACKAGE) == {
         ("context", "model"), ("lora", "model"), ("batching", "model"), ("model", "instance"),
         ("session", "context"), ("snapshot", "pool"), ("_recovery", "pool"), ("_launch", "_process"),
+        ("context", "instance"), ("migration", "instance"),  # a context moves to an instance
     }
 
 

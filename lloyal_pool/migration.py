@@ -1,0 +1,185 @@
+"""Live migration: a context, and the stream paused or running on it, moved to another worker under the
+same handle (Context.move_to, Pool.drain).
+
+    hold the link (other threads' calls on the context wait)
+    pause its streams at a token boundary ─▶ source: SaveState into a transfer file (after every call
+    before it) ─▶ target: NewContext, SetLora, LoadState, AdoptGeneration ─▶ commit: the handle rebinds
+    to the target, the source frees its copy ─▶ the streams resume in the target ─▶ release the link
+
+Nothing is committed until the target holds all of it: a target that fails leaves the context serving
+in its source (MigrationError), and a source that dies before its state is saved fails the move with
+its own crash error (crash recovery, where the pool has it, restores the context there as for any
+crash). Once the state is read out, the source is no longer needed.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+from . import protocol as p
+from .errors import (
+    BadRequestError,
+    ContextError,
+    InvalidArgumentError,
+    LloyalError,
+    MigrationError,
+    PoolClosedError,
+    StaleHandleError,
+    WorkerCrashedError,
+)
+from .lora import LoraAdapter, lora_wire
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .instance import Instance
+    from .model import Model
+    from .shm import TransferFile, WorkerTransfer
+    from .stream import Pausable
+
+
+def target_model(ctx: Context, target: Instance) -> Model:
+    """The model in ``target`` the context's would move to: loaded from the same file, not closed."""
+    if ctx.closed:
+        raise StaleHandleError(f"context handle {ctx.handle} was closed")
+    if target is ctx.instance:
+        raise InvalidArgumentError(f"the context already lives in worker {target.worker_id}")
+    if not target.alive:
+        raise PoolClosedError(f"worker {target.worker_id} is closed or dead: it cannot take a context")
+    for model in target.models:
+        if model.path == ctx.model.path and not model._load.vocab_only:
+            return model
+    raise InvalidArgumentError(f"worker {target.worker_id} has not loaded {os.path.basename(ctx.model.path)} "
+                               "(the context's model): load it there first")
+
+
+def move(ctx: Context, target: Instance) -> None:
+    """Context.move_to (module docstring)."""
+    model = target_model(ctx, target)
+    loras = _target_loras(ctx, model)
+    if len(ctx.branches):
+        raise ContextError("a context with branches does not move (its state holds one sequence): prune them first")
+    link = ctx._link
+    with link.moving(), ExitStack() as files:
+        runs = [r for r in list(ctx._runs) if r.state != "done"]
+        for run in runs:
+            run.pause()
+        paused = [r for r in runs if r.state == "paused"]
+        source = link.proc
+        try:
+            _check_portable(paused)
+            state = source.transfer()
+            files.enter_context(state)
+            held = _save(ctx, state)
+            # Crash recovery keeps the state it arrives with as the moved context's checkpoint; without
+            # it the state goes from one worker's file to the other's in the kernel.
+            data = state.read() if held and model._proc.recovery is not None else b""
+        except BaseException:
+            _resume(paused)
+            raise
+        try:
+            created = _build(ctx, model, loras, state if held else None, paused)
+        except BaseException as exc:
+            _resume(paused)
+            if isinstance(exc, LloyalError) and not isinstance(exc, BadRequestError):
+                raise MigrationError(f"moving context {ctx.handle} to worker {target.worker_id} failed; it stays in "
+                                     f"worker {ctx.instance.worker_id}: {exc}") from exc
+            raise
+        old_handle = link.handle
+        _commit(ctx, model, created, loras, data)
+        for run in paused:
+            run.handed_over(link.proc)
+        if source.alive:
+            try:
+                source.call(p.FreeContext(context=old_handle)).result()
+            except LloyalError:
+                pass  # the source died meanwhile: its copy went with it
+        _resume(paused)
+
+
+def _target_loras(ctx: Context, model: Model) -> list[tuple[LoraAdapter, float]]:
+    """The context's LoRA configuration with the target's adapters of the same files."""
+    pairs = []
+    for adapter, scale in ctx.lora:
+        same = [a for a in model.loras if a.path == adapter.path]
+        if not same:
+            raise InvalidArgumentError(f"worker {model.instance.worker_id} has not loaded the LoRA adapter "
+                                       f"{os.path.basename(adapter.path)} the context applies: load it there first")
+        pairs.append((same[0], scale))
+    return pairs
+
+
+def _check_portable(paused: list[Pausable]) -> None:
+    if any(r.suspension is None for r in paused):
+        raise ContextError("a stream sampling with mirostat does not move (its sampler's state does not travel): "
+                           "let it end first")
+
+
+def _save(ctx: Context, state: TransferFile | WorkerTransfer) -> bool:
+    """The context's state from its source into ``state``, after every call made before; False when it
+    holds nothing."""
+    source, handle = ctx._link.proc, ctx._link.handle
+    if source.call(p.NPast(context=handle)).result() == 0:
+        return False
+    source.call(p.SaveState(context=handle, path=state.path, in_place=True)).result()
+    return True
+
+
+def _build(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]],
+           state: TransferFile | WorkerTransfer | None, paused: list[Pausable]) -> p.ContextCreated:
+    """The context made again in the target, whole; freed there again if any step fails."""
+    dst = model._proc
+    created = dst.call(p.NewContext(model=model._handle, params=ctx._params.to_wire())).result()
+    try:
+        if loras:  # first: a changed configuration empties the context
+            dst.call(p.SetLora(context=created.context, adapters=lora_wire(loras))).result()
+        if state is not None:
+            with dst.transfer() as f:
+                f.write(state.fd)
+                dst.call(p.LoadState(context=created.context, path=f.path)).result()
+        for run in paused:
+            assert run.suspension is not None
+            dst.call(p.AdoptGeneration(context=created.context, params=run.params,
+                                       suspension=run.suspension)).result()
+    except BaseException:
+        if dst.alive:
+            try:
+                dst.call(p.FreeContext(context=created.context)).result()
+            except (LloyalError, WorkerCrashedError):
+                pass
+        raise
+    return created
+
+
+def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[tuple[LoraAdapter, float]],
+            data: bytes) -> None:
+    """The handle now names the context in the target."""
+    old = ctx.model
+    link = ctx._link
+    old._contexts.discard(ctx)
+    old._links.discard(link)
+    ctx.model, ctx.instance = model, model.instance
+    ctx._rebind(model._proc, created)
+    ctx._lora = loras
+    model._contexts.add(ctx)
+    model._links.add(link)
+    # Crash recovery starts the moved context's journal from the state it arrived with.
+    recovery = model._proc.recovery
+    journal = link.journal = None if recovery is None else recovery.journal()
+    if journal is not None:
+        if loras:  # what the journal makes of adapters applied: not replayed
+            applied: Future[bool] = Future()
+            applied.set_result(True)
+            journal.record(p.SetLora(context=created.context, adapters=lora_wire(loras)), applied, created.context)
+        if data:
+            journal.restart(data, journal.mark())
+
+
+def _resume(paused: list[Pausable]) -> None:
+    for run in paused:
+        run.resume()
+
+
+__all__ = ["move", "target_model"]
