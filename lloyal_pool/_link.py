@@ -132,13 +132,18 @@ class ContextLink:
         # other threads' calls wait, then go to the worker it moved to.
         self._gate = threading.Condition(threading.Lock())
         self._mover: int | None = None
+        self._senders = 0  # other threads' calls past the gate and not yet sent
 
     @contextmanager
     def moving(self) -> Iterator[None]:
-        """Holds the link for the calling thread while the context moves (see _gate)."""
+        """Holds the link for the calling thread (see _gate) once every call already past the gate has been
+        sent; reentrant."""
         me = threading.get_ident()
+        if self._mover == me:  # only this thread sets it to its own id
+            yield
+            return
         with self._gate:
-            self._gate.wait_for(lambda: self._mover is None)
+            self._gate.wait_for(lambda: self._mover is None and self._senders == 0)
             self._mover = me
         try:
             yield
@@ -167,9 +172,19 @@ class ContextLink:
         callback that runs right after the journal has recorded the call (a checkpoint's mark)."""
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
-        if self._mover is not None and self._mover != threading.get_ident():
+        me = threading.get_ident()
+        with self._gate:  # past a move under way, and counted, so that the next move waits for this call
+            self._gate.wait_for(lambda: self._mover in (None, me))
+            self._senders += 1
+        try:
+            return self._send(req, on_event, on_id, after)
+        finally:
             with self._gate:
-                self._gate.wait_for(lambda: self._mover is None)
+                self._senders -= 1
+                self._gate.notify_all()
+
+    def _send(self, req: Request[R], on_event: EventHandler | None, on_id: Callable[[int], None] | None,
+              after: Callable[[Future[Any]], None] | None) -> Future[R]:
         if not self.proc.alive:
             self.proc.await_recovery()  # rebinds this link when it succeeds
         if isinstance(req, ContextRequest) and req.context != self.handle:
@@ -250,6 +265,11 @@ class ContextLink:
     def lose(self, why: str, error: WorkerCrashedError | None = None) -> None:
         """Recovery could not restore the context: its calls raise DeadWorkerError saying why."""
         self.lost, self._lost_error = why, error
+
+    def latest(self, req_id: int) -> int:
+        """The id a call first sent as req_id runs under now (crash recovery sends calls again)."""
+        with self._lock:
+            return self._latest(req_id)
 
     def _latest(self, req_id: int) -> int:
         while req_id in self._alias:

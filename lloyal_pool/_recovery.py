@@ -132,6 +132,8 @@ class Journal:
             why = None
             if getattr(result, "stop_reason", None) == "interrupted":
                 why = "a generation was interrupted"
+            elif result.stop_reason == "paused" and result.n_decoded == 0:
+                why = "a generation paused before its first token"  # n_predict 0 would not cap its replay
             elif not _deterministic(req.params):
                 why = "a generation sampled with a random seed (seed=0xFFFFFFFF)"
             if not req.append:

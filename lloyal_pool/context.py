@@ -553,6 +553,8 @@ class Context:
     def _forget(self) -> None:
         self._link.closed = True
         self.branches._forget_all()
+        for run in list(self._runs):
+            run.interrupt()  # a paused stream ends (interrupted) instead of waiting for a resume that cannot come
 
     def close(self) -> None:
         """Frees the context's KV cache in the worker; every branch is released and the handle goes

@@ -33,6 +33,7 @@ from .errors import (
 from .lora import LoraAdapter, lora_wire
 
 if TYPE_CHECKING:
+    from ._process import WorkerProcess
     from .context import Context
     from .instance import Instance
     from .model import Model
@@ -62,31 +63,37 @@ def move(ctx: Context, target: Instance) -> None:
     if len(ctx.branches):
         raise ContextError("a context with branches does not move (its state holds one sequence): prune them first")
     link = ctx._link
-    with link.moving(), ExitStack() as files:
+    with link.moving():
         runs = [r for r in list(ctx._runs) if r.state != "done"]
-        for run in runs:
+        running = [r for r in runs if r.state != "paused"]  # what the move pauses, and resumes: not the caller's
+        for run in running:
             run.pause()
         paused = [r for r in runs if r.state == "paused"]
+        running = [r for r in running if r.state == "paused"]
         source = link.proc
-        try:
-            _check_portable(paused)
-            state = source.transfer()
-            files.enter_context(state)
-            held = _save(ctx, state)
-            # Crash recovery keeps the state it arrives with as the moved context's checkpoint; without
-            # it the state goes from one worker's file to the other's in the kernel.
-            data = state.read() if held and model._proc.recovery is not None else b""
-        except BaseException:
-            _resume(paused)
-            raise
-        try:
-            created = _build(ctx, model, loras, state if held else None, paused)
-        except BaseException as exc:
-            _resume(paused)
-            if isinstance(exc, LloyalError) and not isinstance(exc, BadRequestError):
-                raise MigrationError(f"moving context {ctx.handle} to worker {target.worker_id} failed; it stays in "
-                                     f"worker {ctx.instance.worker_id}: {exc}") from exc
-            raise
+        # The transfer files are closed before any stream resumes: crash recovery of a worker that died
+        # meanwhile closes that worker's file, and waits for it.
+        with ExitStack() as files:
+            try:
+                _check_portable(paused)
+                state, arriving = _transfers(files, source, model._proc)
+                held = _save(ctx, state)
+                # Crash recovery keeps the state it arrives with as the moved context's checkpoint;
+                # without it the state goes from one worker's file to the other's in the kernel.
+                data = state.read() if held and model._proc.recovery is not None else b""
+            except BaseException:
+                files.close()
+                _resume(running)
+                raise
+            try:
+                created = _build(ctx, model, loras, (state, arriving) if held else None, paused)
+            except BaseException as exc:
+                files.close()
+                _resume(running)
+                if isinstance(exc, LloyalError) and not isinstance(exc, BadRequestError):
+                    raise MigrationError(f"moving context {ctx.handle} to worker {target.worker_id} failed; it "
+                                         f"stays in worker {ctx.instance.worker_id}: {exc}") from exc
+                raise
         old_handle = link.handle
         _commit(ctx, model, created, loras, data)
         for run in paused:
@@ -96,7 +103,18 @@ def move(ctx: Context, target: Instance) -> None:
                 source.call(p.FreeContext(context=old_handle)).result()
             except LloyalError:
                 pass  # the source died meanwhile: its copy went with it
-        _resume(paused)
+        _resume(running)
+
+
+def _transfers(files: ExitStack, source: WorkerProcess, dst: WorkerProcess
+               ) -> tuple[TransferFile | WorkerTransfer, TransferFile | WorkerTransfer]:
+    """The source's transfer file and the target's, taken in worker order: a worker's own file
+    (WorkerTransfer) serves one transfer at a time, and two moves in opposite directions must not each
+    hold one and wait for the other."""
+    state, arriving = source.transfer(), dst.transfer()
+    for f in (arriving, state) if dst.worker_id < source.worker_id else (state, arriving):
+        files.enter_context(f)
+    return state, arriving
 
 
 def _target_loras(ctx: Context, model: Model) -> list[tuple[LoraAdapter, float]]:
@@ -128,21 +146,22 @@ def _save(ctx: Context, state: TransferFile | WorkerTransfer) -> bool:
 
 
 def _build(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]],
-           state: TransferFile | WorkerTransfer | None, paused: list[Pausable]) -> p.ContextCreated:
+           files: tuple[TransferFile | WorkerTransfer, TransferFile | WorkerTransfer] | None,
+           paused: list[Pausable]) -> p.ContextCreated:
     """The context made again in the target, whole; freed there again if any step fails."""
     dst = model._proc
     created = dst.call(p.NewContext(model=model._handle, params=ctx._params.to_wire())).result()
     try:
         if loras:  # first: a changed configuration empties the context
             dst.call(p.SetLora(context=created.context, adapters=lora_wire(loras))).result()
-        if state is not None:
-            with dst.transfer() as f:
-                f.write(state.fd)
-                dst.call(p.LoadState(context=created.context, path=f.path)).result()
+        if files is not None:
+            state, arriving = files
+            arriving.write(state.fd)
+            dst.call(p.LoadState(context=created.context, path=arriving.path)).result()
         for run in paused:
             assert run.suspension is not None
-            dst.call(p.AdoptGeneration(context=created.context, params=run.params,
-                                       suspension=run.suspension)).result()
+            dst.call(p.AdoptGeneration(context=created.context, params=run.params, suspension=run.suspension,
+                                       origin=run.origin)).result()
     except BaseException:
         if dst.alive:
             try:
@@ -177,9 +196,14 @@ def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[t
             journal.restart(data, journal.mark())
 
 
-def _resume(paused: list[Pausable]) -> None:
-    for run in paused:
-        run.resume()
+def _resume(runs: list[Pausable]) -> None:
+    """Resumes the streams the move paused; one that cannot go on ends with the error why (instead of
+    staying paused with nobody to resume it)."""
+    for run in runs:
+        try:
+            run.resume()
+        except BaseException as exc:
+            run.fail(exc)
 
 
 __all__ = ["move", "target_model"]

@@ -303,7 +303,7 @@ class Pool(BatchedCalls, Subscribers):
         and closes the old worker. Returns the fresh Instance. A context that cannot move (branches, a
         mirostat stream) raises its error before the old worker is closed: the pool is left with the
         fresh worker in place and the old one still serving what did not move, outside the pool's list
-        (close it, or drain again)."""
+        (move or close what is left on it, then close it: Instance.close)."""
         if self._closed:
             raise PoolClosedError("the pool is closed")
         check_timeout(timeout)
@@ -323,8 +323,9 @@ class Pool(BatchedCalls, Subscribers):
         with self._lock:
             self._instances[index] = fresh
         self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
-        for ctx in old.drain_contexts():
-            ctx.move_to(fresh)
+        while contexts := old.drain_contexts():  # and any made on the old worker meanwhile
+            for ctx in contexts:
+                ctx.move_to(fresh)
         deadline = None if timeout is None else time.monotonic() + timeout
         while any(m._batcher is not None and m._batcher.load for m in old.models) and old.alive and (
                 deadline is None or time.monotonic() < deadline):

@@ -365,6 +365,7 @@ class Resume(ContextRequest[Result]):
     op = Op.RESUME
     decodes = True
     stream: bool = False
+    origin: int = 0  # the id of the Generate that started it (or AdoptGeneration's origin); 0: any
 
 
 class AdoptGeneration(ContextRequest[None]):
@@ -375,6 +376,7 @@ class AdoptGeneration(ContextRequest[None]):
     op = Op.ADOPT_GENERATION
     params: dict[str, Any]
     suspension: dict[str, Any]
+    origin: int = 0  # what a Resume names it by
 
 
 PAUSE_BIT = 1 << 63

@@ -21,7 +21,7 @@ import msgspec
 from . import protocol as p
 from ._link import check_timeout, wait
 from ._pieces import PieceStream
-from .errors import CallTimeoutError, ContextError
+from .errors import CallTimeoutError, ContextError, WorkerCrashedError
 from .params import Result, StopReason
 
 if TYPE_CHECKING:
@@ -43,12 +43,19 @@ class Pausable:
         self._cond = threading.Condition(threading.Lock())
         self.state = "running"
         self._request_id = 0
+        self.origin = 0  # the first segment's request id: what the worker knows the generation by
         self.holder: WorkerProcess | None = None  # the worker that holds the paused generation
         self.suspension: dict[str, Any] | None = None  # its portable form (None: mirostat, which has none)
         self._partial: Result | None = None  # the paused segment's result
         self._stop_wanted = False
         self._adopting: Future[None] | None = None
-        self._before: Result | None = None  # adopted: what the worker that took it over does not report
+        self._resuming = False  # the current segment is a Resume
+        # What the workers that took the generation over do not report: the segments before (their
+        # logprobs and decode time), joined into the ones after.
+        self._before: Result | None = None
+        self._chars = 0  # of pieces delivered
+        self._chars_at_pause = 0
+        self._skip = 0  # of pieces a Resume sent again after a crash delivers once more: not passed on
 
     @property
     def params(self) -> dict[str, Any]:
@@ -58,26 +65,59 @@ class Pausable:
         self._send(self._request)
 
     def _send(self, req: p.Generate | p.Resume) -> None:
+        self._resuming = isinstance(req, p.Resume)
         fut = self._link.call(req, self._on_event, on_id=self._set_id)
         fut.add_done_callback(self._segment_ended)
 
     def _set_id(self, request_id: int) -> None:
         self._request_id = request_id
 
+
     def _on_event(self, event: dict[str, Any]) -> None:
         if "paused" in event:
             self.suspension = event["paused"]
-        elif self._deliver is not None:
+            return
+        piece = event.get("piece")
+        if isinstance(piece, str):
+            if self._skip:
+                cut = min(self._skip, len(piece))
+                self._skip -= cut
+                if cut == len(piece):
+                    return
+                event = {**event, "piece": piece[cut:]}
+            self._chars += len(event["piece"])
+        if self._deliver is not None:
             self._deliver(event)
+
+    def _joined(self, result: Result) -> Result:
+        """result with what the segments before a take-over reported joined in."""
+        before = self._before
+        if before is None:
+            return result
+        logprobs = None if result.logprobs is None else [*(before.logprobs or []), *result.logprobs]
+        return msgspec.structs.replace(result, decode_ms=before.decode_ms + result.decode_ms, logprobs=logprobs)
 
     def _segment_ended(self, fut: Future[Result]) -> None:
         error = fut.exception()
         adopting, self._adopting = self._adopting, None
         if error is not None and adopting is not None and adopting.exception() is not None:
             error = adopting.exception()  # the Resume failed because the take-over did: say why
+        if isinstance(error, WorkerCrashedError) and self._resuming and self._recoverable():
+            # Its worker died under the Resume: crash recovery rebuilds the history up to the pause
+            # (the journal), and the generation goes on from its portable form, the pieces it had
+            # delivered since the pause not delivered twice.
+            with self._cond:
+                self.state, self._skip = "paused", self._chars - self._chars_at_pause
+                self._chars = self._chars_at_pause
+                self._cond.notify_all()
+            threading.Thread(target=self._resume_after_crash, daemon=True, name="lloyal-resume").start()
+            return
         if error is None and fut.result().stop_reason == StopReason.PAUSED:
+            if not self._resuming:  # the Generate's id, or the one crash recovery sent it again under
+                self.origin = self._link.latest(self._request_id)
             with self._cond:
                 self._partial, self.holder = fut.result(), self._link.proc
+                self._chars_at_pause = self._chars
                 self.state = "paused"
                 self._cond.notify_all()
                 stop = self._stop_wanted
@@ -89,14 +129,27 @@ class Pausable:
             self._cond.notify_all()
         if error is not None:
             self.future.set_exception(error)
-            return
-        result = fut.result()
-        if self._before is not None:
-            before = self._before
-            result = msgspec.structs.replace(
-                result, decode_ms=before.decode_ms + result.decode_ms,
-                logprobs=None if result.logprobs is None else [*(before.logprobs or []), *result.logprobs])
-        self.future.set_result(result)
+        else:
+            self.future.set_result(self._joined(fut.result()))
+
+    def _recoverable(self) -> bool:
+        proc = self._link.proc
+        return proc.recovery is not None and self.suspension is not None and self._link.journal is not None
+
+    def _resume_after_crash(self) -> None:
+        try:
+            self.resume()
+        except BaseException as exc:
+            self.fail(exc)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends a paused generation that cannot go on with ``error``."""
+        with self._cond:
+            if self.state == "done":
+                return
+            self.state = "done"
+            self._cond.notify_all()
+        self.future.set_exception(error)
 
     def pause(self, wait: bool = True, timeout: float | None = None) -> bool:
         """Asks the generation to pause at its next token boundary; with ``wait``, returns once it has
@@ -113,24 +166,26 @@ class Pausable:
 
     def resume(self) -> bool:
         """Goes on with a paused generation (after its pause has taken effect); False when it is not
-        paused (running, or ended)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.state != "pausing")
-            if self.state != "paused":
-                return False
-            self.state = "running"
+        paused (running, or ended). Holds the link while it sends the Resume, so that a move sees the
+        generation either paused or running under its new request id."""
         link = self._link
-        try:
-            if not link.proc.alive:
-                link.proc.await_recovery()  # crash recovery rebuilds the history; the generation is ours
-            if self.holder is not link.proc:
-                self.take_over()
-            self._send(p.Resume(context=link.handle, stream=self._request.stream))
-        except BaseException:
+        with link.moving():
             with self._cond:
-                self.state = "paused"
-                self._cond.notify_all()
-            raise
+                self._cond.wait_for(lambda: self.state != "pausing")
+                if self.state != "paused":
+                    return False
+                self.state = "running"
+            try:
+                if not link.proc.alive:
+                    link.proc.await_recovery()  # crash recovery rebuilds the history; the generation is ours
+                if self.holder is not link.proc:
+                    self.take_over()
+                self._send(p.Resume(context=link.handle, stream=self._request.stream, origin=self.origin))
+            except BaseException:
+                with self._cond:
+                    self.state = "paused"
+                    self._cond.notify_all()
+                raise
         return True
 
     def take_over(self) -> None:
@@ -141,12 +196,14 @@ class Pausable:
                                "does not travel")
         link = self._link
         self._adopting = link.call(p.AdoptGeneration(context=link.handle, params=self._request.params,
-                                                     suspension=self.suspension))
+                                                     suspension=self.suspension, origin=self.origin))
         self.handed_over(link.proc)
 
     def handed_over(self, proc: WorkerProcess) -> None:
-        """A move took the paused generation to ``proc`` (AdoptGeneration sent and answered there)."""
-        self._before, self.holder = self._partial, proc
+        """The paused generation now lives in ``proc`` (AdoptGeneration sent there)."""
+        if self._partial is not None:
+            self._before, self._partial = self._joined(self._partial), None
+        self.holder = proc
 
     def interrupt(self) -> None:
         """Ends the generation: a running one as interrupt() does; a paused one at once, its result the
@@ -160,16 +217,11 @@ class Pausable:
             else:
                 self.state = "done"
                 self._cond.notify_all()
-                paused = self._partial
+                paused = self._joined(self._partial) if self._partial is not None else self._before
         if paused is None:
             self._link.interrupt_request(request_id)
             return
-        result = msgspec.structs.replace(paused, stop_reason=StopReason.INTERRUPTED)
-        if self._before is not None:  # taken over, then paused again before it ended
-            before = self._before
-            result = msgspec.structs.replace(
-                result, logprobs=None if result.logprobs is None else [*(before.logprobs or []), *result.logprobs])
-        self.future.set_result(result)
+        self.future.set_result(msgspec.structs.replace(paused, stop_reason=StopReason.INTERRUPTED))
 
 
 class Stream(PieceStream):
@@ -266,7 +318,7 @@ class Stream(PieceStream):
         (the default) returns once it has stopped (True) or ended first (False); a generation still
         decoding its prompt stops after the prompt. The context is free while it is paused: another call
         on it drops the paused generation (resume() then raises ContextError). ContextError for a
-        stream of batched calls (Pool/Model.stream), which do not pause."""
+        stream of batched calls (Pool/Instance.stream), which do not pause."""
         if self._run is None:
             raise ContextError("only a context's stream (Context.stream) pauses")
         check_timeout(timeout)

@@ -274,14 +274,14 @@ py::dict generate_with_draft(py_context & c, py::handle prompt, const py::dict &
     return result_dict(r, a.params, c.core->model());
 }
 
-py::dict resume(py_context & c, uint64_t request_id, const py::object & on_piece) {
+py::dict resume(py_context & c, uint64_t request_id, const py::object & on_piece, uint64_t origin) {
     const piece_fn piece = piece_arg(on_piece);
     gen_params shown;
     shown.n_logprobs = c.sequence->paused_logprobs();
     generate_result r;
     {
         gil_release nogil;
-        r = c.sequence->resume(request_id, piece);
+        r = c.sequence->resume(request_id, origin, piece);
     }
     return result_dict(r, shown, c.core->model());
 }
@@ -303,7 +303,7 @@ py::dict suspension(const py_context & c) {
     return d;
 }
 
-void adopt(py_context & c, const py::dict & params, const py::dict & d) {
+void adopt(py_context & c, const py::dict & params, const py::dict & d, uint64_t origin) {
     const Model & model = c.core->model();
     const gen_params p = parse_gen_params(params, model);
     suspended_generation s;
@@ -324,7 +324,7 @@ void adopt(py_context & c, const py::dict & params, const py::dict & d) {
         throw std::invalid_argument(std::string("not a paused generation: ") + e.what());
     }
     gil_release nogil;
-    c.sequence->adopt(p, s);
+    c.sequence->adopt(p, s, origin);
 }
 
 std::vector<std::vector<llama_token>> token_lists(py::handle inputs, const Model & model, const char * what) {
@@ -511,10 +511,10 @@ void register_context(py::module_ & m) {
         .def("generate_with_draft", &generate_with_draft, py::arg("prompt"), py::arg("params"), py::arg("draft"),
              py::arg("n_draft") = 8, py::arg("ngram_min") = 2, py::arg("ngram_max") = 4, py::arg("request_id") = 0,
              py::arg("on_piece") = py::none(), py::arg("append") = false, py::arg("on_progress") = py::none())
-        .def("resume", &resume, py::arg("request_id") = 0, py::arg("on_piece") = py::none())
+        .def("resume", &resume, py::arg("request_id") = 0, py::arg("on_piece") = py::none(), py::arg("origin") = 0)
         .def("paused", [](const py_context & c) { return c.sequence->paused(); })
         .def("suspension", &suspension)
-        .def("adopt", &adopt, py::arg("params"), py::arg("suspension"))
+        .def("adopt", &adopt, py::arg("params"), py::arg("suspension"), py::arg("origin") = 0)
         .def("embed", &embed, py::arg("inputs"), py::arg("normalize"), py::arg("request_id") = 0)
         .def("score_tails", &score_tails, py::arg("prompts"), py::arg("n_tail"), py::arg("request_id") = 0);
     register_branch_methods(cls);

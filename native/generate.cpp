@@ -242,6 +242,7 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
 
     auto st = std::make_shared<generation_state>(p, model);
     st->on_piece = on_piece;
+    st->origin = request_id;
     generate_result res;
     {
         context_core::request_scope req(core_, request_id);
@@ -330,11 +331,16 @@ generate_result sequence_driver::run_rounds(const std::shared_ptr<generation_sta
     return res;
 }
 
-generate_result sequence_driver::resume(uint64_t request_id, const piece_fn & on_piece) {
+generate_result sequence_driver::resume(uint64_t request_id, uint64_t origin, const piece_fn & on_piece) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("resume");
     if (suspended_ == nullptr) {
-        throw context_error("nothing to resume: no generation is paused on this context");
+        throw context_error("nothing to resume: no generation is paused on this context (a generation started "
+                            "since the pause drops it)");
+    }
+    if (origin != 0 && origin != suspended_->origin) {
+        throw context_error("nothing to resume: the generation paused on this context is another one (a generation "
+                            "started since the pause drops it)");
     }
     const std::shared_ptr<generation_state> st = std::move(suspended_);
     suspended_.reset();
@@ -370,7 +376,7 @@ suspended_generation sequence_driver::suspension() const {
     return s;
 }
 
-void sequence_driver::adopt(const gen_params & p, const suspended_generation & s) {
+void sequence_driver::adopt(const gen_params & p, const suspended_generation & s, uint64_t origin) {
     context_core::busy_guard busy(core_);
     require_sequence_mode("adopt");
     const Model & model = core_.model();
@@ -399,6 +405,7 @@ void sequence_driver::adopt(const gen_params & p, const suspended_generation & s
     st->res.n_cached = s.n_cached;
     st->res.prompt_ms = s.prompt_ms;
     st->history = history_;
+    st->origin = origin;
     suspended_ = std::move(st);
 }
 

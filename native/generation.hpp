@@ -87,6 +87,7 @@ struct generation_state {
     generation_output out;
     std::unique_ptr<chain_sampler> sampler;
     std::vector<llama_token> history;  // the context's at the pause: resume checks it still holds this
+    uint64_t origin = 0;  // the id of the request that started it: which stream a resume is for
 };
 
 }  // namespace lloyal

@@ -132,12 +132,13 @@ class sequence_driver : public kv_tenant {
     // held at the pause). suspension() is the paused generation's portable form (ContextError when
     // nothing is paused, or for mirostat, whose mu does not travel); adopt() takes one in, for the
     // params it was generated with, on a context that holds the same history (its state loaded).
-    generate_result resume(uint64_t request_id, const piece_fn & on_piece);
+    // origin: the id of the request that started the generation (0: whichever is paused).
+    generate_result resume(uint64_t request_id, uint64_t origin, const piece_fn & on_piece);
     bool paused() const { return suspended_ != nullptr; }
     // The paused generation's n_logprobs (-1 when none is paused): what its result reports.
     int32_t paused_logprobs() const;
     suspended_generation suspension() const;
-    void adopt(const gen_params & p, const suspended_generation & s);
+    void adopt(const gen_params & p, const suspended_generation & s, uint64_t origin);
 
     // state.cpp: the whole context (KV memory, history, last logits) to and from a file (the stub's
     // Context.save_state / load_state). load_state returns the restored n_past.

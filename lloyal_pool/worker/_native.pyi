@@ -281,18 +281,20 @@ class Context:
         """Copies the logits of the last decoded position (n_vocab float32) into the context's row of the
         region, at logits_offset. Raises LloyalError when nothing has been decoded yet (also after a
         reset, or a decode that was interrupted)."""
-    def resume(self, request_id: int = 0, on_piece: Callable[[str], None] | None = None) -> dict[str, Any]:
+    def resume(self, request_id: int = 0, on_piece: Callable[[str], None] | None = None,
+               origin: int = 0) -> dict[str, Any]:
         """Goes on with the generation paused on this context: one whose request the interrupt word named
         with bit 63 set stopped at a token boundary (stop_reason "paused", everything it streamed decoded)
         and kept its sampler, text and budget. The result is the whole generation's, as generate's.
-        ContextError when nothing is paused, or the context changed since the pause (another call)."""
+        ContextError when nothing is paused, the paused one is not ``origin``'s (the id of the request that
+        started it; 0: any), or the context changed since the pause (another call)."""
     def paused(self) -> bool:
         """Whether a paused generation waits on this context."""
     def suspension(self) -> dict[str, Any]:
         """The paused generation's portable form: {tokens, n_sampled, emitted (bytes of text streamed),
         draws (per sampler stage after penalties and DRY: (applies to one candidate, to several)),
         n_prompt, n_cached, prompt_ms}. ContextError when nothing is paused, or it samples with mirostat."""
-    def adopt(self, params: dict[str, Any], suspension: dict[str, Any]) -> None:
+    def adopt(self, params: dict[str, Any], suspension: dict[str, Any], origin: int = 0) -> None:
         """Takes in a paused generation from another context (suspension(), with the params it was
         generated with) on a context that holds the same history and its logits (its state loaded):
         resume() then goes on with it exactly (the sampler rebuilt, its windows primed from the history,

@@ -401,11 +401,11 @@ class Engine:
     def resume(self, req: p.Resume, call: Call) -> Result:
         entry = self._context(req.context)
         on_piece = self._on_piece(call) if req.stream else None
-        return self._generated(entry, call, entry.native.resume(call.request_id, on_piece))
+        return self._generated(entry, call, entry.native.resume(call.request_id, on_piece, req.origin))
 
     @handles(p.AdoptGeneration)
     def adopt_generation(self, req: p.AdoptGeneration, call: Call) -> None:
-        self._context(req.context).native.adopt(self._gen_params(req.params), req.suspension)
+        self._context(req.context).native.adopt(self._gen_params(req.params), req.suspension, req.origin)
 
     def _generated(self, entry: _ContextEntry, call: Call, result: dict[str, Any]) -> Result:
         if result["stop_reason"] == "paused" and call.emit is not None:

@@ -1,0 +1,345 @@
+"""Pause, resume and live migration: a context's stream stops at a token boundary and goes on token for
+token, in its own worker or in another one (Context.move_to, Pool.drain), through a crash of its worker
+(Pool(recover=True)), and a move that fails leaves the context whole where it was.
+
+Every comparison is with a reference run on this machine: the same context parameters and sampling,
+unpaused and unmoved, in a context of the same worker kind (kernels round alike in every worker of
+one machine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lloyal_pool.migration as migration
+from lloyal_pool import (
+    ContextError,
+    InvalidArgumentError,
+    MigrationError,
+    Pool,
+    PoolClosedError,
+    StaleHandleError,
+    WorkerCrashedError,
+)
+from lloyal_pool.context import Context
+from lloyal_pool.errors import BadRequestError
+from lloyal_pool.model import Model
+from lloyal_pool.params import StopReason
+
+PROMPT = "Write a short story about a lighthouse keeper and a storm."
+GREEDY: dict[str, Any] = dict(temperature=0.0, n_predict=48, ignore_eos=True)
+# Seeded sampling through every stage that draws or keeps state: penalties' window, XTC and dist.
+SEEDED: dict[str, Any] = dict(temperature=0.9, seed=11, top_k=40, top_p=0.95, repeat_penalty=1.15,
+                              xtc_probability=0.5, xtc_threshold=0.1, n_predict=48, ignore_eos=True)
+CASES = [pytest.param(GREEDY, id="greedy"), pytest.param(SEEDED, id="seeded")]
+N_CTX = 2048
+
+
+@pytest.fixture(scope="module")
+def pair(gemma_path: Path) -> Iterator[tuple[Pool, Model, Model]]:
+    """Two workers with Gemma loaded in each."""
+    with Pool(2) as pool:
+        yield pool, pool[0].load_model(gemma_path), pool[1].load_model(gemma_path)
+
+
+def _reference(model: Model, params: dict[str, Any], prompt: str = PROMPT) -> str:
+    ctx = model.new_context(n_ctx=N_CTX)
+    try:
+        return ctx.generate(prompt, **params).text
+    finally:
+        ctx.close()
+
+
+def _other(pool: Pool, ctx: Context) -> Any:
+    return pool[1] if ctx.instance is pool[0] else pool[0]
+
+
+@pytest.mark.parametrize("params", CASES)
+def test_a_paused_stream_resumes_token_for_token(pair: tuple[Pool, Model, Model], params: dict[str, Any]) -> None:
+    _, model, _ = pair
+    reference = _reference(model, params)
+    ctx = model.new_context(n_ctx=N_CTX)
+    pieces: list[str] = []
+    with ctx.stream(PROMPT, **params) as stream:
+        for piece in stream:
+            pieces.append(piece)
+            if len(pieces) in (5, 20):
+                assert stream.pause() and stream.paused
+                assert ctx.n_past() > 0  # the context is free while paused: calls that only read run
+                assert stream.resume() and not stream.paused
+        result = stream.result
+    assert "".join(pieces) == result.text == reference
+    assert result.n_decoded == params["n_predict"] and result.stop_reason == StopReason.LENGTH
+
+
+def test_pause_and_resume_from_other_threads(pair: tuple[Pool, Model, Model]) -> None:
+    _, model, _ = pair
+    reference = _reference(model, SEEDED)
+    ctx = model.new_context(n_ctx=N_CTX)
+    stream = ctx.stream(PROMPT, **SEEDED)
+    paused = threading.Event()
+
+    def pause_then_resume() -> None:
+        time.sleep(0.05)
+        if stream.pause():
+            paused.set()
+            time.sleep(0.1)
+            stream.resume()
+
+    worker = threading.Thread(target=pause_then_resume)
+    worker.start()
+    text = "".join(stream)
+    worker.join()
+    assert paused.is_set()  # 48 tokens take longer than 50 ms on any CPU this runs on
+    assert text == stream.result.text == reference
+
+
+def test_closing_a_paused_stream_ends_it_as_interrupted(pair: tuple[Pool, Model, Model]) -> None:
+    _, model, _ = pair
+    ctx = model.new_context(n_ctx=N_CTX)
+    stream = ctx.stream(PROMPT, **GREEDY)
+    seen = [next(stream) for _ in range(3)]
+    assert stream.pause()
+    stream.close()
+    result = stream.result
+    assert result.stop_reason == StopReason.INTERRUPTED and result.text.startswith("".join(seen))
+    assert not stream.resume()  # ended: nothing to resume
+    assert ctx.generate(PROMPT, **GREEDY).text == _reference(model, GREEDY)  # the context serves on
+
+
+def test_another_call_drops_a_paused_generation(pair: tuple[Pool, Model, Model]) -> None:
+    _, model, _ = pair
+    ctx = model.new_context(n_ctx=N_CTX)
+    stream = ctx.stream(PROMPT, **GREEDY)
+    next(stream)
+    assert stream.pause()
+    ctx.generate("Something else entirely.", n_predict=4)
+    with pytest.raises(ContextError, match="nothing to resume"):
+        stream.resume()
+        _ = stream.result
+    # A second stream paused on the context: resuming the first does not take over the second's.
+    first, second = ctx.stream(PROMPT, **GREEDY), None
+    next(first)
+    assert first.pause()
+    second = ctx.stream(PROMPT, **SEEDED)
+    pieces = [next(second)]
+    assert second.pause()
+    with pytest.raises(ContextError, match="another one"):
+        first.resume()
+        _ = first.result
+    assert second.resume()
+    assert "".join([*pieces, *second]) == _reference(model, SEEDED)
+
+
+def test_pausing_a_batched_stream_is_refused(pair: tuple[Pool, Model, Model]) -> None:
+    _, model, _ = pair
+    stream = model.instance.stream(PROMPT, n_predict=4)
+    with pytest.raises(ContextError, match="only a context's stream"):
+        stream.pause()
+    assert "".join(stream) == stream.result.text
+
+
+@pytest.mark.parametrize("params", CASES)
+def test_a_moved_stream_writes_what_an_unmoved_one_does(pair: tuple[Pool, Model, Model],
+                                                        params: dict[str, Any]) -> None:
+    pool, model, _ = pair
+    reference = _reference(model, params)
+    ctx = model.new_context(n_ctx=N_CTX)
+    pieces: list[str] = []
+    workers = []
+    with ctx.stream(PROMPT, **params) as stream:
+        for piece in stream:
+            pieces.append(piece)
+            if len(pieces) in (6, 25):
+                ctx.move_to(_other(pool, ctx))
+                workers.append(ctx.instance.worker_id)
+        result = stream.result
+    assert workers == [pool[1].worker_id, pool[0].worker_id]
+    assert "".join(pieces) == result.text == reference
+    assert result.n_decoded == params["n_predict"]
+
+
+def test_a_paused_stream_moves_paused_and_resumes_in_the_target(pair: tuple[Pool, Model, Model]) -> None:
+    pool, model, _ = pair
+    reference = _reference(model, SEEDED)
+    ctx = model.new_context(n_ctx=N_CTX)
+    stream = ctx.stream(PROMPT, **SEEDED, logprobs=2)
+    pieces = [next(stream) for _ in range(8)]
+    assert stream.pause()
+    ctx.move_to(_other(pool, ctx))
+    assert stream.paused and ctx.instance is pool[1]
+    assert stream.resume()
+    pieces += list(stream)
+    result = stream.result
+    assert "".join(pieces) == result.text == reference
+    assert result.logprobs is not None and len(result.logprobs) == len(result.tokens)  # none lost on the way
+
+
+def test_a_moved_context_scores_and_continues_like_the_unmoved_one(pair: tuple[Pool, Model, Model]) -> None:
+    pool, model, _ = pair
+    moved, kept = model.new_context(n_ctx=N_CTX), model.new_context(n_ctx=N_CTX)
+    for ctx in (moved, kept):
+        ctx.generate(PROMPT, **GREEDY)
+    before = moved.logits(copy=True)
+    moved.move_to(pool[1])
+    assert moved.instance is pool[1] and moved.model.instance is pool[1]
+    assert moved.tokens() == kept.tokens()
+    assert (moved.logits(copy=True) == before).all()
+    choices = [" The storm", " Once more", " And then the light went out."]
+    assert [s.nll for s in moved.score_choices(choices)] == [s.nll for s in kept.score_choices(choices)]
+    assert moved.generate("", append=True, n_predict=16).text == kept.generate("", append=True, n_predict=16).text
+    moved.move_to(pool[0])  # and back
+    assert moved.score(PROMPT).nll == pytest.approx(kept.score(PROMPT).nll, abs=0.0)
+
+
+def test_an_empty_context_and_a_conversation_move(pair: tuple[Pool, Model, Model]) -> None:
+    pool, model, _ = pair
+    empty = model.new_context(n_ctx=N_CTX)
+    empty.move_to(pool[1])
+    assert empty.n_past() == 0 and empty.generate(PROMPT, **GREEDY).text == _reference(model, GREEDY)
+    chat = model.new_context(n_ctx=N_CTX).chat(temperature=0.0, n_predict=12)
+    reference = model.new_context(n_ctx=N_CTX).chat(temperature=0.0, n_predict=12)
+    assert chat.send("Hi there.").result.tokens == reference.send("Hi there.").result.tokens
+    chat.context.move_to(pool[1])
+    moved = chat.send("Tell me a fact.").result
+    assert moved.tokens == reference.send("Tell me a fact.").result.tokens and moved.n_cached > 0
+
+
+def test_bad_moves_are_typed_errors_and_lose_nothing(pair: tuple[Pool, Model, Model], tiny_model: Path) -> None:
+    pool, model, _ = pair
+    ctx = model.new_context(n_ctx=N_CTX)
+    ctx.generate(PROMPT, **GREEDY)
+    held = ctx.tokens()
+    with pytest.raises(InvalidArgumentError, match="already lives"):
+        ctx.move_to(ctx.instance)
+    with pytest.raises(BadRequestError):
+        ctx.move_to("worker 1")  # type: ignore[arg-type]
+    with Pool(1) as other:
+        other[0].load_model(tiny_model)
+        with pytest.raises(InvalidArgumentError, match="has not loaded"):
+            ctx.move_to(other[0])  # a worker with another model only
+        closed = other[0]
+    with pytest.raises(PoolClosedError):
+        ctx.move_to(closed)
+    branched = model.new_context(n_ctx=N_CTX, n_seq_max=2)
+    branched.branch(PROMPT)
+    with pytest.raises(ContextError, match="branches"):
+        branched.move_to(pool[1])
+    assert ctx.tokens() == held and ctx.instance is pool[0]  # nothing moved, nothing lost
+    gone = model.new_context(n_ctx=N_CTX)
+    gone.close()
+    with pytest.raises(StaleHandleError):
+        gone.move_to(pool[1])
+
+
+def test_a_target_killed_during_the_move_leaves_the_stream_serving_in_its_source(
+        gemma_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Pool(2) as pool:
+        model = pool[0].load_model(gemma_path)
+        pool[1].load_model(gemma_path)
+        reference = _reference(model, SEEDED)
+        ctx = model.new_context(n_ctx=N_CTX)
+        build = migration._build
+
+        def killed_first(*args: Any) -> Any:
+            os.kill(pool[1].pid, signal.SIGKILL)
+            while pool[1].alive:
+                time.sleep(0.005)
+            return build(*args)
+
+        monkeypatch.setattr(migration, "_build", killed_first)
+        pieces: list[str] = []
+        with ctx.stream(PROMPT, **SEEDED) as stream:
+            for piece in stream:
+                pieces.append(piece)
+                if len(pieces) == 10:
+                    with pytest.raises(MigrationError) as caught:
+                        ctx.move_to(pool[1])
+                    assert isinstance(caught.value.__cause__, WorkerCrashedError)
+                    assert ctx.instance is pool[0]
+        assert "".join(pieces) == stream.result.text == reference
+
+
+def test_a_source_killed_during_the_move_loses_nothing_with_recovery(
+        gemma_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Pool(2, recover=True) as pool:
+        model = pool[0].load_model(gemma_path)
+        pool[1].load_model(gemma_path)
+        reference = _reference(model, SEEDED)
+        ctx = model.new_context(n_ctx=N_CTX)
+        save = migration._save
+
+        def killed_first(*args: Any) -> Any:
+            os.kill(pool[0].pid, signal.SIGKILL)
+            while pool[0]._proc.alive:
+                time.sleep(0.005)
+            return save(*args)
+
+        monkeypatch.setattr(migration, "_save", killed_first)
+        stream = ctx.stream(PROMPT, **SEEDED)
+        pieces = [next(stream) for _ in range(10)]
+        with pytest.raises(WorkerCrashedError):
+            ctx.move_to(pool[1])
+        # The source's crash is a crash like any other: recovery restores the context from its journal
+        # (the generation up to its pause), and the paused stream goes on from its portable form.
+        pieces += list(stream)
+        assert "".join(pieces) == stream.result.text == reference
+        assert ctx.instance is pool[0] and pool[0].alive
+
+
+def test_a_paused_stream_survives_a_crash_with_recovery(gemma_path: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(gemma_path)
+        reference = _reference(model, SEEDED)
+        ctx = model.new_context(n_ctx=N_CTX)
+        stream = ctx.stream(PROMPT, **SEEDED)
+        pieces = [next(stream) for _ in range(12)]
+        assert stream.pause()
+        first = pool[0].pid
+        os.kill(first, signal.SIGKILL)
+        assert stream.resume()
+        pieces += list(stream)
+        assert "".join(pieces) == stream.result.text == reference
+        assert pool[0].pid != first
+
+
+def test_drain_moves_every_context_to_a_fresh_worker(gemma_path: Path) -> None:
+    with Pool(1) as pool:
+        model = pool[0].load_model(gemma_path)
+        reference = _reference(model, GREEDY)
+        idle, busy = model.new_context(n_ctx=N_CTX), model.new_context(n_ctx=N_CTX)
+        idle.generate(PROMPT, **GREEDY)
+        held = idle.tokens()
+        old = pool[0]
+        stream = busy.stream(PROMPT, **GREEDY)
+        pieces = [next(stream) for _ in range(5)]
+        fresh = pool.drain(0)
+        assert pool[0] is fresh and not old.alive and fresh.alive
+        assert idle.instance is fresh and busy.instance is fresh and idle.tokens() == held
+        pieces += list(stream)
+        assert "".join(pieces) == reference
+        assert [os.path.basename(m.path) for m in fresh.models] == [os.path.basename(gemma_path)]
+        assert pool.generate(PROMPT, **GREEDY).text == reference  # batched calls go to the fresh worker
+
+
+def test_a_resumed_stream_killed_midway_completes_with_recovery(gemma_path: Path) -> None:
+    with Pool(1, recover=True) as pool:
+        model = pool[0].load_model(gemma_path)
+        reference = _reference(model, SEEDED)
+        ctx = model.new_context(n_ctx=N_CTX)
+        stream = ctx.stream(PROMPT, **SEEDED)
+        pieces = [next(stream) for _ in range(6)]
+        assert stream.pause() and stream.resume()
+        pieces += [next(stream) for _ in range(10)]
+        first = pool[0].pid
+        os.kill(first, signal.SIGKILL)  # under the Resume: the pieces it streamed since the pause are not repeated
+        pieces += list(stream)
+        assert "".join(pieces) == stream.result.text == reference
+        assert pool[0].pid != first
