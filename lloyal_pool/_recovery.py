@@ -32,6 +32,7 @@ import msgspec
 from . import protocol as p
 from .errors import (
     BadRequestError,
+    ContextError,
     ContextOverflowError,
     GrammarError,
     InvalidTokenError,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from ._process import WorkerProcess, _Pending
     from .instance import Instance
     from .pool import Pool
+    from .spares import Spare
 
 log = logging.getLogger("lloyal_pool")
 
@@ -119,6 +121,8 @@ class Journal:
             return
         if isinstance(exc, WorkerCrashedError):
             return  # the recovery decides
+        if isinstance(req, (p.Resume, p.AdoptGeneration)) and isinstance(exc, ContextError):
+            return  # refused before it changed anything (nothing paused, another history)
         if exc is not None:
             self.lost = f"{req.op.value} failed ({type(exc).__name__}) and may have left the history half-changed"
             return
@@ -143,15 +147,10 @@ class Journal:
             elif self.lost is None:
                 self.entries.append(replay)
         elif isinstance(req, p.Resume):
-            last = self.entries[-1] if self.entries else None
-            if self.lost is not None:
-                pass
-            elif result.stop_reason == "interrupted" or not isinstance(last, p.Generate):
-                self.lost = "a resumed generation was interrupted, or was taken over from another context"
-            else:
-                self.entries[-1] = msgspec.structs.replace(last, params={**last.params, "n_predict": result.n_decoded})
+            self._resumed(req, result)
         elif isinstance(req, p.AdoptGeneration):
-            pass  # the history is unchanged; the Resume that follows decides
+            if self.lost is None:
+                self.entries.append(req)  # the history is unchanged; the Resume that follows caps it
         elif isinstance(req, p.Eval):
             if result.interrupted:
                 self.lost = "an eval was interrupted"
@@ -173,6 +172,27 @@ class Journal:
             self.lost = "a state was loaded from a file (checkpoint() after it to make the context recoverable)"
         else:
             self.lost = f"{req.op.value} (branches and KV-sequence edits are not replayed)"
+
+
+    def _resumed(self, req: p.Resume, result: Any) -> None:
+        """A Resume went on with the generation that the last entry started (a Generate, or an
+        AdoptGeneration that took it over): the entry replays it capped at the tokens it has sampled now,
+        which a deterministic generation reproduces exactly."""
+        if self.lost is not None:
+            return
+        if result.stop_reason == "interrupted":
+            self.lost = "a resumed generation was interrupted"
+            return
+        at = len(self.entries) - 1
+        if at >= 1 and isinstance(self.entries[at], p.Resume):
+            at -= 1  # resumed again after another pause
+        start = self.entries[at] if at >= 0 else None
+        if not isinstance(start, (p.Generate, p.AdoptGeneration)):
+            self.lost = "a resumed generation whose start is not in the journal"
+            return
+        self.entries[at] = msgspec.structs.replace(start, params={**start.params, "n_predict": result.n_decoded})
+        if isinstance(start, p.AdoptGeneration) and at == len(self.entries) - 1:
+            self.entries.append(p.Resume(context=req.context, origin=req.origin))
 
 
 class Ledger:
@@ -315,9 +335,13 @@ def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCr
             if not pending.future.done():
                 pending.future.set_exception(copy_error(why))
 
+    spare = pool._spares.take()
     try:
-        proc = pool._spawn(recoverable=True)
-        proc.wait_ready()
+        if spare is not None:
+            proc = spare.proc  # ready: its handshake is done
+        else:
+            proc = pool._spawn(recoverable=True)
+            proc.wait_ready()
     except BaseException as exc:
         log.error("[recover] worker %d could not be replaced: %s", dead.worker_id, exc)
         fail_all(error)
@@ -327,7 +351,12 @@ def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCr
     # A context whose history cannot be rebuilt is made again all the same when a call sent again
     # replaces that history (a Stop, then a new whole-prompt generation that the crash cut short).
     afresh = {x.request_obj.context for x in salvaged if starts_afresh(x.request_obj)}
-    handles = _rebuild(instance, proc, error, afresh)
+    if spare is None:
+        handles = _rebuild(instance, proc, error, afresh)
+    else:
+        with spare.lock:  # its models, loaded ahead, stand in for the dead worker's
+            handles = _rebuild(instance, proc, error, afresh, spare)
+            spare.release_unclaimed()
     pool._adopt(instance, dead, proc)
     for pending in salvaged:
         req = handles.remap(pending.request_obj)
@@ -371,7 +400,8 @@ def _chain(src: Future[Any], dst: Future[Any]) -> None:
     src.add_done_callback(done)
 
 
-def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError, afresh: set[int]) -> HandleMap:
+def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError, afresh: set[int],
+             spare: Spare | None = None) -> HandleMap:
     """Loads every live model of the instance into proc and creates every live context again, restored;
     rebinds the handle objects. A lost context in ``afresh`` (a call sent again replaces its whole
     history) is created empty instead. Returns the old->new handle numbers."""
@@ -381,7 +411,7 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError,
             continue
         old_model = model._handle
         try:
-            loaded = model._load_into(proc).result()
+            loaded = (spare.claim(model) if spare is not None else None) or model._load_into(proc).result()
         except Exception as exc:
             log.error("[recover] model %s could not be loaded again: %s", model.path, exc)
             for ctx in list(model._contexts):

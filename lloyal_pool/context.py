@@ -133,22 +133,23 @@ class Context:
                append: bool = False, progress: PromptProgress | None = None, timeout: float | None = None,
                **overrides: Any) -> Stream:
         """Like generate, but returns at once with a Stream: iterate it for the pieces, then read its
-        ``result``. Close it (or use ``with``) to stop early. ``timeout``: seconds the whole generation
-        may take; past it the stream is interrupted and iterating it (or reading ``result``) raises
-        CallTimeoutError."""
-        s = Stream(self._link.interrupt_request, timeout)
-        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=True, append=append,
-                                     progress=progress is not None)
-        run = Pausable(self._link, req, events(piece=s._q.put, prompt_progress=spread_progress(progress)))
-        self._runs.add(run)
-        s._start_run(run)
-        return s
+        ``result``. Close it (or use ``with``) to stop early; ``pause()`` and ``resume()`` it from any
+        thread, and it goes on in the worker its context moves to (move_to). ``timeout``: seconds the
+        whole generation may take (paused time included); past it the stream is interrupted and
+        iterating it (or reading ``result``) raises CallTimeoutError."""
+        return self._start_stream(Stream(self._link.interrupt_request, timeout), prompt,
+                                  GenerateParams.of(params, overrides), append=append, progress=progress)
 
     def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
                       progress: PromptProgress | None) -> S:
         req = self._generate_request(prompt, params, stream=True, append=append, progress=progress is not None)
-        s._attach(self._link.call(req, events(piece=s._q.put, prompt_progress=spread_progress(progress)),
-                                  on_id=s._set_id))
+        on_event = events(piece=s._q.put, prompt_progress=spread_progress(progress))
+        if isinstance(s, Stream):  # a blocking stream (a chat turn's too) pauses and moves
+            run = Pausable(self._link, req, on_event)
+            self._runs.add(run)
+            s._start_run(run)
+        else:
+            s._attach(self._link.call(req, on_event, on_id=s._set_id))
         return s
 
     agenerate = twin(generate_async, """generate() for asyncio: the same request, awaited. Cancelling the awaiting task

@@ -39,6 +39,7 @@ class Instance(BatchedCalls):
         # The models loaded and not closed (a Model dropped without close() is still loaded): what crash
         # recovery loads again, and what a batched request may name.
         self._models: set[Model] = set()
+        self._on_model_loaded: Callable[[], None] | None = None  # the pool's: its spares load the model too
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
@@ -225,6 +226,8 @@ class Instance(BatchedCalls):
                 threading.Thread(target=_close_quietly, args=(model,), daemon=True,
                                  name="lloyal-free-model").start()
                 raise failed[0]
+            if self._on_model_loaded is not None:
+                self._on_model_loaded()
             return model
 
         on_event = events(progress=None if progress is None else guarded)

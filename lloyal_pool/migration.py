@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
 from .errors import (
@@ -95,7 +95,7 @@ def move(ctx: Context, target: Instance) -> None:
                                          f"stays in worker {ctx.instance.worker_id}: {exc}") from exc
                 raise
         old_handle = link.handle
-        _commit(ctx, model, created, loras, data)
+        _commit(ctx, model, created, loras, data, paused)
         for run in paused:
             run.handed_over(link.proc)
         if source.alive:
@@ -173,7 +173,7 @@ def _build(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]],
 
 
 def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[tuple[LoraAdapter, float]],
-            data: bytes) -> None:
+            data: bytes, paused: list[Pausable]) -> None:
     """The handle now names the context in the target."""
     old = ctx.model
     link = ctx._link
@@ -188,12 +188,16 @@ def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[t
     recovery = model._proc.recovery
     journal = link.journal = None if recovery is None else recovery.journal()
     if journal is not None:
+        done: Future[Any] = Future()
+        done.set_result(None)
         if loras:  # what the journal makes of adapters applied: not replayed
-            applied: Future[bool] = Future()
-            applied.set_result(True)
-            journal.record(p.SetLora(context=created.context, adapters=lora_wire(loras)), applied, created.context)
+            journal.record(p.SetLora(context=created.context, adapters=lora_wire(loras)), done, created.context)
         if data:
             journal.restart(data, journal.mark())
+        for run in paused:  # the generations handed over, which a Resume then caps
+            assert run.suspension is not None
+            journal.record(p.AdoptGeneration(context=created.context, params=run.params, suspension=run.suspension,
+                                             origin=run.origin), done, created.context)
 
 
 def _resume(runs: list[Pausable]) -> None:

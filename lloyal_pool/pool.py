@@ -29,6 +29,7 @@ from .model import Model
 from .routing import ROUTER
 from .shm import DEFAULT_SIZE, check_size
 from .snapshot import Snapshot
+from .spares import Spares
 
 #: The most threads a context takes (ggml's GGML_MAX_N_THREADS).
 MAX_THREADS = 512
@@ -133,6 +134,9 @@ class Pool(BatchedCalls, Subscribers):
     the pool kills it and fails its calls with WorkerHungError; None turns the watch off. A single native
     step with no interrupt check (tokenizing hundreds of megabytes, a state of many gigabytes, a GPU
     kernel compile) must fit in it. ``subscribe()`` tells an application of deaths and replacements.
+    ``recover``: a worker that dies is replaced in place, its models and contexts rebuilt
+    (docs/RELIABILITY.md); ``spares``: that many spare workers kept ready, with the models the pool's
+    workers hold loaded, which recovery takes instead of starting a worker (``pool.spares``).
 
     Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
     only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),
@@ -153,10 +157,13 @@ class Pool(BatchedCalls, Subscribers):
                  native_log_level: str = "warning", threads_per_worker: int | None = None,
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
-                 sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False) -> None:
+                 sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False,
+                 spares: int = 0) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"a Pool's size is an int of workers >= 0 (0: only snapshots' forks), "
                                        f"got size={size!r}")
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise InvalidArgumentError(f"spares is an int of ready workers >= 0, got spares={spares!r}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
                 hang_timeout, (int, float)) or not hang_timeout > 0):
             raise InvalidArgumentError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")
@@ -196,6 +203,7 @@ class Pool(BatchedCalls, Subscribers):
         #: Whether crash recovery is on (Pool(recover=True)).
         self.recover = bool(recover)
         self._watch = None if hang_timeout is None else HangWatch(self._all_procs, float(hang_timeout))
+        self._spares = Spares(spares, self._ready_worker, self._held_models)
         self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0, self._watch, self._temp)
         try:
             procs = [self._spawn(recoverable=True) for _ in range(size)]  # start all, then wait: start-ups overlap
@@ -204,7 +212,32 @@ class Pool(BatchedCalls, Subscribers):
         except BaseException:
             self.close()
             raise
-        self._instances = [Instance(p) for p in procs]
+        self._instances = [self._instance(p) for p in procs]
+        self._spares.fill()
+
+    def _instance(self, proc: WorkerProcess) -> Instance:
+        instance = Instance(proc)
+        instance._on_model_loaded = self._spares.sync if self._spares.wanted else None
+        return instance
+
+    def _ready_worker(self) -> WorkerProcess:
+        proc = self._spawn(recoverable=True)
+        try:
+            proc.wait_ready()
+        except BaseException:
+            self._release(proc)
+            raise
+        return proc
+
+    def _held_models(self) -> list[Model]:
+        return [m for inst in list(self._instances) if inst.alive for m in inst.models]
+
+    @property
+    def spares(self) -> int:
+        """How many spare workers (Pool(spares=N)) are ready now: started, with the models the pool's
+        workers hold loaded. Crash recovery (recover=True) takes one instead of starting a worker, and
+        another starts in the background."""
+        return self._spares.ready
 
     def _spawn(self, *, zygote: bool = False, fork_from: WorkerProcess | None = None,
                recoverable: bool = False) -> WorkerProcess:
@@ -287,7 +320,7 @@ class Pool(BatchedCalls, Subscribers):
         old.close(timeout=2.0)
         proc = self._spawn(recoverable=True)
         proc.wait_ready()
-        fresh = Instance(proc)
+        fresh = self._instance(proc)
         with self._lock:
             self._instances[index] = fresh
             self._all_procs.remove(old)
@@ -312,7 +345,7 @@ class Pool(BatchedCalls, Subscribers):
         proc = self._spawn(recoverable=True)
         try:
             proc.wait_ready()
-            fresh = Instance(proc)
+            fresh = self._instance(proc)
             for model in old.models:
                 loaded = fresh._load_like(model)
                 for adapter in model.loras:
@@ -367,6 +400,7 @@ class Pool(BatchedCalls, Subscribers):
         """Ends every worker (shutdown, then kill after timeout), reaps every process and frees every
         shared-memory region. Idempotent; also runs at interpreter exit."""
         self._closed = True
+        self._spares.close()
         for inst in list(self._instances):
             inst._stop_batchers(PoolClosedError("the pool was closed while the request ran"))
         _close_procs(self._all_procs, timeout, self._watch, self._temp)

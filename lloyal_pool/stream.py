@@ -72,7 +72,6 @@ class Pausable:
     def _set_id(self, request_id: int) -> None:
         self._request_id = request_id
 
-
     def _on_event(self, event: dict[str, Any]) -> None:
         if "paused" in event:
             self.suspension = event["paused"]

@@ -328,7 +328,7 @@ generate_result sequence_driver::run_rounds(const std::shared_ptr<generation_sta
         return part;
     }
     out.finish();
-    return res;
+    return std::move(res);  // the state ends here: its result is not needed again
 }
 
 generate_result sequence_driver::resume(uint64_t request_id, uint64_t origin, const piece_fn & on_piece) {

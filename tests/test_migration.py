@@ -343,3 +343,38 @@ def test_a_resumed_stream_killed_midway_completes_with_recovery(gemma_path: Path
         pieces += list(stream)
         assert "".join(pieces) == stream.result.text == reference
         assert pool[0].pid != first
+
+
+def test_a_moved_stream_survives_a_crash_of_its_new_worker_with_recovery(gemma_path: Path) -> None:
+    with Pool(2, recover=True) as pool:
+        model = pool[0].load_model(gemma_path)
+        pool[1].load_model(gemma_path)
+        reference = _reference(model, SEEDED)
+        ctx = model.new_context(n_ctx=N_CTX)
+        stream = ctx.stream(PROMPT, **SEEDED)
+        pieces = [next(stream) for _ in range(6)]
+        ctx.move_to(pool[1])
+        pieces += [next(stream) for _ in range(8)]
+        os.kill(pool[1].pid, signal.SIGKILL)  # the moved context's journal: the state it arrived with, the hand-over
+        pieces += list(stream)
+        assert "".join(pieces) == stream.result.text == reference
+        assert ctx.instance is pool[1] and pool[1].alive
+        # After the stream, the context's history is restorable again: a second crash loses nothing.
+        held = ctx.tokens()
+        os.kill(pool[1].pid, signal.SIGKILL)
+        assert ctx.tokens() == held
+
+
+def test_a_chat_turn_pauses_and_moves(pair: tuple[Pool, Model, Model]) -> None:
+    pool, model, _ = pair
+    chat = model.new_context(n_ctx=N_CTX).chat(temperature=0.0, n_predict=24, ignore_eos=True)
+    reference = model.new_context(n_ctx=N_CTX).chat(temperature=0.0, n_predict=24, ignore_eos=True)
+    stream = chat.stream("Tell me about lighthouses.")
+    pieces = [next(stream) for _ in range(4)]
+    assert stream.pause()
+    chat.context.move_to(_other(pool, chat.context))
+    assert stream.resume()
+    pieces += list(stream)
+    expected = reference.send("Tell me about lighthouses.")
+    assert stream.reply.result.tokens == expected.result.tokens and "".join(pieces) == expected.result.text
+    assert chat.send("And then?").result.tokens == reference.send("And then?").result.tokens
