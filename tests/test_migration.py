@@ -239,6 +239,21 @@ def test_bad_moves_are_typed_errors_and_lose_nothing(pair: tuple[Pool, Model, Mo
         gone.move_to(pool[1])
 
 
+def _kill_before(monkeypatch: pytest.MonkeyPatch, step: str, pool: Pool, index: int) -> None:
+    """A move's ``step`` (migration._save or _build) starts by SIGKILLing pool[index] and waiting until its
+    death is seen: a kill at a known point of the move."""
+    original = getattr(migration, step)
+    proc = pool[index]._proc
+
+    def killed_first(*args: Any) -> Any:
+        os.kill(proc.pid, signal.SIGKILL)
+        while proc.alive:
+            time.sleep(0.005)
+        return original(*args)
+
+    monkeypatch.setattr(migration, step, killed_first)
+
+
 def test_a_target_killed_during_the_move_leaves_the_stream_serving_in_its_source(
         gemma_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with Pool(2) as pool:
@@ -246,15 +261,7 @@ def test_a_target_killed_during_the_move_leaves_the_stream_serving_in_its_source
         pool[1].load_model(gemma_path)
         reference = _reference(model, SEEDED)
         ctx = model.new_context(n_ctx=N_CTX)
-        build = migration._build
-
-        def killed_first(*args: Any) -> Any:
-            os.kill(pool[1].pid, signal.SIGKILL)
-            while pool[1].alive:
-                time.sleep(0.005)
-            return build(*args)
-
-        monkeypatch.setattr(migration, "_build", killed_first)
+        _kill_before(monkeypatch, "_build", pool, 1)
         pieces: list[str] = []
         with ctx.stream(PROMPT, **SEEDED) as stream:
             for piece in stream:
@@ -274,15 +281,7 @@ def test_a_source_killed_during_the_move_loses_nothing_with_recovery(
         pool[1].load_model(gemma_path)
         reference = _reference(model, SEEDED)
         ctx = model.new_context(n_ctx=N_CTX)
-        save = migration._save
-
-        def killed_first(*args: Any) -> Any:
-            os.kill(pool[0].pid, signal.SIGKILL)
-            while pool[0]._proc.alive:
-                time.sleep(0.005)
-            return save(*args)
-
-        monkeypatch.setattr(migration, "_save", killed_first)
+        _kill_before(monkeypatch, "_save", pool, 0)
         stream = ctx.stream(PROMPT, **SEEDED)
         pieces = [next(stream) for _ in range(10)]
         with pytest.raises(WorkerCrashedError):
