@@ -30,7 +30,7 @@ from .errors import (
     WorkerCrashedError,
     WorkerError,
 )
-from .protocol import PAUSE_BIT, ContextRequest, Request
+from .protocol import PAUSE_BIT, ContextRequest, Request, SaveState
 
 R = TypeVar("R")
 EventHandler = Callable[[dict[str, Any]], None]
@@ -252,9 +252,59 @@ class ContextLink:
     def _journal(self, req: Request[Any], fut: Future[Any], after: Callable[[Future[Any]], None] | None) -> None:
         if self.journal is not None:
             journal = self.journal
-            fut.add_done_callback(lambda f: journal.record(req, f, self.handle))
+
+            def record(f: Future[Any]) -> None:
+                journal.record(req, f, self.handle)
+                if journal.wants_checkpoint():  # its replay grew long: a checkpoint, off the reader thread
+                    threading.Thread(target=self._checkpoint_quietly, args=(journal,), daemon=True,
+                                     name="lloyal-checkpoint").start()
+
+            fut.add_done_callback(record)
         if after is not None:
             fut.add_done_callback(after)
+
+    def checkpoint(self) -> int:
+        """Context.checkpoint(): the context's state, saved after every call made before, becomes its
+        journal's checkpoint; returns its size. Passes the gate before it takes the worker's transfer
+        file, which a move holds while it waits for calls past the gate."""
+        journal = self.journal
+        if journal is None:
+            raise InvalidArgumentError("a checkpoint needs crash recovery (Pool(recover=True))")
+        if self.closed:
+            raise StaleHandleError(f"context handle {self.handle} was closed")
+        me = threading.get_ident()
+        with self._gate:
+            self._gate.wait_for(lambda: self._mover in (None, me))
+            self._senders += 1
+        counted, marks = True, []
+
+        def uncount() -> None:
+            with self._gate:
+                self._senders -= 1
+                self._gate.notify_all()
+
+        try:
+            with self.proc.transfer() as f:
+                fut = self._send(SaveState(context=self.handle, path=f.path, in_place=True), None, None,
+                                 lambda _: marks.append(journal.mark()))
+                counted = False
+                uncount()
+                fut.result()
+                data = f.read()
+        finally:
+            if counted:
+                uncount()
+        journal.restart(data, marks[0])
+        return len(data)
+
+    def _checkpoint_quietly(self, journal: ContextJournal) -> None:
+        try:
+            if journal is self.journal and not self.closed:
+                self.checkpoint()
+        except Exception:
+            pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead
+        finally:
+            journal.checkpoint_done()
 
     # -- crash recovery ---------------------------------------------------------------------------------
     def rebind(self, proc: WorkerProcess, handle: int, interrupt_slot: int) -> None:

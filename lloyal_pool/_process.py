@@ -96,6 +96,10 @@ class ContextJournal(Protocol):
 
     def restart(self, state: bytes, mark: int) -> None: ...
 
+    def wants_checkpoint(self) -> bool: ...
+
+    def checkpoint_done(self) -> None: ...
+
 
 class Recovery(Protocol):
     """The observer a pool that recovers crashed workers installs on each of them (Pool(recover=True):

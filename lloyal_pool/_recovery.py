@@ -71,8 +71,13 @@ def _deterministic(params: dict[str, Any]) -> bool:
 class Journal:
     """What a context's history was built from since its last checkpoint (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint_tokens: int | None = None) -> None:
         self._lock = threading.Lock()
+        # Pool(checkpoint_tokens=N): a checkpoint is taken in the background once replaying the journal
+        # would decode N tokens or more.
+        self._threshold = checkpoint_tokens
+        self.replay_tokens = 0  # what replaying the entries decodes, about
+        self._checkpointing = False
         self.checkpoint: bytes | None = None
         self.entries: list[p.Request[Any]] = []
         self.lost: str | None = None  # why the history cannot be rebuilt, or None
@@ -92,7 +97,20 @@ class Journal:
             since = self._n_recorded - mark
             self.checkpoint = state
             self.entries = self.entries[len(self.entries) - since:] if since else []
+            self.replay_tokens = 0 if not since else self.replay_tokens
             self.lost = self._lora if not since else self.lost
+
+    def wants_checkpoint(self) -> bool:
+        """Whether a background checkpoint is due now (then it counts as begun: checkpoint_done ends it)."""
+        with self._lock:
+            due = (self._threshold is not None and not self._checkpointing and self.lost is None
+                   and self.replay_tokens >= self._threshold)
+            self._checkpointing = self._checkpointing or due
+            return due
+
+    def checkpoint_done(self) -> None:
+        with self._lock:
+            self._checkpointing = False
 
     @property
     def restartable(self) -> bool:
@@ -102,6 +120,7 @@ class Journal:
 
     def _start(self, entries: list[p.Request[Any]], lost: str | None = None) -> None:
         self.checkpoint, self.entries, self.lost = None, entries, lost or self._lora
+        self.replay_tokens = 0
 
     def record(self, req: p.Request[Any], fut: Future[Any], handle: int) -> None:
         """A done-callback of every request on the context (the reader thread runs them in reply order);
@@ -111,6 +130,8 @@ class Journal:
         with self._lock:
             self._n_recorded += 1
             self._record(req, fut)
+            if not fut.cancelled() and fut.exception() is None:
+                self.replay_tokens += _decoded(req, fut.result())
 
     def _record(self, req: p.Request[Any], fut: Future[Any]) -> None:
         kind = type(req)
@@ -193,6 +214,17 @@ class Journal:
         self.entries[at] = msgspec.structs.replace(start, params={**start.params, "n_predict": result.n_decoded})
         if isinstance(start, p.AdoptGeneration) and at == len(self.entries) - 1:
             self.entries.append(p.Resume(context=req.context, origin=req.origin))
+
+
+def _decoded(req: p.Request[Any], result: Any) -> int:
+    """The tokens replaying req decodes (after _record has started the journal afresh where it does)."""
+    if isinstance(req, (p.Generate, p.GenerateWithDraft, p.Resume)):
+        return int(result.n_prompt) + int(result.n_decoded) if not isinstance(req, p.Resume) else int(result.n_decoded)
+    if isinstance(req, p.Eval):
+        return int(result.n_tokens)
+    if isinstance(req, p.ScoreText):
+        return int(result.n_tokens)
+    return 0
 
 
 class Ledger:
@@ -294,14 +326,15 @@ class PoolRecovery:
     call, a Journal for every context, and at a crash the choice of calls to send again and the recovery
     thread. It holds the pool weakly: a pool dropped without close() is not kept alive by its workers."""
 
-    def __init__(self, pool: weakref.ref[Pool]) -> None:
+    def __init__(self, pool: weakref.ref[Pool], checkpoint_tokens: int | None = None) -> None:
         self._pool = pool
+        self._checkpoint_tokens = checkpoint_tokens
 
     def ledger(self, on_event: Callable[[dict[str, Any]], None] | None) -> Ledger:
         return Ledger(on_event)
 
     def journal(self) -> Journal:
-        return Journal()
+        return Journal(self._checkpoint_tokens)
 
     def salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[_Pending]) -> list[_Pending]:
         """On the dead worker's reader thread: picks the calls to send again and starts the recovery."""
@@ -379,6 +412,7 @@ def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCr
         _chain(again, pending.future)
     assert dead.recovering is not None
     dead.recovering.set()
+    pool._spares.fill_after([x.future for x in salvaged], at_most=5.0)
     log.warning("[recover] worker %d (pid %d) replaced by worker %d (pid %d): %d call(s) replayed, %d context(s) "
                 "lost", dead.worker_id, dead.pid, proc.worker_id, proc.pid, len(salvaged), len(handles.lost_contexts))
     from .lifecycle import WorkerEvent

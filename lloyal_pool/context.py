@@ -441,16 +441,9 @@ class Context:
         restores it from here instead of replaying every call since the last one (docs/RELIABILITY.md);
         returns its size in bytes. A checkpoint also makes a context recoverable again after a call that
         cannot be replayed (an interrupted generation, a random seed). ContextError without recover."""
-        journal = self._link.journal
-        if journal is None:
+        if self._link.journal is None:
             raise ContextError("checkpoint() is for crash recovery: create the pool with Pool(recover=True)")
-        marks: list[int] = []
-        with self._proc.transfer() as f:
-            self._link.call(p.SaveState(context=self.handle, path=f.path, in_place=True),
-                            after=lambda _: marks.append(journal.mark())).result()
-            data = f.read()
-        journal.restart(data, marks[0])
-        return len(data)
+        return self._link.checkpoint()
 
     def save_state_file(self, path: str | os.PathLike[str]) -> int:
         """save_state() straight into a file, written by the worker (replaced whole: a reader sees the old

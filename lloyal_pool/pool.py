@@ -136,7 +136,10 @@ class Pool(BatchedCalls, Subscribers):
     kernel compile) must fit in it. ``subscribe()`` tells an application of deaths and replacements.
     ``recover``: a worker that dies is replaced in place, its models and contexts rebuilt
     (docs/RELIABILITY.md); ``spares``: that many spare workers kept ready, with the models the pool's
-    workers hold loaded, which recovery takes instead of starting a worker (``pool.spares``).
+    workers hold loaded, which recovery takes instead of starting a worker (``pool.spares``);
+    ``checkpoint_tokens``: a context whose journal would make recovery decode that many tokens or more
+    is checkpointed in the background after the call that grew it (its state held in this process), so
+    that recovery loads the state instead of decoding it all again.
 
     Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
     only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),
@@ -158,10 +161,14 @@ class Pool(BatchedCalls, Subscribers):
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
                  sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False,
-                 spares: int = 0) -> None:
+                 spares: int = 0, checkpoint_tokens: int | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"a Pool's size is an int of workers >= 0 (0: only snapshots' forks), "
                                        f"got size={size!r}")
+        if checkpoint_tokens is not None and (isinstance(checkpoint_tokens, bool) or not isinstance(
+                checkpoint_tokens, int) or checkpoint_tokens < 1):
+            raise InvalidArgumentError(f"checkpoint_tokens is an int >= 1 or None, got {checkpoint_tokens!r}")
+        self._checkpoint_tokens = checkpoint_tokens
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise InvalidArgumentError(f"spares is an int of ready workers >= 0, got spares={spares!r}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
@@ -249,7 +256,7 @@ class Pool(BatchedCalls, Subscribers):
         proc = WorkerProcess(worker_id, self._options, zygote=zygote, fork_from=fork_from)
         proc.on_death = _death_relay(weakref.ref(self))
         if recoverable and self.recover:
-            proc.recovery = PoolRecovery(weakref.ref(self))
+            proc.recovery = PoolRecovery(weakref.ref(self), self._checkpoint_tokens)
         with self._lock:
             self._all_procs.append(proc)
         return proc

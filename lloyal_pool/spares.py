@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -125,7 +126,7 @@ class Spares:
         threading.Thread(target=run, daemon=True, name="lloyal-spare-sync").start()
 
     def take(self) -> Spare | None:
-        """A ready spare that is still alive, out of the set (another starts in its place), or None."""
+        """A ready spare that is still alive, out of the set, or None (fill() starts another)."""
         with self._lock:
             while self._ready:
                 spare = self._ready.pop(0)
@@ -133,8 +134,16 @@ class Spares:
                     break
             else:
                 spare = None
-        self.fill()
         return spare
+
+    def fill_after(self, busy: list[Future[Any]], at_most: float) -> None:
+        """fill() once the futures are done (at most ``at_most`` seconds from now): a spare starting takes
+        the CPU that a recovered worker's replayed calls need."""
+        def run() -> None:
+            wait(busy, timeout=at_most)
+            self.fill()
+
+        threading.Thread(target=run, daemon=True, name="lloyal-spare-fill").start()
 
     def close(self) -> None:
         """No more spares start; the pool closes the workers (they are among its processes)."""

@@ -8,11 +8,13 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import psutil
 import pytest
 
 from lloyal_pool import InvalidArgumentError, Pool
+from lloyal_pool._recovery import Journal
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
@@ -58,3 +60,21 @@ def test_spares_is_a_count(gemma_path: Path) -> None:
             Pool(1, spares=bad)  # type: ignore[arg-type]
     with Pool(1) as pool:
         assert pool.spares == 0
+
+
+def test_a_long_journal_is_checkpointed_in_the_background(gemma_path: Path) -> None:
+    with Pool(1, recover=True, checkpoint_tokens=64) as pool:
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
+        ctx.generate("Hi", n_predict=4, temperature=0.0)
+        journal = cast("Journal", ctx._link.journal)
+        assert journal.checkpoint is None  # 6 tokens to replay: none taken
+        ctx.generate(PROMPT, n_predict=60, temperature=0.0, ignore_eos=True)
+        _wait(lambda: journal.checkpoint is not None)  # 70 tokens to replay: one taken after the call
+        _wait(lambda: not journal._checkpointing)
+        assert journal.entries == []
+        held = ctx.tokens()
+        os.kill(pool[0].pid, signal.SIGKILL)  # restored from the checkpoint, nothing decoded again
+        assert ctx.tokens() == held
+        assert ctx.generate("", append=True, n_predict=8, temperature=0.0).n_cached == len(held)
+        with pytest.raises(InvalidArgumentError, match="checkpoint_tokens"):
+            Pool(1, recover=True, checkpoint_tokens=0)
