@@ -32,7 +32,7 @@ class _LazyContext:
 
     def _context(self) -> Context:  # with the lock held
         if self._ctx is None or self._ctx.closed:
-            self._ctx = self.model.new_context(self._params)
+            self._ctx = self.model._new_context(self._params, pageable=False)
         return self._ctx
 
 

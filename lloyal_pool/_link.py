@@ -133,6 +133,12 @@ class ContextLink:
         self._gate = threading.Condition(threading.Lock())
         self._mover: int | None = None
         self._senders = 0  # other threads' calls past the gate and not yet sent
+        # Session paging (paging.py): called by each call past the gate, it pages the context in when it
+        # is out (``paged``) and marks it used. Things holding handles of the context's worker (grammar
+        # samplers) register in ``handle_holders``: while one is open the context stays resident.
+        self.on_use: Callable[[], None] | None = None
+        self.paged = False
+        self.handle_holders: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @contextmanager
     def moving(self) -> Iterator[None]:
@@ -148,9 +154,36 @@ class ContextLink:
         try:
             yield
         finally:
-            with self._gate:
-                self._mover = None
-                self._gate.notify_all()
+            self._release()
+
+    @contextmanager
+    def held_if_idle(self) -> Iterator[bool]:
+        """Holds the link as moving() does, but only when nothing is under way on it: no call waiting at
+        or past the gate, none decoding; yields whether it holds it (a pager's page-out)."""
+        me = threading.get_ident()
+        with self._gate:
+            held = self._mover is None and self._senders == 0
+            if held:
+                self._mover = me
+        if held:
+            with self._lock:
+                held = not self._decoding
+            if not held:
+                self._release()
+        try:
+            yield held
+        finally:
+            if held:
+                self._release()
+
+    def _release(self) -> None:
+        with self._gate:
+            self._mover = None
+            self._gate.notify_all()
+
+    def holds_handles(self) -> bool:
+        """Whether a grammar sampler of the context is open (its state is in the worker)."""
+        return any(not h.closed for h in list(self.handle_holders))
 
     @contextmanager
     def sending(self) -> Iterator[list[int]]:
@@ -172,16 +205,30 @@ class ContextLink:
         callback that runs right after the journal has recorded the call (a checkpoint's mark)."""
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
-        me = threading.get_ident()
-        with self._gate:  # past a move under way, and counted, so that the next move waits for this call
-            self._gate.wait_for(lambda: self._mover in (None, me))
-            self._senders += 1
+        self._enter()
         try:
             return self._send(req, on_event, on_id, after)
         finally:
-            with self._gate:
-                self._senders -= 1
-                self._gate.notify_all()
+            self._leave()
+
+    def _enter(self) -> None:
+        """Past a move under way, and counted, so that the next move (or page-out) waits for this call;
+        a paged-out context is paged in."""
+        me = threading.get_ident()
+        with self._gate:
+            self._gate.wait_for(lambda: self._mover in (None, me))
+            self._senders += 1
+        if self.on_use is not None:
+            try:
+                self.on_use()
+            except BaseException:
+                self._leave()
+                raise
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._senders -= 1
+            self._gate.notify_all()
 
     def _send(self, req: Request[R], on_event: EventHandler | None, on_id: Callable[[int], None] | None,
               after: Callable[[Future[Any]], None] | None) -> Future[R]:
@@ -272,34 +319,25 @@ class ContextLink:
             raise InvalidArgumentError("a checkpoint needs crash recovery (Pool(recover=True))")
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
-        me = threading.get_ident()
-        with self._gate:
-            self._gate.wait_for(lambda: self._mover in (None, me))
-            self._senders += 1
+        self._enter()
         counted, marks = True, []
-
-        def uncount() -> None:
-            with self._gate:
-                self._senders -= 1
-                self._gate.notify_all()
-
         try:
             with self.proc.transfer() as f:
                 fut = self._send(SaveState(context=self.handle, path=f.path, in_place=True), None, None,
                                  lambda _: marks.append(journal.mark()))
                 counted = False
-                uncount()
+                self._leave()
                 fut.result()
                 data = f.read()
         finally:
             if counted:
-                uncount()
+                self._leave()
         journal.restart(data, marks[0])
         return len(data)
 
     def _checkpoint_quietly(self, journal: ContextJournal) -> None:
         try:
-            if journal is self.journal and not self.closed:
+            if journal is self.journal and not self.closed and not self.paged:  # a page file is one
                 self.checkpoint()
         except Exception:
             pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead

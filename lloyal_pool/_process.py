@@ -84,6 +84,14 @@ class CallLedger(Protocol):
     def replayer(self) -> Callable[[dict[str, Any]], None]: ...
 
 
+class SavedState(Protocol):
+    """A context's state in a file this process holds (a page file, paging.py): what a transfer copies
+    into a worker from ``fd``."""
+
+    @property
+    def fd(self) -> int: ...
+
+
 class ContextJournal(Protocol):
     """What crash recovery keeps of a context: the requests that built its history (_recovery.Journal).
     The context's link records every call in it; ``lost`` says why the history cannot be rebuilt."""
@@ -94,7 +102,7 @@ class ContextJournal(Protocol):
 
     def mark(self) -> int: ...
 
-    def restart(self, state: bytes, mark: int) -> None: ...
+    def restart(self, state: bytes | SavedState, mark: int) -> None: ...
 
     def wants_checkpoint(self) -> bool: ...
 

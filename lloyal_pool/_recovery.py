@@ -42,7 +42,7 @@ from .errors import (
 from .params import MAX_SEED
 
 if TYPE_CHECKING:
-    from ._process import WorkerProcess, _Pending
+    from ._process import SavedState, WorkerProcess, _Pending
     from .instance import Instance
     from .pool import Pool
     from .spares import Spare
@@ -78,7 +78,7 @@ class Journal:
         self._threshold = checkpoint_tokens
         self.replay_tokens = 0  # what replaying the entries decodes, about
         self._checkpointing = False
-        self.checkpoint: bytes | None = None
+        self.checkpoint: bytes | SavedState | None = None  # a page file's state is held in that file
         self.entries: list[p.Request[Any]] = []
         self.lost: str | None = None  # why the history cannot be rebuilt, or None
         # Set while LoRA adapters are applied: every history computed under them is lost, until set_lora([]).
@@ -90,7 +90,7 @@ class Journal:
         with self._lock:
             return self._n_recorded
 
-    def restart(self, state: bytes, mark: int) -> None:
+    def restart(self, state: bytes | SavedState, mark: int) -> None:
         """The history at ``mark`` is ``state`` (a checkpoint, or a state loaded from bytes): what came
         before is no longer needed, what was recorded since stays."""
         with self._lock:
@@ -462,7 +462,7 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError,
                 adapter._closed = True
                 log.error("[recover] LoRA adapter %s could not be loaded again: %s", adapter.path, exc)
         for ctx in list(model._contexts):
-            if ctx.closed:
+            if ctx.closed or ctx.paged:  # a paged-out one: its next call pages it in here (paging.py)
                 continue
             old_ctx = ctx.handle
             journal = cast("Journal | None", ctx._link.journal)  # PoolRecovery.journal() made it
@@ -498,9 +498,10 @@ def _restore(ctx: Any, journal: Journal, handles: HandleMap) -> str | None:
     link = ctx._link
     replayed: list[p.Request[Any]] = []
     try:
-        if journal.checkpoint is not None:
+        checkpoint = journal.checkpoint
+        if checkpoint:  # b"": the state of an empty context
             with link.proc.transfer() as f:
-                f.write(journal.checkpoint)
+                f.write(checkpoint if isinstance(checkpoint, bytes) else checkpoint.fd)
                 link.proc.call(p.LoadState(context=link.handle, path=f.path)).result()
         for entry in list(journal.entries):
             req = handles.remap(entry)

@@ -54,6 +54,7 @@ from .errors import (
 )
 from .params import (
     MAX_SEED,
+    ContextParams,
     GenerateParams,
     Result,
     SamplerParams,
@@ -191,9 +192,9 @@ class Batcher:
         self.chunk = chunk
         self._eog = list(model.info.eog_tokens)
         self.deterministic = bool(deterministic)
-        self.context: Context = model.new_context(n_ctx=slots * n_ctx_slot, n_seq_max=slots,
-                                                  n_batch=max(512, chunk, slots), n_threads=n_threads,
-                                                  batch_invariant=self.deterministic)
+        self.context: Context = model._new_context(ContextParams(
+            n_ctx=slots * n_ctx_slot, n_seq_max=slots, n_batch=max(512, chunk, slots), n_threads=n_threads,
+            batch_invariant=self.deterministic), pageable=False)
         # A deterministic context keeps each slot in a cache stream of its own: nothing to copy between them.
         self._plan = Scheduler([self.context.branches.create().detach() for _ in range(slots)], n_ctx_slot, chunk,
                                share=not self.deterministic)

@@ -27,6 +27,7 @@ from .errors import (
     StateError,
 )
 from .lora import LoraAdapter, lora_pairs, lora_wire
+from .paging import Pager
 from .params import (
     RERANK_PROMPT,
     BufferMemory,
@@ -85,6 +86,10 @@ class Context:
         self._lora: list[tuple[LoraAdapter, float]] = []
         self._logits_reads = 0  # logits() calls: a view shows the row as the one that made it wrote it
         self._runs: weakref.WeakSet[Pausable] = weakref.WeakSet()  # its streams (pause, move_to)
+        # Session paging (paging.py): the worker's pager while the context is pageable; a lock so that one
+        # thread pages it in while the others' calls wait.
+        self._pager: Pager | None = None
+        self._page_lock = threading.RLock()  # also held while a reply's rows are read from shared memory
 
     def _rebind(self, proc: WorkerProcess, desc: p.ContextCreated) -> None:
         """Crash recovery created the context again in a replacement worker."""
@@ -268,18 +273,21 @@ class Context:
         context's row in the worker's shared memory, which the next logits() call writes again: the view
         is valid until then (or until the context closes or its worker dies), and reading it afterwards
         raises StaleHandleError instead of showing other logits. Keep a copy (copy=True) to hold on."""
-        at = self._link.call(p.Logits(context=self.handle)).result()
-        self._logits_reads += 1
-        if copy:
-            row: np.ndarray = self._proc.region.floats(at.offset, at.count).copy()
-            return row
-        read, proc = self._logits_reads, self._proc
+        with self._page_lock:  # no page-out frees the row before it is read
+            at = self._link.call(p.Logits(context=self.handle)).result()
+            self._logits_reads += 1
+            if copy:
+                row: np.ndarray = self._proc.region.floats(at.offset, at.count).copy()
+                return row
+        read, proc, desc = self._logits_reads, self._proc, self._desc
 
         def stale() -> str:
             if self._logits_reads != read:
                 return "the context's logits() was called again since"
             if self._link.closed or self._proc is not proc or not proc.alive:
                 return "its context was closed, or its worker died"
+            if self._link.paged or self._desc is not desc:
+                return "its context was paged out (Pool(max_resident_contexts=...)) since"
             return ""
 
         return self._proc.region.floats(at.offset, at.count, guard=stale)
@@ -344,7 +352,7 @@ class Context:
         if not items:
             raise InvalidArgumentError("embed needs at least one text")
         wire = [wire_prompt(t, self.model.n_vocab) for t in items]
-        with self._embed_lock:
+        with self._embed_lock, self._page_lock:
             at = self._link.call(p.Embed(context=self.handle, inputs=wire, normalize=bool(normalize))).result()
             flat = self._proc.region.floats(at.offset, sum(at.rows) * at.width).copy()
         if self.pooling == "none":
@@ -544,8 +552,16 @@ class Context:
         StaleHandleError. A context whose worker died is not closed, but stale all the same."""
         return self._link.closed
 
+    @property
+    def paged(self) -> bool:
+        """Whether the context is paged out now (Pool(max_resident_contexts=...)): its state is in a file
+        of this process, not in its worker, until its next call pages it in."""
+        return self._link.paged
+
     def _forget(self) -> None:
         self._link.closed = True
+        if self._pager is not None:
+            self._pager.forget(self)
         self.branches._forget_all()
         for run in list(self._runs):
             run.interrupt()  # a paused stream ends (interrupted) instead of waiting for a resume that cannot come
@@ -556,9 +572,11 @@ class Context:
         dead worker has nothing to free."""
         if self._link.closed:
             return
-        self._forget()
-        if self._proc.alive:
-            self._proc.call(p.FreeContext(context=self.handle)).result()
+        with self._link.moving():  # not while a page-out or a move has it
+            paged = self._link.paged  # then its worker holds nothing of it
+            self._forget()
+            if self._proc.alive and not paged:
+                self._proc.call(p.FreeContext(context=self.handle)).result()
 
 
 def _is_int(x: object) -> bool:

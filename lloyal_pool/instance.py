@@ -22,6 +22,7 @@ from .errors import BadRequestError, InvalidArgumentError, LloyalError, ModelLoa
 from .lora import LoraAdapter
 from .migration import move
 from .model import MemorySource, Model, ModelBytes
+from .paging import Pager
 from .params import Device, whole
 
 ProgressCallback = Callable[[float], None]
@@ -40,6 +41,7 @@ class Instance(BatchedCalls):
         # recovery loads again, and what a batched request may name.
         self._models: set[Model] = set()
         self._on_model_loaded: Callable[[], None] | None = None  # the pool's: its spares load the model too
+        self._pager: Pager | None = None  # Pool(max_resident_contexts=...)
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
@@ -273,8 +275,14 @@ class Instance(BatchedCalls):
         return self._live().call(p.Devices()).result()
 
     def stats(self) -> dict[str, Any]:
-        """RSS, CPU, threads and state of the worker process (psutil)."""
-        return self._proc.stats()
+        """RSS, CPU, threads and state of the worker process (psutil); under Pool(max_resident_contexts=N)
+        also ``paging``: ``budget`` (N), ``resident`` and ``paged`` (contexts), ``page_outs``,
+        ``page_ins``, ``page_in_ms_mean``, ``page_bytes`` (the paged-out states' size) and
+        ``page_disk_bytes`` (the disk their files take) and ``page_dir``."""
+        out = self._proc.stats()
+        if self._pager is not None:
+            out["paging"] = self._pager.stats()
+        return out
 
     def kill(self) -> None:
         """SIGKILL the worker now (its waiting calls raise WorkerCrashedError)."""

@@ -64,6 +64,11 @@ def move(ctx: Context, target: Instance) -> None:
         raise ContextError("a context with branches does not move (its state holds one sequence): prune them first")
     link = ctx._link
     with link.moving():
+        if link.paged and model.instance._pager is not None:  # its page file goes to the target as it is
+            _commit_paged(ctx, model, loras)
+            return
+        if ctx._pager is not None:
+            ctx._pager.use(ctx)  # paged in here first where the target pages nothing
         runs = [r for r in list(ctx._runs) if r.state != "done"]
         running = [r for r in runs if r.state != "paused"]  # what the move pauses, and resumes: not the caller's
         for run in running:
@@ -172,18 +177,40 @@ def _build(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]],
     return created
 
 
-def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[tuple[LoraAdapter, float]],
-            data: bytes, paused: list[Pausable]) -> None:
-    """The handle now names the context in the target."""
-    old = ctx.model
-    link = ctx._link
+def _belong(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]]) -> None:
+    """The context is now one of ``model``'s, with the target's adapters."""
+    old, link = ctx.model, ctx._link
     old._contexts.discard(ctx)
     old._links.discard(link)
     ctx.model, ctx.instance = model, model.instance
-    ctx._rebind(model._proc, created)
     ctx._lora = loras
     model._contexts.add(ctx)
     model._links.add(link)
+
+
+def _commit_paged(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]]) -> None:
+    """A paged-out context moves as its page file: the target's pager takes it, and its next call pages
+    it in there (its journal, whose checkpoint is that file, stays as it is)."""
+    pager, target = ctx._pager, model.instance._pager
+    assert pager is not None and target is not None
+    _belong(ctx, model, loras)
+    link = ctx._link
+    link.rebind(model._proc, link.handle, link._slot)  # where its next call goes, once paged in
+    if model._proc.recovery is None:
+        link.journal = None
+    pager.hand_over(ctx, target)
+
+
+def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[tuple[LoraAdapter, float]],
+            data: bytes, paused: list[Pausable]) -> None:
+    """The handle now names the context in the target."""
+    link = ctx._link
+    _belong(ctx, model, loras)
+    ctx._rebind(model._proc, created)
+    if ctx._pager is not None:
+        ctx._pager.forget(ctx)
+    if model.instance._pager is not None:
+        model.instance._pager.admit(ctx)
     # Crash recovery starts the moved context's journal from the state it arrived with.
     recovery = model._proc.recovery
     journal = link.journal = None if recovery is None else recovery.journal()

@@ -257,10 +257,16 @@ class Model:
             if unknown:
                 raise BadRequestError(f"unknown ContextParams field(s): {', '.join(sorted(unknown))}")
             params = replace(params or ContextParams(), **overrides)
-        params = params or ContextParams()
+        return self._new_context(params or ContextParams(), pageable=True)
+
+    def _new_context(self, params: ContextParams, *, pageable: bool) -> Context:
+        """``pageable``: under the pool's max_resident_contexts (not a batcher's or an embedder's own)."""
         ctx = Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
         ctx._params = params
         self._contexts.add(ctx)
+        pager = self.instance._pager
+        if pager is not None and pageable and not params.embeddings:
+            pager.admit(ctx)
         return ctx
 
     def load_lora(self, path: str | os.PathLike[str]) -> LoraAdapter:

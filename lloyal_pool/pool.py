@@ -26,6 +26,7 @@ from .instance import Instance
 from .lifecycle import Subscribers, WorkerEvent
 from .lora import LoraAdapter
 from .model import Model
+from .paging import Pager
 from .routing import ROUTER
 from .shm import DEFAULT_SIZE, check_size
 from .snapshot import Snapshot
@@ -140,6 +141,10 @@ class Pool(BatchedCalls, Subscribers):
     ``checkpoint_tokens``: a context whose journal would make recovery decode that many tokens or more
     is checkpointed in the background after the call that grew it (its state held in this process), so
     that recovery loads the state instead of decoding it all again.
+    ``max_resident_contexts``: session paging, at most that many contexts resident per worker: the least
+    recently used idle one beyond it is paged out (its state saved into an unnamed file in ``page_dir``,
+    default the system's temporary directory, held by this process) and its next call pages it in again
+    (docs/PAGING.md; ``Context.paged``, ``Instance.stats()["paging"]``).
 
     Sandbox (Linux Landlock; ``Instance.sandbox`` says what a worker's kernel enforces): a worker writes
     only beneath its private temporary directory and ``writable_dirs`` (where save_state_file may write),
@@ -161,7 +166,8 @@ class Pool(BatchedCalls, Subscribers):
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
                  sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False,
-                 spares: int = 0, checkpoint_tokens: int | None = None) -> None:
+                 spares: int = 0, checkpoint_tokens: int | None = None, max_resident_contexts: int | None = None,
+                 page_dir: str | os.PathLike[str] | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"a Pool's size is an int of workers >= 0 (0: only snapshots' forks), "
                                        f"got size={size!r}")
@@ -169,6 +175,13 @@ class Pool(BatchedCalls, Subscribers):
                 checkpoint_tokens, int) or checkpoint_tokens < 1):
             raise InvalidArgumentError(f"checkpoint_tokens is an int >= 1 or None, got {checkpoint_tokens!r}")
         self._checkpoint_tokens = checkpoint_tokens
+        if max_resident_contexts is not None and (isinstance(max_resident_contexts, bool) or not isinstance(
+                max_resident_contexts, int) or max_resident_contexts < 1):
+            raise InvalidArgumentError(f"max_resident_contexts is an int >= 1 or None, got {max_resident_contexts!r}")
+        if page_dir is not None and not (isinstance(page_dir, (str, os.PathLike)) and os.path.isdir(page_dir)
+                                         and os.access(page_dir, os.W_OK)):
+            raise InvalidArgumentError(f"page_dir is a writable directory or None, got {page_dir!r}")
+        self._paging = (max_resident_contexts, None if page_dir is None else os.path.realpath(os.fspath(page_dir)))
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise InvalidArgumentError(f"spares is an int of ready workers >= 0, got spares={spares!r}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
@@ -225,6 +238,9 @@ class Pool(BatchedCalls, Subscribers):
     def _instance(self, proc: WorkerProcess) -> Instance:
         instance = Instance(proc)
         instance._on_model_loaded = self._spares.sync if self._spares.wanted else None
+        budget, page_dir = self._paging
+        if budget is not None:
+            instance._pager = Pager(budget, page_dir)
         return instance
 
     def _ready_worker(self) -> WorkerProcess:
@@ -411,6 +427,9 @@ class Pool(BatchedCalls, Subscribers):
         for inst in list(self._instances):
             inst._stop_batchers(PoolClosedError("the pool was closed while the request ran"))
         _close_procs(self._all_procs, timeout, self._watch, self._temp)
+        for inst in list(self._instances):
+            if inst._pager is not None:
+                inst._pager.close()
         self._finalizer.detach()
 
     async def aclose(self, timeout: float = 5.0) -> None:

@@ -25,6 +25,7 @@ class Sampler:
         self._n_vocab = n_vocab
         self._proc = link.proc  # the worker that holds it: a recovered context's worker does not
         self._closed = False
+        link.handle_holders.add(self)  # its context stays resident while it is open (paging.py)
 
     @property
     def handle(self) -> int:

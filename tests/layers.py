@@ -11,7 +11,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                 "worker.zygote", "worker.loop", "worker.__main__"}),
     ("transport", {"_launch", "_process", "_watch", "_link", "_aio"}),
     # What runs on one context. A context makes its conversations (Context.chat) and names its adapters.
-    ("handles", {"stream", "branches", "sampler", "lora", "session", "context"}),
+    ("handles", {"stream", "branches", "sampler", "lora", "session", "paging", "context"}),
     ("serving", {"scheduler", "batching", "routing"}),
     # A model makes its contexts and its batcher; an instance holds the models and routes batched calls.
     ("models", {"model", "migration", "instance"}),

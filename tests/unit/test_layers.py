@@ -152,6 +152,7 @@ def test_the_back_references_are_the_owners_handles_name() -> None:
         ("context", "model"), ("lora", "model"), ("batching", "model"), ("model", "instance"),
         ("session", "context"), ("snapshot", "pool"), ("_recovery", "pool"), ("_launch", "_process"),
         ("context", "instance"), ("migration", "instance"),  # a context moves to an instance
+        ("paging", "context"),  # a worker's pager pages its contexts out and in
     }
 
 
