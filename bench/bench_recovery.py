@@ -9,8 +9,14 @@ checkpoint_tokens=256.
 Each round: a stream of 48 tokens after the conversation; the worker is killed after its 12th piece and
 the time until the 13th arrives is taken (recovery: a worker, the model loaded, the context restored from
 its journal, the generation sent again, its first 12 pieces decoded again and not delivered twice). The
-text must equal an uninterrupted run's. Rounds alternate between the two pools. Timings on a shared
-machine range widely: check the load average it prints.
+text must equal an uninterrupted run's. Rounds alternate between the pools.
+
+Then (--prompt-rounds, default 1; 0 skips it) a killed long prompt: a stream of a 3,400-token prompt
+(n_ctx 4096) whose worker is killed once 2,600 of its tokens are decoded (its progress callback says
+when), on Pool(1, recover=True, spares=1) with and without checkpoint_tokens=512 (which checkpoints a
+streamed prompt every 512 tokens: paused between two ubatches, saved, sent again). Reported: the time
+from the kill to the first piece, and to the end, against the same stream uninterrupted; the text must
+be the uninterrupted one's. Timings on a shared machine range widely: check the load average it prints.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from bench_generate import common_args, model_path
 from lloyal_pool import Pool
 
 CONVERSATION_TOKENS, N_PREDICT, KILL_AT = 1000, 48, 12
+LONG_PROMPT_TOKENS, LONG_KILL_AT, LONG_N_PREDICT = 3400, 2600, 16
 TEXT = ("The lighthouse keeper wrote in his log every night: the wind, the ships, the lamp's oil, and what the "
         "sea had brought to the rocks below. In the spring of the storm he wrote more than ever before. ")
 
@@ -71,10 +78,53 @@ def one_round(pool: Pool, spares: int, threads: int) -> dict[str, Any]:
         ctx.close()
 
 
+def long_prompt_round(pool: Pool, threads: int) -> dict[str, Any]:
+    """A stream of a LONG_PROMPT_TOKENS prompt, uninterrupted, then killed at LONG_KILL_AT."""
+    model = pool[0].models[0]
+    tokens = model.tokenize(TEXT * 120)[:LONG_PROMPT_TOKENS]
+    params: dict[str, Any] = {"n_predict": LONG_N_PREDICT, "temperature": 0.0, "ignore_eos": True}
+    figures: dict[str, Any] = {}
+    texts = []
+    for kill in (False, True):
+        deadline = time.monotonic() + 120
+        while pool.spares < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ctx = model.new_context(n_ctx=4096, n_threads=threads)
+        killed: list[float] = []
+
+        def progress(done: int, total: int, kill: bool = kill, killed: list[float] = killed) -> None:
+            if kill and done >= LONG_KILL_AT and not killed:
+                killed.append(time.perf_counter())
+                os.kill(pool[0].pid, signal.SIGKILL)
+
+        try:
+            t0 = time.perf_counter()
+            first = 0.0
+            pieces = []
+            with ctx.stream(tokens, progress=progress, **params) as stream:
+                for piece in stream:
+                    first = first or time.perf_counter()
+                    pieces.append(piece)
+            end = time.perf_counter()
+            texts.append("".join(pieces))
+            if kill:
+                figures["kill_to_first_piece_ms"] = (first - killed[0]) * 1000.0
+                figures["kill_to_end_ms"] = (end - killed[0]) * 1000.0
+            else:
+                figures["uninterrupted_ms"] = (end - t0) * 1000.0
+                figures["uninterrupted_first_piece_ms"] = (first - t0) * 1000.0
+        finally:
+            ctx.close()
+    if texts[0] != texts[1]:
+        raise RuntimeError("the recovered long prompt's text differs from an uninterrupted run's")
+    return figures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(ap)
     ap.add_argument("-r", "--rounds", type=int, default=3)
+    ap.add_argument("--prompt-rounds", type=int, default=1)
     args = ap.parse_args()
     model_file = str(model_path(args.model))
     print(f"load average before: {load():.2f}")
@@ -92,6 +142,10 @@ def main() -> int:
         for _ in range(args.rounds):
             for name, pool in pools.items():
                 figures[name].append(one_round(pool, configs[name]["spares"], args.threads)["kill_to_next_piece_ms"])
+        long_prompt: dict[str, list[dict[str, Any]]] = {name: [] for name in list(configs)[1:]}
+        for _ in range(args.prompt_rounds):
+            for name in long_prompt:
+                long_prompt[name].append(long_prompt_round(pools[name], args.threads))
     finally:
         for pool in pools.values():
             pool.close()
@@ -101,6 +155,15 @@ def main() -> int:
     for name, values in figures.items():
         report[name] = {"ms": values, "median_ms": statistics.median(values)}
         print(f"  {name:32} median {statistics.median(values):7.0f} ms   rounds {[round(v) for v in values]}")
+    if args.prompt_rounds:
+        print(f"\na {LONG_PROMPT_TOKENS}-token prompt streamed, killed once {LONG_KILL_AT} tokens were decoded "
+              f"(median of {args.prompt_rounds}):")
+        for name, rounds in long_prompt.items():
+            med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            report[f"long prompt, {name}"] = {"rounds": rounds, "median": med}
+            print(f"  {name:32} kill -> first piece {med['kill_to_first_piece_ms']:7.0f} ms, kill -> end "
+                  f"{med['kill_to_end_ms']:7.0f} ms   (uninterrupted: first piece "
+                  f"{med['uninterrupted_first_piece_ms']:.0f} ms, all {med['uninterrupted_ms']:.0f} ms)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0

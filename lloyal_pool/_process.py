@@ -97,6 +97,7 @@ class ContextJournal(Protocol):
     The context's link records every call in it; ``lost`` says why the history cannot be rebuilt."""
 
     lost: str | None
+    checkpoint_tokens: int | None  # Pool(checkpoint_tokens=N): a long prompt streamed is checkpointed every N
 
     def record(self, req: Request[Any], fut: Future[Any], handle: int) -> None: ...
 

@@ -75,7 +75,7 @@ class Journal:
         self._lock = threading.Lock()
         # Pool(checkpoint_tokens=N): a checkpoint is taken in the background once replaying the journal
         # would decode N tokens or more.
-        self._threshold = checkpoint_tokens
+        self.checkpoint_tokens = checkpoint_tokens
         self.replay_tokens = 0  # what replaying the entries decodes, about
         self._checkpointing = False
         self.checkpoint: bytes | SavedState | None = None  # a page file's state is held in that file
@@ -103,8 +103,8 @@ class Journal:
     def wants_checkpoint(self) -> bool:
         """Whether a background checkpoint is due now (then it counts as begun: checkpoint_done ends it)."""
         with self._lock:
-            due = (self._threshold is not None and not self._checkpointing and self.lost is None
-                   and self.replay_tokens >= self._threshold)
+            due = (self.checkpoint_tokens is not None and not self._checkpointing and self.lost is None
+                   and self.replay_tokens >= self.checkpoint_tokens)
             self._checkpointing = self._checkpointing or due
             return due
 

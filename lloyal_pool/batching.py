@@ -175,29 +175,40 @@ class Batcher:
     needs a model loaded with ``repack=False`` on a CPU worker (ContextError otherwise) and costs
     throughput (bench/bench_deterministic.py).
 
+    ``preempt_slots``: that many slots more, for preemption. A request that finds every slot busy takes
+    one when it outranks a running request (a lower GenerateParams.priority, or an equal one that came
+    first), and the lowest-ranked running request pauses: it keeps its slot, KV cache, sampler and text,
+    is neither sampled nor decoded, and goes on exactly where it stopped once a request ends (at most
+    ``slots`` requests run at once; ``paused`` counts the others). 0 (default): a request waits for a
+    slot. Each costs a slot's cells (n_ctx_slot) of memory.
+
     Made by Model.batcher(); Instance.generate/stream and Pool.generate/stream use the default one."""
 
     def __init__(self, model: Model, *, slots: int = 8, n_ctx_slot: int = 2048, chunk: int = 128,
-                 n_threads: int | None = None, deterministic: bool = False) -> None:
+                 n_threads: int | None = None, deterministic: bool = False, preempt_slots: int = 0) -> None:
         slots = whole(slots, "slots")
         n_ctx_slot = whole(n_ctx_slot, "n_ctx_slot")
         chunk = whole(chunk, "chunk")
-        if slots < 1 or n_ctx_slot < 8 or chunk < 1:
-            raise InvalidArgumentError(f"a batcher needs slots >= 1, n_ctx_slot >= 8 and chunk >= 1, got "
-                                       f"slots={slots}, n_ctx_slot={n_ctx_slot}, chunk={chunk}")
+        preempt_slots = whole(preempt_slots, "preempt_slots")
+        if slots < 1 or n_ctx_slot < 8 or chunk < 1 or preempt_slots < 0:
+            raise InvalidArgumentError(f"a batcher needs slots >= 1, n_ctx_slot >= 8, chunk >= 1 and "
+                                       f"preempt_slots >= 0, got slots={slots}, n_ctx_slot={n_ctx_slot}, "
+                                       f"chunk={chunk}, preempt_slots={preempt_slots}")
         self.model = model
         self.n_threads = n_threads
         self.slots = slots
+        self.preempt_slots = preempt_slots
         self.n_ctx_slot = n_ctx_slot
         self.chunk = chunk
         self._eog = list(model.info.eog_tokens)
         self.deterministic = bool(deterministic)
+        seqs = slots + preempt_slots
         self.context: Context = model._new_context(ContextParams(
-            n_ctx=slots * n_ctx_slot, n_seq_max=slots, n_batch=max(512, chunk, slots), n_threads=n_threads,
+            n_ctx=seqs * n_ctx_slot, n_seq_max=seqs, n_batch=max(512, chunk, seqs), n_threads=n_threads,
             batch_invariant=self.deterministic), pageable=False)
         # A deterministic context keeps each slot in a cache stream of its own: nothing to copy between them.
-        self._plan = Scheduler([self.context.branches.create().detach() for _ in range(slots)], n_ctx_slot, chunk,
-                               share=not self.deterministic)
+        self._plan = Scheduler([self.context.branches.create().detach() for _ in range(seqs)], n_ctx_slot, chunk,
+                               share=not self.deterministic, lanes=slots)
         self._lock = threading.Lock()  # the scheduler's queue and slots, which callers' threads read
         self._wake = threading.Event()
         self._closed: BaseException | None = None
@@ -208,7 +219,7 @@ class Batcher:
     def options(self) -> dict[str, Any]:
         """The options it was made with (Model.batcher's keywords)."""
         return {"slots": self.slots, "n_ctx_slot": self.n_ctx_slot, "chunk": self.chunk, "n_threads": self.n_threads,
-                "deterministic": self.deterministic}
+                "deterministic": self.deterministic, "preempt_slots": self.preempt_slots}
 
     def __repr__(self) -> str:
         return f"<Batcher slots={self.slots} n_ctx_slot={self.n_ctx_slot} model={self.model!r}>"
@@ -307,6 +318,11 @@ class Batcher:
     def queued(self) -> int:
         """Requests waiting for a slot."""
         return len(self._plan.waiting)
+
+    @property
+    def paused(self) -> int:
+        """Requests in slots paused for higher-ranked ones (preempt_slots)."""
+        return len(self._plan.paused())
 
     def _closed_error(self) -> BaseException:
         err = self._closed

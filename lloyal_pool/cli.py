@@ -185,6 +185,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit("lloyal-pool serve: --lora serves adapters from workers on this machine, not --ray")
         if args.deterministic:
             raise SystemExit("lloyal-pool serve: --deterministic runs workers on this machine, not --ray")
+        if args.preempt_slots:
+            raise SystemExit("lloyal-pool serve: --preempt-slots runs workers on this machine, not --ray")
         return _serve_on_ray(args, uvicorn.run, create_app)
     path = _model_path(args.model)
     loras = _serve_loras(args, path)
@@ -192,14 +194,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for inst in pool:
             # Batch invariance needs the weights as the file has them (no repacking): Batcher's docstring.
             model = inst.load_model(path, repack=not args.deterministic)
-            model.batcher(slots=args.slots, n_ctx_slot=args.n_ctx_slot, deterministic=args.deterministic)
+            model.batcher(slots=args.slots, n_ctx_slot=args.n_ctx_slot, deterministic=args.deterministic,
+                          preempt_slots=args.preempt_slots)
         template, bias = _serve_template(args, path.name, model.info.chat_template is not None,
                                          _special_tokenizer(model))
         # Every worker's model loads the adapters here (LoraError, naming the adapter, for a bad one).
         app = create_app(pool, model_name=args.name, chat_template=template, chat_logit_bias=bias,
                          api_key=args.api_key, lora=loras, **_max_tokens(args))
         with_loras = f" with LoRA adapters {', '.join(name for name, _ in loras)}" if loras else ""
-        mode = ", deterministic" if args.deterministic else ""
+        mode = (", deterministic" if args.deterministic else "") + (
+            f", {args.preempt_slots} slot(s) for preemption" if args.preempt_slots else "")
         print(f"lloyal-pool serve: {path.name} on {args.workers} worker(s){with_loras}{mode}, "
               f"http://{args.host}:{args.port}/", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -352,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--deterministic", action="store_true",
                    help="a request's tokens do not depend on the other requests batched with it (bit for bit what "
                    "it gives alone; slower, CPU workers only, no prefix copies between slots)")
+    s.add_argument("--preempt-slots", type=int, default=0, metavar="N",
+                   help="N slots more per worker, for preemption: a request of a lower priority value that finds "
+                   "every slot busy pauses the lowest-ranked running one, which goes on once a request ends")
     s.add_argument("--lora", action="append", metavar="[NAME=]PATH",
                    help="a LoRA adapter GGUF every worker's model loads (repeatable; ids 0, 1, ... in this order). "
                    "A request runs it when its model is NAME (default: the file's stem) or its lora field "

@@ -147,10 +147,14 @@ class Context:
 
     def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
                       progress: PromptProgress | None) -> S:
-        req = self._generate_request(prompt, params, stream=True, append=append, progress=progress is not None)
+        journal = self._link.journal
+        every = None if journal is None else journal.checkpoint_tokens
+        # Checkpoints inside a long prompt are taken as its progress events report it.
+        req = self._generate_request(prompt, params, stream=True, append=append,
+                                     progress=progress is not None or (every is not None and isinstance(s, Stream)))
         on_event = events(piece=s._q.put, prompt_progress=spread_progress(progress))
         if isinstance(s, Stream):  # a blocking stream (a chat turn's too) pauses and moves
-            run = Pausable(self._link, req, on_event)
+            run = Pausable(self._link, req, on_event, every)
             self._runs.add(run)
             s._start_run(run)
         else:

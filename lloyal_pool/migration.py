@@ -165,6 +165,8 @@ def _build(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]],
             dst.call(p.LoadState(context=created.context, path=arriving.path)).result()
         for run in paused:
             assert run.suspension is not None
+            if run.in_prompt:
+                continue  # nothing to hand over: its Generate, sent again there, goes on
             dst.call(p.AdoptGeneration(context=created.context, params=run.params, suspension=run.suspension,
                                        origin=run.origin)).result()
     except BaseException:
@@ -223,6 +225,8 @@ def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[t
             journal.restart(data, journal.mark())
         for run in paused:  # the generations handed over, which a Resume then caps
             assert run.suspension is not None
+            if run.in_prompt:
+                continue
             journal.record(p.AdoptGeneration(context=created.context, params=run.params, suspension=run.suspension,
                                              origin=run.origin), done, created.context)
 

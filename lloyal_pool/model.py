@@ -218,16 +218,19 @@ class Model:
                                        tool_choice=tool_choice))
 
     def batcher(self, *, slots: int | None = None, n_ctx_slot: int | None = None, chunk: int | None = None,
-                n_threads: int | None = None, deterministic: bool | None = None) -> Batcher:
+                n_threads: int | None = None, deterministic: bool | None = None,
+                preempt_slots: int | None = None) -> Batcher:
         """The model's Batcher (batching.py): continuous batching of independent generations on one
         context of ``slots`` sequences (default 8) with ``n_ctx_slot`` tokens of room each (default 2048).
         The first call makes it with the options given; Instance.generate and Pool.generate use it. A
         later call with other options raises InvalidArgumentError (close the model to start over). When
         its worker died and crash recovery replaced it, the next call makes a new one with the same
         options. ``deterministic=True``: a request's tokens do not depend on what else is batched
-        (Batcher's docstring)."""
+        (Batcher's docstring). ``preempt_slots``: slots where a request outranked by a higher-priority one
+        waits, paused (Batcher's docstring; default 0)."""
         asked: dict[str, Any] = {k: v for k, v in {"slots": slots, "n_ctx_slot": n_ctx_slot, "chunk": chunk,
-                                   "n_threads": n_threads, "deterministic": deterministic}.items() if v is not None}
+                                   "n_threads": n_threads, "deterministic": deterministic,
+                                   "preempt_slots": preempt_slots}.items() if v is not None}
         with self._batcher_lock:
             if self._closed:
                 raise StaleHandleError(f"Model handle {self._handle} was closed")

@@ -13,6 +13,12 @@ One iteration of the loop:
     decode(...)      ONE decode: the going jobs' tokens, beside a budget of the prompts still to prefill
     decoded(...)     what that decode put in each slot
 
+With ``lanes`` fewer than the slots, at most ``lanes`` jobs run; the others in slots are *paused*: they
+keep their slot, its cells and their branch (sampler, text, logits), and are neither sampled nor decoded.
+Which jobs run is decided by rank, (priority, arrival): a waiting job takes a free slot when a lane is
+free or it outranks a running job, which then pauses, and a paused job runs again when a lane frees (or
+it outranks one). Nothing of a paused job is lost or recomputed: it goes on exactly where it stopped.
+
 Jobs belong to groups (``Job.group``: the LoRA configuration a request runs under). One decode runs under
 one configuration, so it takes the jobs of one group; when several groups have work, they take turns,
 the group served longest ago first, and a job whose sampled token waits for its group's turn holds it
@@ -43,6 +49,12 @@ class Job:
     priority: int = 0  # lower goes first; equal priorities in order of arrival
     group: Hashable = ()  # jobs of one group may share a decode and each other's cells
     pending: int | None = None  # a sampled token waiting for its group's decode
+    paused: bool = False  # in a slot, outranked by the jobs that have the lanes (Scheduler's lanes)
+    arrival: int = 0  # set by submit(): the order among equal priorities
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return self.priority, self.arrival
 
 
 @dataclass(eq=False)
@@ -103,18 +115,25 @@ class Scheduler:
     generate than prefill. ``share`` False: cells are never copied between slots (a context whose
     sequences live in streams of their own), only kept in a slot for its next job."""
 
-    def __init__(self, seqs: Sequence[int], n_ctx_slot: int, chunk: int, *, share: bool = True) -> None:
+    def __init__(self, seqs: Sequence[int], n_ctx_slot: int, chunk: int, *, share: bool = True,
+                 lanes: int | None = None) -> None:
         self.slots = [Slot(seq) for seq in seqs]
         self.n_ctx_slot = n_ctx_slot
         self.chunk = chunk
         self.share = share
+        self.lanes = len(self.slots) if lanes is None else lanes  # the most jobs that run at once
         self.waiting: list[Job] = []
+        self._arrivals = 0
         self._served: dict[Hashable, int] = {}  # the decode count when each group was last decoded
         self._n_decodes = 0
 
     # -- what it holds -------------------------------------------------------------------------------------
     def running(self) -> list[Job]:
+        """The jobs in slots, paused ones included."""
         return [s.job for s in self.slots if s.job is not None]
+
+    def paused(self) -> list[Job]:
+        return [j for j in self.running() if j.paused]
 
     def affinity(self, prompt: Sequence[int]) -> int:
         """The longest prefix of prompt a job without adapters admitted now would not decode (0 when no
@@ -129,12 +148,27 @@ class Scheduler:
                    self._coming(prompt, ()))
 
     def _coming(self, prompt: Sequence[int], group: Hashable) -> int:
-        # What the group's running jobs' prompts share with prompt: held already, or being prefilled now.
-        return max((common_prefix(j.prompt, prompt) for j in self.running() if j.group == group), default=0)
+        # What the group's running jobs' prompts share with prompt: held already, or being prefilled now
+        # (not by a paused job: nothing says when it goes on).
+        return max((common_prefix(j.prompt, prompt) for j in self.running() if j.group == group and not j.paused),
+                   default=0)
 
     # -- admission -----------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        job.arrival = self._arrivals
+        self._arrivals += 1
         self.waiting.append(job)
+
+    def _outranks_a_lane(self, job: Job) -> bool:
+        """Whether job would run if it had a slot: a lane is free, or it outranks a job that runs."""
+        running = [j for j in self.running() if not j.paused]
+        return len(running) < self.lanes or job.rank < max(j.rank for j in running)
+
+    def _assign_lanes(self) -> None:
+        """The best-ranked jobs in slots run, the others pause."""
+        ranked = sorted(self.running(), key=lambda j: j.rank)
+        for i, job in enumerate(ranked):
+            job.paused = i >= self.lanes
 
     def withdraw_cancelled(self) -> list[Job]:
         """Takes the jobs cancelled before they had a slot off the queue: they end with no token."""
@@ -155,12 +189,15 @@ class Scheduler:
         again, for the logits of the job's first choice."""
         free = [s for s in self.slots if s.job is None]
         out: list[Placement] = []
+        self._assign_lanes()  # a job that ended freed a lane: a paused one goes on first
         # A slot placed in this call holds what it will keep only once the loop has placed it: it is no
         # source yet (its job's prompt counts as coming).
         taken: list[Slot] = []
         for job in sorted(self.waiting, key=lambda j: j.priority):  # stable: arrival order within one
             if not free:
                 break
+            if not self._outranks_a_lane(job):
+                continue  # it would only pause in the slot: a better-ranked job may come for it
             limit = len(job.prompt) - 1
 
             def held(s: Slot, job: Job = job) -> int:  # what of the job's prompt a slot's cells hold for it
@@ -178,6 +215,7 @@ class Scheduler:
             free.remove(slot)
             taken.append(slot)
             slot.job, job.slot = job, slot
+            self._assign_lanes()
             if shared > own and shared >= AFFINITY_TOKENS:
                 out.append(Placement(job, slot, shared, source))
             else:
@@ -197,7 +235,7 @@ class Scheduler:
     def step(self) -> Step:
         """What this iteration does with the jobs in slots (a snapshot: ``cancelled`` may change meanwhile)."""
         running = self.running()
-        going = [j for j in running if not j.cancelled]
+        going = [j for j in running if not j.cancelled and not j.paused]
         return Step(interrupted=[j for j in running if j.cancelled],
                     sample=[j for j in going if not j.todo and j.pending is None],
                     prefill=[j for j in going if j.todo],
@@ -260,7 +298,7 @@ class Scheduler:
         """Frees the job's slot, if it has one. ``cells_kept``: its sequence still holds what the job put
         there, for the next job to reuse; False forgets it."""
         slot, job.slot = job.slot, None
-        job.pending = None
+        job.pending, job.paused = None, False
         if slot is not None:
             slot.job = None
             if not cells_kept:
@@ -274,7 +312,7 @@ class Scheduler:
         for slot in self.slots:
             job = slot.job
             if job is not None and job.n_decoded == 0:
-                slot.job, job.slot, slot.tokens = None, None, []
+                slot.job, job.slot, slot.tokens, job.paused = None, None, [], False
                 gone.append(job)
         for job in gone:
             job.todo, job.n_cached = [], 0

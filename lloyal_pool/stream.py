@@ -35,7 +35,7 @@ class Pausable:
     pause). States: running, pausing (asked, not yet stopped), paused, done."""
 
     def __init__(self, link: ContextLink, request: p.Generate,
-                 deliver: Callable[[dict[str, Any]], None] | None) -> None:
+                 deliver: Callable[[dict[str, Any]], None] | None, checkpoint_tokens: int | None = None) -> None:
         self._link = link
         self._request = request
         self._deliver = deliver
@@ -56,6 +56,16 @@ class Pausable:
         self._chars = 0  # of pieces delivered
         self._chars_at_pause = 0
         self._skip = 0  # of pieces a Resume sent again after a crash delivers once more: not passed on
+        # A long prompt is checkpointed every checkpoint_tokens tokens (Pool(checkpoint_tokens=N) with
+        # recover=True): paused between two ubatches, its state saved as the journal's checkpoint, and
+        # sent again (the cache holds what was decoded), so that a crash does not decode it all again.
+        self._checkpoint_tokens = checkpoint_tokens if not request.append else None
+        self._auto = False  # the pause under way is such a checkpoint's, not the caller's
+        self._prompt_done = 0  # of the prompt's tokens to decode, those decoded by the segments before
+        self._last_done = 0  # ... and by this one too, as its last progress event said
+        self._checkpointed_at = 0
+        self._first_cached: int | None = None  # the first segment's n_cached: what the prompt reused
+        self._prompt_ms_before = 0.0  # the prompt time of the segments that paused inside it
 
     @property
     def params(self) -> dict[str, Any]:
@@ -72,10 +82,24 @@ class Pausable:
     def _set_id(self, request_id: int) -> None:
         self._request_id = request_id
 
+    @property
+    def in_prompt(self) -> bool:
+        """Whether it paused inside its prompt: nothing is suspended, the Generate sent again goes on."""
+        return self.suspension is not None and bool(self.suspension.get("prompt"))
+
     def _on_event(self, event: dict[str, Any]) -> None:
         if "paused" in event:
             self.suspension = event["paused"]
             return
+        pair = event.get("prompt_progress")
+        if pair is not None:
+            done, total = int(pair[0]) + self._prompt_done, int(pair[1]) + self._prompt_done
+            event = {**event, "prompt_progress": [done, total]}
+            self._last_done = done
+            every = self._checkpoint_tokens
+            if every is not None and done - self._checkpointed_at >= every and done < total:
+                self._checkpointed_at = done
+                self._auto_pause()
         piece = event.get("piece")
         if isinstance(piece, str):
             if self._skip:
@@ -89,12 +113,17 @@ class Pausable:
             self._deliver(event)
 
     def _joined(self, result: Result) -> Result:
-        """result with what the segments before a take-over reported joined in."""
+        """result with what the segments before a take-over, or a pause inside the prompt, reported
+        joined in."""
         before = self._before
-        if before is None:
-            return result
-        logprobs = None if result.logprobs is None else [*(before.logprobs or []), *result.logprobs]
-        return msgspec.structs.replace(result, decode_ms=before.decode_ms + result.decode_ms, logprobs=logprobs)
+        changes: dict[str, Any] = {}
+        if before is not None:
+            changes["logprobs"] = None if result.logprobs is None else [*(before.logprobs or []), *result.logprobs]
+            changes["decode_ms"] = before.decode_ms + result.decode_ms
+        if self._prompt_ms_before:  # the prompt's first part: its time, and the cache it reused
+            changes["prompt_ms"] = self._prompt_ms_before + result.prompt_ms
+            changes["n_cached"] = self._first_cached or 0
+        return msgspec.structs.replace(result, **changes) if changes else result
 
     def _segment_ended(self, fut: Future[Result]) -> None:
         error = fut.exception()
@@ -111,6 +140,8 @@ class Pausable:
                 self._cond.notify_all()
             threading.Thread(target=self._resume_after_crash, daemon=True, name="lloyal-resume").start()
             return
+        if self._first_cached is None and error is None:
+            self._first_cached = fut.result().n_cached
         if error is None and fut.result().stop_reason == StopReason.PAUSED:
             if not self._resuming:  # the Generate's id, or the one crash recovery sent it again under
                 self.origin = self._link.latest(self._request_id)
@@ -119,9 +150,11 @@ class Pausable:
                 self._chars_at_pause = self._chars
                 self.state = "paused"
                 self._cond.notify_all()
-                stop = self._stop_wanted
+                stop, auto = self._stop_wanted, self._auto
             if stop:
                 self.interrupt()
+            elif auto:
+                threading.Thread(target=self._checkpoint_and_go, daemon=True, name="lloyal-checkpoint").start()
             return
         with self._cond:
             self.state = "done"
@@ -150,10 +183,36 @@ class Pausable:
             self._cond.notify_all()
         self.future.set_exception(error)
 
+    def _auto_pause(self) -> None:
+        with self._cond:
+            if self.state != "running":
+                return
+            self._auto = True
+            self.state = "pausing"
+            if not self._link.pause_request(self._request_id):
+                self.state, self._auto = "running", False
+
+    def _checkpoint_and_go(self) -> None:
+        """A checkpoint's pause: the state saved as the journal's checkpoint, then on, unless the caller
+        paused the stream meanwhile (then it is theirs to resume)."""
+        try:
+            self._link.checkpoint()
+        except Exception:
+            pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead
+        with self._cond:
+            if not self._auto:
+                return
+            self._auto = False
+        try:
+            self.resume()
+        except BaseException as exc:
+            self.fail(exc)
+
     def pause(self, wait: bool = True, timeout: float | None = None) -> bool:
         """Asks the generation to pause at its next token boundary; with ``wait``, returns once it has
         (True) or has ended (False)."""
         with self._cond:
+            self._auto = False  # a checkpoint's pause under way is the caller's now
             if self.state == "running":
                 self.state = "pausing"
                 if not self._link.pause_request(self._request_id):
@@ -177,6 +236,14 @@ class Pausable:
             try:
                 if not link.proc.alive:
                     link.proc.await_recovery()  # crash recovery rebuilds the history; the generation is ours
+                if self.in_prompt:  # the same prompt again: the cache holds what was decoded
+                    assert self._partial is not None
+                    self._prompt_done = self._last_done  # its progress events come before its reply
+                    self._prompt_ms_before += self._partial.prompt_ms
+                    self._partial = None  # nothing of it but its prompt time
+                    self.holder = link.proc
+                    self._send(self._request)
+                    return True
                 if self.holder is not link.proc:
                     self.take_over()
                 self._send(p.Resume(context=link.handle, stream=self._request.stream, origin=self.origin))
@@ -199,10 +266,16 @@ class Pausable:
         self.handed_over(link.proc)
 
     def handed_over(self, proc: WorkerProcess) -> None:
-        """The paused generation now lives in ``proc`` (AdoptGeneration sent there)."""
+        """The paused generation now lives in ``proc`` (AdoptGeneration sent there; or its context only,
+        for one paused inside its prompt, which resume() sends again)."""
+        if not self.in_prompt:
+            self._bank()
+        self.holder = proc
+
+    def _bank(self) -> None:
+        """The paused segment's result joins what the segments after it report."""
         if self._partial is not None:
             self._before, self._partial = self._joined(self._partial), None
-        self.holder = proc
 
     def interrupt(self) -> None:
         """Ends the generation: a running one as interrupt() does; a paused one at once, its result the

@@ -201,7 +201,8 @@ std::vector<llama_token> sequence_driver::seen_tokens(const prompt_plan & plan) 
     return seen;
 }
 
-bool sequence_driver::take_prompt(prompt_plan & plan, bool append, const context_core::progress_fn & on_progress) {
+bool sequence_driver::take_prompt(prompt_plan & plan, bool append, const context_core::progress_fn & on_progress,
+                                  bool pausable) {
     if (!append) {
         if (truncate_to(plan.n_keep) != plan.n_keep) {
             // The memory could not keep that prefix (an SWA cache without swa_full that has already
@@ -222,7 +223,7 @@ bool sequence_driver::take_prompt(prompt_plan & plan, bool append, const context
         }
     }
     context_core::progress_scope progress(core_, on_progress);
-    return decode_tokens(plan.to_decode.data(), plan.to_decode.size(), true);
+    return decode_tokens(plan.to_decode.data(), plan.to_decode.size(), true, pausable && !append);
 }
 
 generate_result sequence_driver::generate(const prompt_input & prompt, const gen_params & p, uint64_t request_id,
@@ -239,6 +240,7 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
     const Model & model = core_.model();
     prompt_plan plan = plan_prompt(prompt, p);
     suspended_.reset();  // a new generation: a paused one can no longer resume
+    prompt_paused_ = false;
 
     auto st = std::make_shared<generation_state>(p, model);
     st->on_piece = on_piece;
@@ -255,13 +257,19 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
             st->out.stop("interrupted");
         }
         const int64_t t0 = now_us();
-        if (!st->out.stopped() && !take_prompt(plan, prompt.append, on_progress)) {
+        if (!st->out.stopped() && !take_prompt(plan, prompt.append, on_progress, draft == nullptr) && !prompt_paused_) {
             st->out.stop("interrupted");
         }
         const int64_t t1 = now_us();
         st->res.prompt_ms = elapsed_ms(t0, t1);
         st->res.n_prompt = plan.tokens.size();
         st->res.n_cached = plan.n_cached;
+        if (prompt_paused_) {  // nothing sampled, nothing kept: the request sent again goes on
+            res = st->res;
+            res.n_past = history_.size();
+            res.stop_reason = "paused";
+            return res;
+        }
         res = run_rounds(st, draft, n_draft, stop, t1);
     }
     return res;

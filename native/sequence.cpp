@@ -90,13 +90,17 @@ size_t sequence_driver::truncate_to(size_t n) {
     return n;
 }
 
-bool sequence_driver::decode_tokens(const llama_token * toks, size_t n, bool want_logits) {
+bool sequence_driver::decode_tokens(const llama_token * toks, size_t n, bool want_logits, bool pausable) {
     if (n == 0) {
         return true;
     }
     has_logits_ = false;
     for (size_t i = 0; i < n;) {
         if (core_.interrupt_requested()) {
+            return false;
+        }
+        if (pausable && i > 0 && core_.pause_requested()) {
+            prompt_paused_ = true;
             return false;
         }
         const size_t pos0 = history_.size();

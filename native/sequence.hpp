@@ -163,8 +163,10 @@ class sequence_driver : public kv_tenant {
     prompt_plan plan_prompt(const prompt_input & prompt, const gen_params & p) const;
     // The tokens the penalty and DRY windows start with.
     std::vector<llama_token> seen_tokens(const prompt_plan & plan) const;
-    // Trims the history as planned and decodes the rest; false when interrupted.
-    bool take_prompt(prompt_plan & plan, bool append, const context_core::progress_fn & on_progress);
+    // Trims the history as planned and decodes the rest; false when interrupted, or paused between two
+    // ubatches of a whole prompt (prompt_paused_ then says so).
+    bool take_prompt(prompt_plan & plan, bool append, const context_core::progress_fn & on_progress,
+                     bool pausable = false);
     // The generation loop of generate (draft null) and generate_with_draft (generate.cpp); the caller holds
     // the busy guard and has checked the mode.
     generate_result run_generation(const prompt_input & prompt, const gen_params & p, drafter * draft, size_t n_draft,
@@ -185,8 +187,9 @@ class sequence_driver : public kv_tenant {
     void require_sequence_mode(const char * what) const;  // ContextError in branch mode
     // Decodes toks at the end of sequence 0 in n_batch chunks, committing each chunk to the history
     // once llama_decode succeeded. want_logits: output row for the very last token only.
-    // Returns false when interrupted (the KV trimmed back to the last committed chunk).
-    bool decode_tokens(const llama_token * toks, size_t n, bool want_logits);
+    // Returns false when interrupted (the KV trimmed back to the last committed chunk); with pausable, also
+    // when a pause is asked for after the first chunk (prompt_paused_ set; every chunk so far committed).
+    bool decode_tokens(const llama_token * toks, size_t n, bool want_logits, bool pausable = false);
     // Keeps the first n tokens of sequence 0. Returns n, or 0 when the memory cannot keep exactly that
     // prefix (recurrent state, or an SWA cache that already dropped what position n needs): then
     // everything was cleared.
@@ -208,6 +211,10 @@ class sequence_driver : public kv_tenant {
     std::vector<llama_token> history_;
     bool has_logits_ = false;
     std::shared_ptr<generation_state> suspended_;  // a paused generation (resume)
+    // The last prompt stopped by a pause between two ubatches: nothing is suspended, and the same
+    // whole-prompt request sent again goes on from there (its cache holds the chunks decoded, which end
+    // where a decode from scratch ends its ubatches).
+    bool prompt_paused_ = false;
     // history_[:fresh_upto_] is in the KV cache exactly as a decode from scratch in n_batch chunks
     // would have put it there (same ubatches, so bit-identical); always a ubatch boundary.
     size_t fresh_upto_ = 0;

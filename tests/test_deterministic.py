@@ -76,6 +76,30 @@ def test_sampled_requests_replay_their_seeds_exactly_in_any_company(model: Model
         b.close()
 
 
+def test_a_request_paused_for_a_higher_priority_one_goes_on_bit_for_bit(model: Model) -> None:
+    # One slot runs; a second one is for preemption (Batcher(preempt_slots=1)).
+    b = model.batcher(slots=1, n_ctx_slot=256, deterministic=True, preempt_slots=1)
+    try:
+        low_params = {"n_predict": 48, "ignore_eos": True, "temperature": 0.9, "top_k": 40, "seed": 5,
+                      "repeat_penalty": 1.1, "logprobs": 2, "priority": 5}
+        high_params = {"n_predict": 12, "ignore_eos": True, "logprobs": 2, "priority": 0}
+        low_alone = b.generate(PROMPTS[4], **low_params)
+        high_alone = b.generate(PROMPTS[5], **high_params)
+        started = threading.Event()
+        seen_paused: list[int] = []
+        low = b.submit(PROMPTS[4], on_piece=lambda _: started.set(), **low_params)
+        assert started.wait(PATIENCE)
+        high = b.submit(PROMPTS[5], on_piece=lambda _: seen_paused.append(b.paused), **high_params)
+        high_result = high.future.result(PATIENCE)
+        assert not low.future.done()  # the urgent one ended first: the other waited, paused
+        assert seen_paused and set(seen_paused) == {1}
+        # Each is what it is alone: the paused one went on with its cache, sampler and penalty window.
+        assert same(high_result, high_alone) and same(low.future.result(PATIENCE), low_alone)
+        assert b.paused == 0 and b.active == 0
+    finally:
+        b.close()
+
+
 def test_what_a_batch_invariant_context_needs_is_said_and_the_worker_serves_on(pool: Pool, model: Model,
                                                                             gemma_path: Path) -> None:
     repacked = pool[0].load_model(gemma_path)  # repack=True, the default
@@ -102,8 +126,9 @@ def test_what_a_batch_invariant_context_needs_is_said_and_the_worker_serves_on(p
 
 
 def test_the_serve_command_s_deterministic_flag() -> None:
-    err = chat_with_the_serve_command(["--deterministic", "--slots", "2", "--n-ctx-slot", "256"])
-    assert "deterministic" in err
+    err = chat_with_the_serve_command(["--deterministic", "--slots", "2", "--n-ctx-slot", "256",
+                                       "--preempt-slots", "1"])
+    assert "deterministic" in err and "1 slot(s) for preemption" in err
 
 
 def test_the_endpoint_on_a_deterministic_batcher_answers_each_request_as_alone(pool: Pool, model: Model) -> None:

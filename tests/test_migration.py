@@ -377,3 +377,39 @@ def test_a_chat_turn_pauses_and_moves(pair: tuple[Pool, Model, Model]) -> None:
     expected = reference.send("Tell me about lighthouses.")
     assert stream.reply.result.tokens == expected.result.tokens and "".join(pieces) == expected.result.text
     assert chat.send("And then?").result.tokens == reference.send("And then?").result.tokens
+
+
+LONG_PROMPT = ("The keeper climbed the hundred steps at dusk, trimmed the wick, wound the clockwork and wrote "
+               "the weather in his log. ") * 60
+
+
+@pytest.mark.parametrize("move", [False, True], ids=["in place", "moved"])
+def test_a_stream_paused_inside_its_prompt_goes_on_from_there(pair: tuple[Pool, Model, Model], move: bool) -> None:
+    pool, model, _ = pair
+    tokens = model.tokenize(LONG_PROMPT)[:1500]
+    reference = model.new_context(n_ctx=N_CTX, n_ubatch=128)
+    expected = reference.generate(tokens, **GREEDY)
+    reference.close()
+    ctx = model.new_context(n_ctx=N_CTX, n_ubatch=128)
+    seen: list[int] = []
+    holder: list[Any] = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append(done)
+        if len(seen) == 1:
+            holder[0].pause(wait=False)  # on the reader thread: takes effect at the next ubatch
+
+    stream = ctx.stream(tokens, progress=progress, **GREEDY)
+    holder.append(stream)
+    assert stream.pause()  # already asked: waits for it
+    held = ctx.n_past()
+    assert 0 < held < len(tokens)  # stopped inside the prompt, every ubatch decoded kept
+    if move:
+        ctx.move_to(_other(pool, ctx))
+        assert ctx.n_past() == held
+    assert stream.resume()
+    text = "".join(stream)
+    assert text == stream.result.text == expected.text
+    assert stream.result.n_cached == 0 and stream.result.n_prompt == len(tokens)
+    assert seen == sorted(seen) and seen[-1] == len(tokens)
+    ctx.close()

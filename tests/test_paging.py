@@ -65,7 +65,7 @@ def test_contexts_beyond_the_budget_page_out_and_come_back_whole(paged: tuple[Po
     references = [_reference(model, pr) for pr in PROMPTS[:4]]
     contexts = [model.new_context(n_ctx=N_CTX) for _ in range(4)]
     try:
-        firsts = [c.generate(pr, **GREEDY).text for c, pr in zip(contexts, PROMPTS)]
+        firsts = [c.generate(pr, **GREEDY).text for c, pr in zip(contexts, PROMPTS[:4], strict=True)]
         n_past = [c.n_past() for c in contexts]
         # The two used last stay; the two before them went out, least recently used first.
         assert _settled(*contexts) == [True, True, False, False]
@@ -211,7 +211,7 @@ def test_paged_and_resident_contexts_survive_a_kill_of_their_worker(gemma_path: 
         assert _settled(a, b) == [False, True]
         pid = pool[0].pid
         pool[0].kill()
-        for ctx, prompt, first, reference in zip((a, b), PROMPTS, firsts, references):
+        for ctx, prompt, first, reference in zip((a, b), PROMPTS[:2], firsts, references, strict=True):
             second = ctx.generate(prompt + first + " Then", **GREEDY)
             assert (first, second.text, second.n_cached) == reference
         assert pool[0].pid != pid

@@ -78,3 +78,44 @@ def test_a_long_journal_is_checkpointed_in_the_background(gemma_path: Path) -> N
         assert ctx.generate("", append=True, n_predict=8, temperature=0.0).n_cached == len(held)
         with pytest.raises(InvalidArgumentError, match="checkpoint_tokens"):
             Pool(1, recover=True, checkpoint_tokens=0)
+
+
+LONG = ("The keeper climbed the hundred steps at dusk, trimmed the wick, wound the clockwork and wrote the "
+        "weather in his log. ") * 90
+
+
+def test_a_long_streamed_prompt_killed_midway_resumes_from_its_last_checkpoint(gemma_path: Path) -> None:
+    with Pool(1, recover=True, checkpoint_tokens=512) as pool:
+        model = pool[0].load_model(gemma_path)
+        tokens = model.tokenize(LONG)[:2000]
+        reference = model.new_context(n_ctx=4096, n_ubatch=256)
+        expected = reference.generate(tokens, n_predict=16, temperature=0.0, ignore_eos=True)
+        reference.close()
+        ctx = model.new_context(n_ctx=4096, n_ubatch=256)
+        journal = cast("Journal", ctx._link.journal)
+        seen: list[tuple[int, int]] = []
+        checkpoints: list[int] = []
+        at_kill: list[tuple[object, list[object]]] = []
+
+        def progress(done: int, total: int) -> None:
+            seen.append((done, total))
+            if journal.checkpoint is not None and not checkpoints:
+                checkpoints.append(done)
+            if done >= 1536 and len(checkpoints) == 1:  # a checkpoint inside the prompt is behind us
+                checkpoints.append(done)
+                at_kill.append((journal.checkpoint, list(journal.entries)))
+                os.kill(pool[0].pid, signal.SIGKILL)
+
+        with ctx.stream(tokens, n_predict=16, temperature=0.0, ignore_eos=True, progress=progress) as stream:
+            text = "".join(stream)
+        result = stream.result
+        assert len(checkpoints) == 2, f"no kill after a checkpoint inside the prompt: {seen}"
+        assert text == result.text == expected.text
+        assert result.n_cached == 0 and result.n_prompt == len(tokens)
+        # The caller saw one prompt: counts that grow to the whole, whatever the pauses and the crash.
+        assert [t for _, t in seen] == [len(tokens)] * len(seen)
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == len(tokens)
+        # What the replacement was restored from: the state inside the prompt, with nothing to replay
+        # after it; the Generate sent again decoded only the rest.
+        assert at_kill[0][0] is not None and at_kill[0][1] == []
+        assert len(ctx.tokens()) == len(tokens) + 16

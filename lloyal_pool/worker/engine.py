@@ -410,11 +410,14 @@ class Engine:
     def _generated(self, entry: _ContextEntry, call: Call, result: dict[str, Any]) -> Result:
         if result["stop_reason"] == "paused" and call.emit is not None:
             # Its portable form travels with the pause, so that the client can go on with it elsewhere
-            # (a move, or this worker's crash); a mirostat generation has none.
-            try:
-                suspension = entry.native.suspension()
-            except ContextError:
-                suspension = None
+            # (a move, or this worker's crash); a mirostat generation has none. One paused inside its
+            # prompt holds nothing: the same request sent again goes on.
+            suspension: dict[str, Any] | None = {"prompt": True}
+            if entry.native.paused():
+                try:
+                    suspension = entry.native.suspension()
+                except ContextError:
+                    suspension = None
             call.emit({"paused": suspension})
         return msgspec.convert(result, Result)
 

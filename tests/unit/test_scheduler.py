@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lloyal_pool.params import StopReason
 from lloyal_pool.routing import AFFINITY_TOKENS
-from lloyal_pool.scheduler import Decode, Job, Placement, Scheduler
+from lloyal_pool.scheduler import Decode, Job, Placement, Scheduler, Step
 
 EOG = -1  # what a fake stream yields to end generation
 
@@ -72,7 +72,9 @@ def run(sched: Scheduler, streams: dict[int, list[int]], jobs: list[Job],
             assert all(j.group == decode.group for j in decode.jobs)  # one configuration per decode
             sched.decoded(decode)
             decodes.append(decode)
-        for slot in sched.slots:  # invariants of every iteration
+        assert sum(not j.paused for j in sched.running()) <= sched.lanes  # invariants of every iteration
+        assert all(not j.paused for j in (*step.sample, *step.prefill, *step.holding))
+        for slot in sched.slots:
             assert slot.job is None or slot.job.slot is slot
             if slot.job is not None:  # the slot holds the job's prompt so far, then what it generated
                 job = slot.job
@@ -291,6 +293,50 @@ def test_lower_priority_values_are_admitted_first_and_equal_ones_in_order_of_arr
     assert order == [jobs[2], jobs[3], jobs[0], jobs[1]]
 
 
+def test_a_higher_priority_job_pauses_the_lowest_ranked_one_which_goes_on_where_it_stopped() -> None:
+    # Two slots, one lane: the second slot is for preemption.
+    sched = Scheduler([0, 1], n_ctx_slot=64, chunk=8, lanes=1)
+    low, high, later = Job(prompt(3, 100), priority=5), Job(prompt(3, 200), priority=0), Job(prompt(3, 300), priority=5)
+    streams = {id(low): [1, 2, 3, 4, 5, 6, EOG], id(high): [7, 8, EOG], id(later): [9, EOG]}
+    running: list[list[Job]] = []
+    original = sched.step
+
+    def step() -> Step:
+        out = original()
+        running.append([j for j in (*out.sample, *out.prefill, *out.holding)])
+        assert len(running[-1]) <= sched.lanes and all(j.paused for j in sched.paused())
+        return out
+
+    sched.step = step  # type: ignore[method-assign]
+    ends, decodes = run(sched, streams, [low], arrivals={3: [high], 4: [later]})
+    assert ends == {id(low): StopReason.EOS, id(high): StopReason.EOS, id(later): StopReason.EOS}
+    # low ran, paused while high ran (in the spare slot), then went on; later (low's rank, after it) waited.
+    who = [tuple(j is low for j in r) for r in running]
+    assert (True,) in who[:3] and who[3:6] == [(False,)] * 3
+    first_high = next(i for i, r in enumerate(running) if high in r)
+    last_high = max(i for i, r in enumerate(running) if high in r)
+    assert all(low not in r for r in running[first_high:last_high + 1])
+    assert all(later not in r for r in running[:max(i for i, r in enumerate(running) if low in r)])
+    commits = [t for d in decodes for j, t in d.commits if j is low]
+    assert commits == [1, 2, 3, 4, 5, 6]  # nothing of it recomputed or lost
+
+
+def test_without_a_free_lane_an_equal_or_lower_rank_waits_in_the_queue() -> None:
+    sched = Scheduler([0, 1, 2], n_ctx_slot=64, chunk=8, lanes=1)
+    first, second = Job(prompt(3, 100), priority=1), Job(prompt(3, 200), priority=1)
+    sched.submit(first)
+    admit_all(sched)
+    sched.submit(second)
+    admit_all(sched)
+    assert sched.waiting == [second] and not sched.paused()  # it would only pause in a slot
+    sched.submit(urgent := Job(prompt(3, 300), priority=0))
+    admit_all(sched)
+    assert urgent.slot is not None and sched.paused() == [first] and sched.waiting == [second]
+    sched.release(urgent)
+    admit_all(sched)
+    assert not first.paused and sched.waiting == [second]  # the paused one goes on before the queue
+
+
 def test_groups_take_turns_and_never_share_cells() -> None:
     # Two LoRA configurations: one decode each in turn, every job's tokens in order, and a prompt held by
     # the other group's slot is decoded again, not kept or copied.
@@ -340,16 +386,17 @@ def test_what_a_dead_worker_hands_over_is_every_job_that_produced_nothing() -> N
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 12), st.integers(0, 30), st.booleans(),
                           st.integers(0, 2)), min_size=1, max_size=12),
-       st.integers(1, 4), st.integers(1, 48))
+       st.integers(1, 4), st.integers(1, 48), st.integers(0, 2))
 def test_every_job_ends_once_with_the_tokens_its_stream_gave(
-        specs: list[tuple[int, int, int, bool, int]], n_slots: int, chunk: int) -> None:
-    # Jobs of random prompts (some sharing a prefix) in up to three groups (LoRA configurations), arriving
-    # over time, some cancelled: each ends exactly once, with its stream's tokens committed in order into
-    # the slot it held, no slot is shared, and each decode is of one group (run() checks).
-    sched = Scheduler(list(range(n_slots)), n_ctx_slot=96, chunk=chunk)
+        specs: list[tuple[int, int, int, bool, int]], n_slots: int, chunk: int, preempt: int) -> None:
+    # Jobs of random prompts (some sharing a prefix) in up to three groups (LoRA configurations) and three
+    # priorities, arriving over time, some cancelled, with up to two slots for preemption: each ends
+    # exactly once, with its stream's tokens committed in order into the slot it held, no slot is
+    # shared, and each decode is of one group (run() checks).
+    sched = Scheduler(list(range(n_slots + preempt)), n_ctx_slot=96, chunk=chunk, lanes=n_slots)
     jobs, arrivals, cancels, streams = [], {}, {}, {}
     for i, (n_prompt, n_gen, arrive, cancel, group) in enumerate(specs):
-        job = Job(prompt(n_prompt, 100 if i % 2 else 1000 * i), n_predict=-1, group=group)
+        job = Job(prompt(n_prompt, 100 if i % 2 else 1000 * i), n_predict=-1, group=group, priority=(i * 7) % 3)
         streams[id(job)] = [1000 + i] * n_gen + [EOG]
         arrivals.setdefault(arrive, []).append(job)
         if cancel:
