@@ -279,6 +279,7 @@ def main() -> int:
         resume = bench_resume(contexts, created["n_past"], args.resumes, rng)
         turns = bench_next_turn(contexts, sessions, created["n_past"], created["n_prompt"], args.turns,
                                 rng) if args.turns else None
+        settle(contexts[0])
         final = paging(pool)
         worker = pool[0].stats()
         for ctx in contexts:

@@ -139,6 +139,7 @@ class ContextLink:
         self.on_use: Callable[[], None] | None = None
         self.paged = False
         self.handle_holders: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.stream_checkpoint = False  # a stream paused to checkpoint the context (stream.Pausable)
 
     @contextmanager
     def moving(self) -> Iterator[None]:
@@ -303,8 +304,11 @@ class ContextLink:
             def record(f: Future[Any]) -> None:
                 journal.record(req, f, self.handle)
                 if journal.wants_checkpoint():  # its replay grew long: a checkpoint, off the reader thread
-                    threading.Thread(target=self._checkpoint_quietly, args=(journal,), daemon=True,
-                                     name="lloyal-checkpoint").start()
+                    if self.stream_checkpoint:
+                        journal.checkpoint_done()  # a stream paused for its own checkpoint: that one will do
+                    else:
+                        threading.Thread(target=self._checkpoint_quietly, args=(journal,), daemon=True,
+                                         name="lloyal-checkpoint").start()
 
             fut.add_done_callback(record)
         if after is not None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 
 from . import protocol as p
+from ._process import GENERATED_TOKEN_COST
 from .errors import (
     BadRequestError,
     ContextError,
@@ -76,7 +77,7 @@ class Journal:
         # Pool(checkpoint_tokens=N): a checkpoint is taken in the background once replaying the journal
         # would decode N tokens or more.
         self.checkpoint_tokens = checkpoint_tokens
-        self.replay_tokens = 0  # what replaying the entries decodes, about
+        self.replay_tokens = 0  # what replaying the entries costs, about, in prompt tokens (GENERATED_TOKEN_COST)
         self._checkpointing = False
         self.checkpoint: bytes | SavedState | None = None  # a page file's state is held in that file
         self.entries: list[p.Request[Any]] = []
@@ -129,24 +130,23 @@ class Journal:
             req = msgspec.structs.replace(req, context=handle)
         with self._lock:
             self._n_recorded += 1
-            self._record(req, fut)
-            if not fut.cancelled() and fut.exception() is None:
-                self.replay_tokens += _decoded(req, fut.result())
+            self.replay_tokens += self._record(req, fut)
 
-    def _record(self, req: p.Request[Any], fut: Future[Any]) -> None:
+    def _record(self, req: p.Request[Any], fut: Future[Any]) -> int:
+        """Records req; returns about how many tokens replaying what it added decodes."""
         kind = type(req)
         if fut.cancelled():
-            return
+            return 0
         exc = fut.exception()
         if kind in _READ_ONLY or (exc is not None and isinstance(exc, _UNCHANGED_ERRORS)):
-            return
+            return 0
         if isinstance(exc, WorkerCrashedError):
-            return  # the recovery decides
+            return 0  # the recovery decides
         if isinstance(req, (p.Resume, p.AdoptGeneration)) and isinstance(exc, ContextError):
-            return  # refused before it changed anything (nothing paused, another history)
+            return 0  # refused before it changed anything (nothing paused, another history)
         if exc is not None:
             self.lost = f"{req.op.value} failed ({type(exc).__name__}) and may have left the history half-changed"
-            return
+            return 0
         result = fut.result()
         if isinstance(req, (p.Generate, p.GenerateWithDraft)):
             # Greedy/seeded output is generate()'s; a paused one's is its first n_decoded tokens, which
@@ -161,15 +161,24 @@ class Journal:
                 why = "a generation paused before its first token"  # n_predict 0 would not cap its replay
             elif not _deterministic(req.params):
                 why = "a generation sampled with a random seed (seed=0xFFFFFFFF)"
-            if not req.append:
+            tokens = int(result.n_prompt) + GENERATED_TOKEN_COST * int(result.n_decoded)
+            # With background checkpoints (which bound the journal), a whole prompt that reused the
+            # history's first n_cached tokens replays on top of that history, as it ran: the same prefix
+            # kept, the same chunks decoded after it; the checkpoint it builds on stays.
+            on_top = (self.checkpoint_tokens is not None and not req.append and result.n_cached > 0
+                      and self.lost is None and not req.params.get("cache_bit_exact", False))
+            if not req.append and not on_top:
                 self._start([replay], why)
-            elif why is not None:
+                return tokens
+            if why is not None:
                 self.lost = why
             elif self.lost is None:
                 self.entries.append(replay)
-        elif isinstance(req, p.Resume):
+            return tokens - int(result.n_cached) if on_top else tokens
+        if isinstance(req, p.Resume):
             self._resumed(req, result)
-        elif isinstance(req, p.AdoptGeneration):
+            return GENERATED_TOKEN_COST * int(result.n_decoded)
+        if isinstance(req, p.AdoptGeneration):
             if self.lost is None:
                 self.entries.append(req)  # the history is unchanged; the Resume that follows caps it
         elif isinstance(req, p.Eval):
@@ -177,8 +186,10 @@ class Journal:
                 self.lost = "an eval was interrupted"
             elif self.lost is None:
                 self.entries.append(req)
+            return int(result.n_tokens)
         elif isinstance(req, p.ScoreText):
             self._start([req])
+            return int(result.n_tokens)
         elif isinstance(req, p.Reset):
             self._start([])
         elif isinstance(req, p.Rerank):
@@ -193,7 +204,7 @@ class Journal:
             self.lost = "a state was loaded from a file (checkpoint() after it to make the context recoverable)"
         else:
             self.lost = f"{req.op.value} (branches and KV-sequence edits are not replayed)"
-
+        return 0
 
     def _resumed(self, req: p.Resume, result: Any) -> None:
         """A Resume went on with the generation that the last entry started (a Generate, or an
@@ -214,17 +225,6 @@ class Journal:
         self.entries[at] = msgspec.structs.replace(start, params={**start.params, "n_predict": result.n_decoded})
         if isinstance(start, p.AdoptGeneration) and at == len(self.entries) - 1:
             self.entries.append(p.Resume(context=req.context, origin=req.origin))
-
-
-def _decoded(req: p.Request[Any], result: Any) -> int:
-    """The tokens replaying req decodes (after _record has started the journal afresh where it does)."""
-    if isinstance(req, (p.Generate, p.GenerateWithDraft, p.Resume)):
-        return int(result.n_prompt) + int(result.n_decoded) if not isinstance(req, p.Resume) else int(result.n_decoded)
-    if isinstance(req, p.Eval):
-        return int(result.n_tokens)
-    if isinstance(req, p.ScoreText):
-        return int(result.n_tokens)
-    return 0
 
 
 class Ledger:
@@ -412,7 +412,7 @@ def recover(pool: Pool, instance: Instance, dead: WorkerProcess, error: WorkerCr
         _chain(again, pending.future)
     assert dead.recovering is not None
     dead.recovering.set()
-    pool._spares.fill_after([x.future for x in salvaged], at_most=5.0)
+    pool._spares.fill_after([x.future for x in salvaged], at_most=5.0, idle=lambda: proc.in_flight == 0)
     log.warning("[recover] worker %d (pid %d) replaced by worker %d (pid %d): %d call(s) replayed, %d context(s) "
                 "lost", dead.worker_id, dead.pid, proc.worker_id, proc.pid, len(salvaged), len(handles.lost_contexts))
     from .lifecycle import WorkerEvent
@@ -478,13 +478,16 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError,
                 except Exception as exc:
                     why = f"it could not be created again ({exc})"
                 else:
-                    ctx._rebind(proc, created)
                     handles.contexts[old_ctx] = created.context
                     if fresh:
                         journal._start([])  # empty: the call sent again fills it
                     else:
-                        why = _restore(ctx, journal, handles)
-                    if why is not None:
+                        why = _restore(proc, created.context, journal, handles)
+                    if why is None:
+                        # Only now: a call another thread makes on the context meanwhile waits for the
+                        # recovery to end, instead of running beside the replay.
+                        ctx._rebind(proc, created)
+                    else:
                         handles.contexts.pop(old_ctx, None)
                         proc.call(p.FreeContext(context=created.context))  # not waited for: nothing uses it
             if why is not None:
@@ -493,21 +496,21 @@ def _rebuild(instance: Instance, proc: WorkerProcess, error: WorkerCrashedError,
     return handles
 
 
-def _restore(ctx: Any, journal: Journal, handles: HandleMap) -> str | None:
-    """Loads the checkpoint and replays the journal into ctx's new context; why it failed, or None."""
-    link = ctx._link
+def _restore(proc: WorkerProcess, context: int, journal: Journal, handles: HandleMap) -> str | None:
+    """Loads the checkpoint and replays the journal into the context made again in proc; why it failed,
+    or None."""
     replayed: list[p.Request[Any]] = []
     try:
         checkpoint = journal.checkpoint
         if checkpoint:  # b"": the state of an empty context
-            with link.proc.transfer() as f:
+            with proc.transfer() as f:
                 f.write(checkpoint if isinstance(checkpoint, bytes) else checkpoint.fd)
-                link.proc.call(p.LoadState(context=link.handle, path=f.path)).result()
+                proc.call(p.LoadState(context=context, path=f.path)).result()
         for entry in list(journal.entries):
             req = handles.remap(entry)
             if req is None:
                 return f"{entry.op.value} could not be replayed"
-            link.proc.call(req).result()
+            proc.call(req).result()
             replayed.append(req)
     except Exception as exc:
         return f"replaying its history failed ({type(exc).__name__}: {exc})"

@@ -455,7 +455,10 @@ class Context:
         cannot be replayed (an interrupted generation, a random seed). ContextError without recover."""
         if self._link.journal is None:
             raise ContextError("checkpoint() is for crash recovery: create the pool with Pool(recover=True)")
-        return self._link.checkpoint()
+        size = self._link.checkpoint()
+        for run in list(self._runs):  # a paused stream's generation goes on from the checkpoint
+            run.checkpointed()
+        return size
 
     def save_state_file(self, path: str | os.PathLike[str]) -> int:
         """save_state() straight into a file, written by the worker (replaced whole: a reader sees the old

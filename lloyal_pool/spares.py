@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ import msgspec
 
 from . import protocol as p
 from .errors import LloyalError
+
+IDLE_BEFORE_FILL = 0.25
+"""Seconds a recovered worker stays without calls in flight before a new spare starts."""
 
 if TYPE_CHECKING:
     from ._process import WorkerProcess
@@ -136,11 +140,20 @@ class Spares:
                 spare = None
         return spare
 
-    def fill_after(self, busy: list[Future[Any]], at_most: float) -> None:
-        """fill() once the futures are done (at most ``at_most`` seconds from now): a spare starting takes
-        the CPU that a recovered worker's replayed calls need."""
+    def fill_after(self, busy: list[Future[Any]], at_most: float, idle: Callable[[], bool] | None = None) -> None:
+        """fill() once the futures are done and ``idle()`` has held for a moment (at most ``at_most``
+        seconds from now): a spare starting takes the CPU that a recovered worker's replayed calls need,
+        and the calls made on it right after (a paused stream resumed there)."""
         def run() -> None:
+            deadline = time.monotonic() + at_most
             wait(busy, timeout=at_most)
+            quiet_since: float | None = None
+            while idle is not None and time.monotonic() < deadline:
+                now = time.monotonic()
+                quiet_since = (quiet_since or now) if idle() else None
+                if quiet_since is not None and now - quiet_since >= IDLE_BEFORE_FILL:
+                    break
+                time.sleep(0.02)
             self.fill()
 
         threading.Thread(target=run, daemon=True, name="lloyal-spare-fill").start()

@@ -21,6 +21,7 @@ import msgspec
 from . import protocol as p
 from ._link import check_timeout, wait
 from ._pieces import PieceStream
+from ._process import GENERATED_TOKEN_COST
 from .errors import CallTimeoutError, ContextError, WorkerCrashedError
 from .params import Result, StopReason
 
@@ -55,11 +56,19 @@ class Pausable:
         self._before: Result | None = None
         self._chars = 0  # of pieces delivered
         self._chars_at_pause = 0
-        self._skip = 0  # of pieces a Resume sent again after a crash delivers once more: not passed on
-        # A long prompt is checkpointed every checkpoint_tokens tokens (Pool(checkpoint_tokens=N) with
-        # recover=True): paused between two ubatches, its state saved as the journal's checkpoint, and
-        # sent again (the cache holds what was decoded), so that a crash does not decode it all again.
-        self._checkpoint_tokens = checkpoint_tokens if not request.append else None
+        # Characters of pieces that a request sent again delivers once more (a Resume after a crash, a
+        # Generate after a pause inside its prompt): counted in _chars again, not passed on. _chars plus
+        # _skip is always what the caller has been given.
+        self._skip = 0
+        # Pool(checkpoint_tokens=N) with recover=True: the stream is checkpointed whenever decoding it again
+        # would cost N prompt tokens, so that a crash does not decode it all again: paused (in a whole
+        # prompt every N tokens, between two ubatches: then sent again, the cache holding what was
+        # decoded; in the generation every N / GENERATED_TOKEN_COST pieces: then resumed), its state saved
+        # as the journal's checkpoint.
+        self._checkpoint_tokens = checkpoint_tokens
+        self._checkpoint_pieces = (None if checkpoint_tokens is None
+                                   else max(1, checkpoint_tokens // GENERATED_TOKEN_COST))
+        self._pieces_since = 0  # pieces (about tokens) since the last checkpoint
         self._auto = False  # the pause under way is such a checkpoint's, not the caller's
         self._prompt_done = 0  # of the prompt's tokens to decode, those decoded by the segments before
         self._last_done = 0  # ... and by this one too, as its last progress event said
@@ -97,14 +106,20 @@ class Pausable:
             event = {**event, "prompt_progress": [done, total]}
             self._last_done = done
             every = self._checkpoint_tokens
-            if every is not None and done - self._checkpointed_at >= every and done < total:
+            if (every is not None and not self._request.append and done - self._checkpointed_at >= every
+                    and done < total):
                 self._checkpointed_at = done
                 self._auto_pause()
         piece = event.get("piece")
         if isinstance(piece, str):
-            if self._skip:
+            self._pieces_since += 1
+            if self._checkpoint_pieces is not None and self._pieces_since >= self._checkpoint_pieces:
+                self._pieces_since = 0
+                self._auto_pause()
+            if self._skip:  # delivered before: counted again, not passed on again
                 cut = min(self._skip, len(piece))
                 self._skip -= cut
+                self._chars += cut
                 if cut == len(piece):
                     return
                 event = {**event, "piece": piece[cut:]}
@@ -135,7 +150,7 @@ class Pausable:
             # (the journal), and the generation goes on from its portable form, the pieces it had
             # delivered since the pause not delivered twice.
             with self._cond:
-                self.state, self._skip = "paused", self._chars - self._chars_at_pause
+                self.state, self._skip = "paused", self._chars + self._skip - self._chars_at_pause
                 self._chars = self._chars_at_pause
                 self._cond.notify_all()
             threading.Thread(target=self._resume_after_crash, daemon=True, name="lloyal-resume").start()
@@ -147,6 +162,11 @@ class Pausable:
                 self.origin = self._link.latest(self._request_id)
             with self._cond:
                 self._partial, self.holder = fut.result(), self._link.proc
+                # The segment after this one streams on from what the generation has streamed so far
+                # (a Generate sent again after a pause inside its prompt, from nothing): what the caller
+                # was given beyond it (before a crash whose replay paused) is not given twice.
+                streamed, given = len(self._partial.text), self._chars + self._skip
+                self._skip, self._chars = max(0, given - streamed), min(given, streamed)
                 self._chars_at_pause = self._chars
                 self.state = "paused"
                 self._cond.notify_all()
@@ -159,6 +179,8 @@ class Pausable:
         with self._cond:
             self.state = "done"
             self._cond.notify_all()
+            if self._auto:  # it ended before a checkpoint's pause took effect
+                self._auto = self._link.stream_checkpoint = False
         if error is not None:
             self.future.set_exception(error)
         else:
@@ -187,18 +209,22 @@ class Pausable:
         with self._cond:
             if self.state != "running":
                 return
-            self._auto = True
+            self._auto = self._link.stream_checkpoint = True
             self.state = "pausing"
             if not self._link.pause_request(self._request_id):
                 self.state, self._auto = "running", False
+                self._link.stream_checkpoint = False
 
     def _checkpoint_and_go(self) -> None:
         """A checkpoint's pause: the state saved as the journal's checkpoint, then on, unless the caller
         paused the stream meanwhile (then it is theirs to resume)."""
         try:
             self._link.checkpoint()
+            self.checkpointed()
         except Exception:
             pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead
+        finally:
+            self._link.stream_checkpoint = False
         with self._cond:
             if not self._auto:
                 return
@@ -208,11 +234,25 @@ class Pausable:
         except BaseException as exc:
             self.fail(exc)
 
+    def checkpointed(self) -> None:
+        """The context was checkpointed while this generation is paused (its tokens are in the state):
+        its journal starts the generation again from its portable form, as a move's does, and the
+        Resume that follows caps it. Nothing for one paused inside its prompt (its Generate, sent again,
+        starts afresh) or that has no portable form (mirostat: the journal marks it lost)."""
+        journal = self._link.journal
+        if journal is None or self.state != "paused" or self.in_prompt or self.suspension is None:
+            return
+        done: Future[None] = Future()
+        done.set_result(None)
+        journal.record(p.AdoptGeneration(context=self._link.handle, params=self._request.params,
+                                         suspension=self.suspension, origin=self.origin), done, self._link.handle)
+
     def pause(self, wait: bool = True, timeout: float | None = None) -> bool:
         """Asks the generation to pause at its next token boundary; with ``wait``, returns once it has
         (True) or has ended (False)."""
         with self._cond:
-            self._auto = False  # a checkpoint's pause under way is the caller's now
+            if self._auto:  # a checkpoint's pause under way is the caller's now
+                self._auto = self._link.stream_checkpoint = False
             if self.state == "running":
                 self.state = "pausing"
                 if not self._link.pause_request(self._request_id):

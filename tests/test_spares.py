@@ -14,7 +14,9 @@ import psutil
 import pytest
 
 from lloyal_pool import InvalidArgumentError, Pool
+from lloyal_pool._process import GENERATED_TOKEN_COST
 from lloyal_pool._recovery import Journal
+from lloyal_pool.params import MAX_SEED
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
@@ -65,11 +67,12 @@ def test_spares_is_a_count(gemma_path: Path) -> None:
 def test_a_long_journal_is_checkpointed_in_the_background(gemma_path: Path) -> None:
     with Pool(1, recover=True, checkpoint_tokens=64) as pool:
         ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
-        ctx.generate("Hi", n_predict=4, temperature=0.0)
+        ctx.generate("Hi", n_predict=2, temperature=0.0)
         journal = cast("Journal", ctx._link.journal)
-        assert journal.checkpoint is None  # 6 tokens to replay: none taken
+        # 2 prompt tokens and 2 generated to replay, a generated one costing 16: 34 < 64, none taken.
+        assert journal.checkpoint is None and journal.replay_tokens == 2 + 2 * GENERATED_TOKEN_COST
         ctx.generate(PROMPT, n_predict=60, temperature=0.0, ignore_eos=True)
-        _wait(lambda: journal.checkpoint is not None)  # 70 tokens to replay: one taken after the call
+        _wait(lambda: journal.checkpoint is not None)  # far more to replay: one taken after the call
         _wait(lambda: not journal._checkpointing)
         assert journal.entries == []
         held = ctx.tokens()
@@ -119,3 +122,52 @@ def test_a_long_streamed_prompt_killed_midway_resumes_from_its_last_checkpoint(g
         # after it; the Generate sent again decoded only the rest.
         assert at_kill[0][0] is not None and at_kill[0][1] == []
         assert len(ctx.tokens()) == len(tokens) + 16
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, seed=3, top_k=40, repeat_penalty=1.1)],
+                         ids=["greedy", "seeded"])
+def test_a_stream_checkpointed_as_it_generates_survives_a_kill_from_its_last_checkpoint(
+        gemma_path: Path, params: dict[str, object]) -> None:
+    with Pool(1, recover=True, checkpoint_tokens=8 * GENERATED_TOKEN_COST) as pool:  # every 8 tokens
+        model = pool[0].load_model(gemma_path)
+        reference = model.new_context(n_ctx=1024)
+        expected = reference.generate(PROMPT, n_predict=40, ignore_eos=True, **params).text
+        reference.close()
+        ctx = model.new_context(n_ctx=1024)
+        journal = cast("Journal", ctx._link.journal)
+        pieces: list[str] = []
+        at_kill: list[object] = []
+        with ctx.stream(PROMPT, n_predict=40, ignore_eos=True, **params) as stream:
+            for piece in stream:
+                pieces.append(piece)
+                if len(pieces) == 21:
+                    at_kill.append(journal.checkpoint)
+                    os.kill(pool[0].pid, signal.SIGKILL)
+        assert "".join(pieces) == stream.result.text == expected
+        assert stream.result.n_decoded == 40
+        assert at_kill[0] is not None  # checkpointed inside the generation: decoded again from there
+        assert journal.lost is None  # its journal goes on from the checkpoint: the generation's portable form
+
+
+def test_a_replayed_prompt_checkpointed_on_its_way_delivers_no_piece_twice(gemma_path: Path) -> None:
+    with Pool(1, recover=True, checkpoint_tokens=128) as pool:
+        model = pool[0].load_model(gemma_path)
+        tokens = model.tokenize(LONG)[:600]
+        reference = model.new_context(n_ctx=1024)
+        expected = reference.generate(tokens, n_predict=24, temperature=0.0, ignore_eos=True).text
+        reference.close()
+        ctx = model.new_context(n_ctx=1024)
+        # The prompt decoded, then tokens sampled with a random seed: a history that cannot be replayed.
+        ctx.generate(tokens, n_predict=4, temperature=0.8, seed=MAX_SEED)
+        assert cast("Journal", ctx._link.journal).lost is not None
+        pieces: list[str] = []
+        with ctx.stream(tokens, n_predict=24, temperature=0.0, ignore_eos=True) as stream:
+            for piece in stream:  # its prompt is in the cache: no pause inside it
+                pieces.append(piece)
+                if len(pieces) == 3:
+                    # Recovery makes the context afresh and sends the Generate again: its 600 tokens are
+                    # decoded from the start, checkpointed on the way (pauses inside the prompt, the
+                    # request sent once more each time); the 3 pieces delivered are not delivered again.
+                    os.kill(pool[0].pid, signal.SIGKILL)
+        assert stream.result.n_cached == 0  # what the last attempt reused: nothing
+        assert "".join(pieces) == stream.result.text == expected
