@@ -108,6 +108,10 @@ def wait(fut: Future[R], timeout: float | None, stop: Callable[[], None] | None 
     raise err
 
 
+def _paused(fut: Future[Any]) -> bool:
+    return not fut.cancelled() and fut.exception() is None and getattr(fut.result(), "stop_reason", None) == "paused"
+
+
 class ContextLink:
     def __init__(self, proc: WorkerProcess, handle: int, interrupt_slot: int) -> None:
         self.proc = proc
@@ -304,7 +308,7 @@ class ContextLink:
             def record(f: Future[Any]) -> None:
                 journal.record(req, f, self.handle)
                 if journal.wants_checkpoint():  # its replay grew long: a checkpoint, off the reader thread
-                    if self.stream_checkpoint:
+                    if self.stream_checkpoint and _paused(f):
                         journal.checkpoint_done()  # a stream paused for its own checkpoint: that one will do
                     else:
                         threading.Thread(target=self._checkpoint_quietly, args=(journal,), daemon=True,
