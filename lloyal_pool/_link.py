@@ -144,6 +144,8 @@ class ContextLink:
         self.paged = False
         self.handle_holders: weakref.WeakSet[Any] = weakref.WeakSet()
         self.stream_checkpoint = False  # a stream paused to checkpoint the context (stream.Pausable)
+        self.on_checkpoint: Callable[[], None] | None = None  # told after each checkpoint (paused streams)
+        self._checkpointing = 0  # checkpoint() calls under way
 
     @contextmanager
     def moving(self) -> Iterator[None]:
@@ -308,8 +310,9 @@ class ContextLink:
             def record(f: Future[Any]) -> None:
                 journal.record(req, f, self.handle)
                 if journal.wants_checkpoint():  # its replay grew long: a checkpoint, off the reader thread
-                    if self.stream_checkpoint and _paused(f):
-                        journal.checkpoint_done()  # a stream paused for its own checkpoint: that one will do
+                    if self._checkpointing or (self.stream_checkpoint and _paused(f)):
+                        # One is being taken (this is its SaveState), or a stream paused to take its own.
+                        journal.checkpoint_done()
                     else:
                         threading.Thread(target=self._checkpoint_quietly, args=(journal,), daemon=True,
                                          name="lloyal-checkpoint").start()
@@ -329,6 +332,8 @@ class ContextLink:
             raise StaleHandleError(f"context handle {self.handle} was closed")
         self._enter()
         counted, marks = True, []
+        with self._lock:
+            self._checkpointing += 1
         try:
             with self.proc.transfer() as f:
                 fut = self._send(SaveState(context=self.handle, path=f.path, in_place=True), None, None,
@@ -338,9 +343,13 @@ class ContextLink:
                 fut.result()
                 data = f.read()
         finally:
+            with self._lock:
+                self._checkpointing -= 1
             if counted:
                 self._leave()
         journal.restart(data, marks[0])
+        if self.on_checkpoint is not None:
+            self.on_checkpoint()
         return len(data)
 
     def _checkpoint_quietly(self, journal: ContextJournal) -> None:

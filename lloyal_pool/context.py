@@ -86,6 +86,7 @@ class Context:
         self._lora: list[tuple[LoraAdapter, float]] = []
         self._logits_reads = 0  # logits() calls: a view shows the row as the one that made it wrote it
         self._runs: weakref.WeakSet[Pausable] = weakref.WeakSet()  # its streams (pause, move_to)
+        self._link.on_checkpoint = _paused_runs_told(self._runs)
         # Session paging (paging.py): the worker's pager while the context is pageable; a lock so that one
         # thread pages it in while the others' calls wait.
         self._pager: Pager | None = None
@@ -455,10 +456,7 @@ class Context:
         cannot be replayed (an interrupted generation, a random seed). ContextError without recover."""
         if self._link.journal is None:
             raise ContextError("checkpoint() is for crash recovery: create the pool with Pool(recover=True)")
-        size = self._link.checkpoint()
-        for run in list(self._runs):  # a paused stream's generation goes on from the checkpoint
-            run.checkpointed()
-        return size
+        return self._link.checkpoint()
 
     def save_state_file(self, path: str | os.PathLike[str]) -> int:
         """save_state() straight into a file, written by the worker (replaced whole: a reader sees the old
@@ -584,6 +582,15 @@ class Context:
             self._forget()
             if self._proc.alive and not paged:
                 self._proc.call(p.FreeContext(context=self.handle)).result()
+
+
+def _paused_runs_told(runs: weakref.WeakSet[Pausable]) -> Callable[[], None]:
+    """What a checkpoint of the context tells its streams: a paused generation goes on from it."""
+    def told() -> None:
+        for run in list(runs):
+            run.checkpointed()
+
+    return told
 
 
 def _is_int(x: object) -> bool:

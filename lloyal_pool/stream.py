@@ -219,8 +219,7 @@ class Pausable:
         """A checkpoint's pause: the state saved as the journal's checkpoint, then on, unless the caller
         paused the stream meanwhile (then it is theirs to resume)."""
         try:
-            self._link.checkpoint()
-            self.checkpointed()
+            self._link.checkpoint()  # which tells this generation (checkpointed())
         except Exception:
             pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead
         finally:
@@ -308,14 +307,9 @@ class Pausable:
     def handed_over(self, proc: WorkerProcess) -> None:
         """The paused generation now lives in ``proc`` (AdoptGeneration sent there; or its context only,
         for one paused inside its prompt, which resume() sends again)."""
-        if not self.in_prompt:
-            self._bank()
-        self.holder = proc
-
-    def _bank(self) -> None:
-        """The paused segment's result joins what the segments after it report."""
-        if self._partial is not None:
+        if self._partial is not None and not self.in_prompt:
             self._before, self._partial = self._joined(self._partial), None
+        self.holder = proc
 
     def interrupt(self) -> None:
         """Ends the generation: a running one as interrupt() does; a paused one at once, its result the

@@ -171,3 +171,30 @@ def test_a_replayed_prompt_checkpointed_on_its_way_delivers_no_piece_twice(gemma
                     os.kill(pool[0].pid, signal.SIGKILL)
         assert stream.result.n_cached == 0  # what the last attempt reused: nothing
         assert "".join(pieces) == stream.result.text == expected
+
+
+def test_a_stream_paused_by_its_caller_and_checkpointed_in_the_background_survives_a_kill(gemma_path: Path) -> None:
+    # A prompt of 600 tokens, checkpoint_tokens=600: none inside the prompt or the 30 tokens generated
+    # (a stream's own come every 600 / 16 = 37), but one once the caller's pause has recorded it all.
+    with Pool(1, recover=True, checkpoint_tokens=600) as pool:
+        model = pool[0].load_model(gemma_path)
+        tokens = model.tokenize(LONG)[:600]
+        reference = model.new_context(n_ctx=1024)
+        expected = reference.generate(tokens, n_predict=30, temperature=0.0, ignore_eos=True).text
+        reference.close()
+        ctx = model.new_context(n_ctx=1024)
+        journal = cast("Journal", ctx._link.journal)
+        pieces: list[str] = []
+        with ctx.stream(tokens, n_predict=30, temperature=0.0, ignore_eos=True) as stream:
+            for piece in stream:
+                pieces.append(piece)
+                if len(pieces) == 2:
+                    assert stream.pause()
+                    # The pause made the journal long: a checkpoint in the background, with the paused
+                    # generation's hand-over after it, so that the Resume is replayable.
+                    _wait(lambda: journal.checkpoint is not None and not journal._checkpointing)
+                    assert journal.lost is None
+                    assert stream.resume()
+                if len(pieces) == 10:
+                    os.kill(pool[0].pid, signal.SIGKILL)
+        assert "".join(pieces) == stream.result.text == expected
