@@ -54,6 +54,17 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json-out", help="also write the JSON here")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for a benchmark's report."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def model_path(arg: str | None) -> Path:
     if arg:
         return Path(arg)

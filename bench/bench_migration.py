@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import common_args, model_path
+from bench_generate import common_args, cpu_name, model_path
 
 from lloyal_pool import Context, Instance, Model, Pool, Stream
 
@@ -53,16 +53,6 @@ TEXT = ("The river rose in the spring, as it did every year, and the people of t
         "to the high meadows. The old miller counted the sacks of grain twice, wrote the numbers in a ledger "
         "bound in green cloth, and walked down to the bridge to watch the water. Nobody remembered a year "
         "when the bridge had not held, but everybody remembered the year the mill wheel broke. ")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def tokens(model: Model, n: int) -> list[int]:

@@ -50,7 +50,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import common_args, model_path
+from bench_generate import common_args, cpu_name, model_path
 
 from lloyal_pool import Context, Model, Pool, Session
 
@@ -83,16 +83,6 @@ SENTENCES = (
 )
 QUESTION = "Here are my notes on valley {i}. {notes} What is the most important thing in them?"
 NEXT_QUESTION = "One more question about valley {i}: what should the people there do next spring?"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def ms(seconds: float) -> float:

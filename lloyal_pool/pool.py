@@ -138,9 +138,11 @@ class Pool(BatchedCalls, Subscribers):
     ``recover``: a worker that dies is replaced in place, its models and contexts rebuilt
     (docs/RELIABILITY.md); ``spares``: that many spare workers kept ready, with the models the pool's
     workers hold loaded, which recovery takes instead of starting a worker (``pool.spares``);
-    ``checkpoint_tokens``: a context whose journal would make recovery decode that many tokens or more
-    is checkpointed in the background after the call that grew it (its state held in this process), so
-    that recovery loads the state instead of decoding it all again.
+    ``checkpoint_tokens``: a context is checkpointed (its state held in this process) whenever recovering
+    it would decode that many prompt tokens' worth again (a generated token counting as 16): in the
+    background after the call that grew its journal, and inside a stream, every that many tokens of its
+    prompt and every 1/16 of that of its generation (docs/RELIABILITY.md), so that recovery loads the
+    state instead of decoding it all again.
     ``max_resident_contexts``: session paging, at most that many contexts resident per worker: the least
     recently used idle one beyond it is paged out (its state saved into an unnamed file in ``page_dir``,
     default the system's temporary directory, held by this process) and its next call pages it in again

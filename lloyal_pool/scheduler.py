@@ -89,10 +89,11 @@ class Step:
     sample: list[Job]
     prefill: list[Job]
     holding: list[Job] = field(default_factory=list)
+    paused: list[Job] = field(default_factory=list)  # they go on at a next iteration (a lane frees)
 
     @property
     def idle(self) -> bool:
-        return not self.sample and not self.prefill and not self.holding
+        return not self.sample and not self.prefill and not self.holding and not self.paused
 
 
 @dataclass
@@ -239,7 +240,8 @@ class Scheduler:
         return Step(interrupted=[j for j in running if j.cancelled],
                     sample=[j for j in going if not j.todo and j.pending is None],
                     prefill=[j for j in going if j.todo],
-                    holding=[j for j in going if j.pending is not None])
+                    holding=[j for j in going if j.pending is not None],
+                    paused=[j for j in running if j.paused and not j.cancelled])
 
     def sampled(self, job: Job, token: int, *, eog: bool, stop: bool) -> StopReason | None:
         """A sampled token's verdict: EOS when it ends generation (it is not kept), STOP when a stop
@@ -303,6 +305,7 @@ class Scheduler:
             slot.job = None
             if not cells_kept:
                 slot.tokens = []
+            self._assign_lanes()  # its lane goes to the best-ranked paused job
 
     def take_unstarted(self) -> list[Job]:
         """Takes every job that has produced no token yet (waiting, or in a slot) off the scheduler, for

@@ -8,12 +8,12 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import psutil
 import pytest
 
-from lloyal_pool import InvalidArgumentError, Pool
+from lloyal_pool import InvalidArgumentError, Model, Pool, Result
 from lloyal_pool._process import GENERATED_TOKEN_COST
 from lloyal_pool._recovery import Journal
 from lloyal_pool.params import MAX_SEED
@@ -83,6 +83,16 @@ def test_a_long_journal_is_checkpointed_in_the_background(gemma_path: Path) -> N
             Pool(1, recover=True, checkpoint_tokens=0)
 
 
+def _alone(model: Model, prompt: str | list[int], *, n_ctx: int = 1024, n_ubatch: int = 512,
+           **params: Any) -> Result:
+    """The reference run: the same generation on a fresh context of this worker, nothing killed."""
+    ctx = model.new_context(n_ctx=n_ctx, n_ubatch=n_ubatch)
+    try:
+        return ctx.generate(prompt, **{"temperature": 0.0, "ignore_eos": True, **params})
+    finally:
+        ctx.close()
+
+
 LONG = ("The keeper climbed the hundred steps at dusk, trimmed the wick, wound the clockwork and wrote the "
         "weather in his log. ") * 90
 
@@ -91,9 +101,7 @@ def test_a_long_streamed_prompt_killed_midway_resumes_from_its_last_checkpoint(g
     with Pool(1, recover=True, checkpoint_tokens=512) as pool:
         model = pool[0].load_model(gemma_path)
         tokens = model.tokenize(LONG)[:2000]
-        reference = model.new_context(n_ctx=4096, n_ubatch=256)
-        expected = reference.generate(tokens, n_predict=16, temperature=0.0, ignore_eos=True)
-        reference.close()
+        expected = _alone(model, tokens, n_ctx=4096, n_ubatch=256, n_predict=16)
         ctx = model.new_context(n_ctx=4096, n_ubatch=256)
         journal = cast("Journal", ctx._link.journal)
         seen: list[tuple[int, int]] = []
@@ -130,9 +138,7 @@ def test_a_stream_checkpointed_as_it_generates_survives_a_kill_from_its_last_che
         gemma_path: Path, params: dict[str, object]) -> None:
     with Pool(1, recover=True, checkpoint_tokens=8 * GENERATED_TOKEN_COST) as pool:  # every 8 tokens
         model = pool[0].load_model(gemma_path)
-        reference = model.new_context(n_ctx=1024)
-        expected = reference.generate(PROMPT, n_predict=40, ignore_eos=True, **params).text
-        reference.close()
+        expected = _alone(model, PROMPT, n_predict=40, **params).text
         ctx = model.new_context(n_ctx=1024)
         journal = cast("Journal", ctx._link.journal)
         pieces: list[str] = []
@@ -153,9 +159,7 @@ def test_a_replayed_prompt_checkpointed_on_its_way_delivers_no_piece_twice(gemma
     with Pool(1, recover=True, checkpoint_tokens=128) as pool:
         model = pool[0].load_model(gemma_path)
         tokens = model.tokenize(LONG)[:600]
-        reference = model.new_context(n_ctx=1024)
-        expected = reference.generate(tokens, n_predict=24, temperature=0.0, ignore_eos=True).text
-        reference.close()
+        expected = _alone(model, tokens, n_predict=24).text
         ctx = model.new_context(n_ctx=1024)
         # The prompt decoded, then tokens sampled with a random seed: a history that cannot be replayed.
         ctx.generate(tokens, n_predict=4, temperature=0.8, seed=MAX_SEED)
@@ -179,9 +183,7 @@ def test_a_stream_paused_by_its_caller_and_checkpointed_in_the_background_surviv
     with Pool(1, recover=True, checkpoint_tokens=600) as pool:
         model = pool[0].load_model(gemma_path)
         tokens = model.tokenize(LONG)[:600]
-        reference = model.new_context(n_ctx=1024)
-        expected = reference.generate(tokens, n_predict=30, temperature=0.0, ignore_eos=True).text
-        reference.close()
+        expected = _alone(model, tokens, n_predict=30).text
         ctx = model.new_context(n_ctx=1024)
         journal = cast("Journal", ctx._link.journal)
         pieces: list[str] = []
