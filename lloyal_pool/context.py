@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
@@ -91,6 +92,8 @@ class Context:
         # thread pages it in while the others' calls wait.
         self._pager: Pager | None = None
         self._page_lock = threading.RLock()  # also held while a reply's rows are read from shared memory
+        self._pins = 0  # calls that use this context without a call of its own (a draft): it stays resident
+        self._pin_lock = threading.Lock()
 
     def _rebind(self, proc: WorkerProcess, desc: p.ContextCreated) -> None:
         """Crash recovery created the context again in a replacement worker."""
@@ -217,23 +220,31 @@ class Context:
                                   on_piece: Callable[[str], None] | None = None,
                                   progress: PromptProgress | None = None, **overrides: Any) -> Future[Result]:
         """generate_with_draft() without waiting: a Future of the Result."""
-        wire_draft: str | int
-        if isinstance(draft, Context):
-            if draft._proc is not self._proc:
-                raise InvalidArgumentError("the draft context must live in the same worker (Instance) as the target")
-            if draft.closed:
-                raise StaleHandleError(f"draft context handle {draft.handle} was closed")
-            wire_draft = draft.handle
-        elif draft == "ngram":
-            wire_draft = draft
-        else:
+        if not isinstance(draft, Context) and draft != "ngram":
             raise InvalidArgumentError(f'draft must be "ngram" or a Context, got {draft!r}')
-        req = p.GenerateWithDraft(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab),
-                                  params=GenerateParams.of(params, overrides).to_wire(), draft=wire_draft,
-                                  n_draft=whole(n_draft, "n_draft"),
-                                  ngram_min=whole(ngram_min, "ngram_min"), ngram_max=whole(ngram_max, "ngram_max"),
-                                  stream=on_piece is not None, append=bool(append), progress=progress is not None)
-        return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
+        with self._resident(), (draft._resident() if isinstance(draft, Context) else nullcontext()):
+            wire_draft: str | int = draft if isinstance(draft, str) else draft.handle
+            if isinstance(draft, Context):
+                if draft._proc is not self._proc:
+                    raise InvalidArgumentError("the draft context must live in the same worker (Instance) as the "
+                                               "target")
+                if draft.closed:
+                    raise StaleHandleError(f"draft context handle {draft.handle} was closed")
+            req = p.GenerateWithDraft(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab),
+                                      params=GenerateParams.of(params, overrides).to_wire(), draft=wire_draft,
+                                      n_draft=whole(n_draft, "n_draft"), ngram_min=whole(ngram_min, "ngram_min"),
+                                      ngram_max=whole(ngram_max, "ngram_max"), stream=on_piece is not None,
+                                      append=bool(append), progress=progress is not None)
+            if not isinstance(draft, Context):
+                return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
+            draft._pin(+1)  # the draft stays resident until the call ends (its own link sees no call)
+            try:
+                fut = self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
+            except BaseException:
+                draft._pin(-1)
+                raise
+        fut.add_done_callback(lambda _: draft._pin(-1))
+        return fut
 
     agenerate_with_draft = twin(generate_with_draft_async,
                                 """generate_with_draft() for asyncio; cancelling the awaiting task interrupts it.""")
@@ -412,8 +423,9 @@ class Context:
         branches or detached sequences present it raises LoraError instead and changes nothing (prune
         them or reset() first). LoraError for an adapter of another model, a non-finite scale or one
         adapter twice; StaleHandleError for a closed adapter."""
-        pairs = lora_pairs(adapters, self._proc, "set_lora")
-        changed = self._link.call(p.SetLora(context=self.handle, adapters=lora_wire(pairs))).result()
+        with self._resident():
+            pairs = lora_pairs(adapters, self._proc, "set_lora")
+            changed = self._link.call(p.SetLora(context=self.handle, adapters=lora_wire(pairs))).result()
         self._lora = pairs
         return changed
 
@@ -428,7 +440,7 @@ class Context:
         load_state() takes in any context of the same model, in any worker or process. The bytes travel
         through a temporary shared-memory file, never through the pipe. ContextError for a context that
         holds branches or nothing."""
-        with self._proc.transfer() as f:
+        with self._resident(), self._proc.transfer() as f:
             self._link.call(p.SaveState(context=self.handle, path=f.path, in_place=True)).result()
             return f.read()
 
@@ -441,7 +453,7 @@ class Context:
             raise BadRequestError(f"a state is bytes (from save_state), got {type(data).__name__}")
         marks: list[int] = []
         journal = self._link.journal
-        with self._proc.transfer() as f:
+        with self._resident(), self._proc.transfer() as f:
             f.write(data)
             n = self._link.call(p.LoadState(context=self.handle, path=f.path),
                                 after=None if journal is None else lambda _: marks.append(journal.mark())).result()
@@ -463,12 +475,13 @@ class Context:
         file or the new one); returns its size in bytes. StateError for a path outside the pool's
         ``writable_dirs`` where the worker's sandbox confines its writes (Instance.sandbox)."""
         abspath = os.path.abspath(os.fspath(path))
-        if self.instance.sandbox.get("writes_scoped"):
-            dirs = self._proc.options.writable_dirs
-            if not beneath(os.path.dirname(abspath), (*dirs, os.path.realpath(self._proc.private_dir))):
-                raise StateError(f"{abspath} is outside the pool's writable_dirs {list(dirs)}: the worker may not "
-                                 "write there (Pool(writable_dirs=...))")
-        return self._link.call(p.SaveState(context=self.handle, path=abspath)).result()
+        with self._resident():
+            if self.instance.sandbox.get("writes_scoped"):
+                dirs = self._proc.options.writable_dirs
+                if not beneath(os.path.dirname(abspath), (*dirs, os.path.realpath(self._proc.private_dir))):
+                    raise StateError(f"{abspath} is outside the pool's writable_dirs {list(dirs)}: the worker may "
+                                     "not write there (Pool(writable_dirs=...))")
+            return self._link.call(p.SaveState(context=self.handle, path=abspath)).result()
 
     def load_state_file(self, path: str | os.PathLike[str]) -> int:
         """load_state() from a file the worker reads (StateError also for a missing file)."""
@@ -556,6 +569,20 @@ class Context:
         """Whether the context was freed (close(), or its model's close()); its methods then raise
         StaleHandleError. A context whose worker died is not closed, but stale all the same."""
         return self._link.closed
+
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """In its worker for the block (paged in first, if it was out; not paged out meanwhile): for a call
+        that reads ``_proc`` or takes the worker's transfer file before its request is sent (a page-in
+        takes that file too)."""
+        with self._page_lock:
+            if self._pager is not None and self._link.paged:
+                self._pager.use(self)
+            yield
+
+    def _pin(self, delta: int) -> None:
+        with self._pin_lock:
+            self._pins += delta
 
     @property
     def paged(self) -> bool:

@@ -196,7 +196,8 @@ class Pager:
     def _page_out(self, ctx: Context) -> bool:
         """Pages ctx out if it is idle now (module docstring); False when it is not."""
         link = ctx._link
-        if ctx.closed or len(ctx.branches) or link.holds_handles() or any(r.state != "done" for r in list(ctx._runs)):
+        if (ctx.closed or ctx._pins or len(ctx.branches) or link.holds_handles()
+                or any(r.state != "done" for r in list(ctx._runs))):
             return False
         proc = link.proc
         if not proc.alive:

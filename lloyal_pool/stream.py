@@ -69,6 +69,10 @@ class Pausable:
         self._checkpoint_pieces = (None if checkpoint_tokens is None
                                    else max(1, checkpoint_tokens // GENERATED_TOKEN_COST))
         self._pieces_since = 0  # pieces (about tokens) since the last checkpoint
+        # The worker pauses inside a prompt only where the request sent again reuses what was decoded.
+        params = request.params
+        self._prompt_pausable = (not request.append and bool(params.get("cache_prompt", True))
+                                 and not params.get("cache_bit_exact", False))
         self._auto = False  # the pause under way is such a checkpoint's, not the caller's
         self._prompt_done = 0  # of the prompt's tokens to decode, those decoded by the segments before
         self._last_done = 0  # ... and by this one too, as its last progress event said
@@ -106,7 +110,7 @@ class Pausable:
             event = {**event, "prompt_progress": [done, total]}
             self._last_done = done
             every = self._checkpoint_tokens
-            if (every is not None and not self._request.append and done - self._checkpointed_at >= every
+            if (every is not None and self._prompt_pausable and done - self._checkpointed_at >= every
                     and done < total):
                 self._checkpointed_at = done
                 self._auto_pause()
@@ -422,7 +426,9 @@ class Stream(PieceStream):
         (everything it streamed decoded), keeping its place, its sampler (the PRNG where it stood, the
         grammar, the penalty windows) and its held-back text; iterating waits meanwhile. With ``wait``
         (the default) returns once it has stopped (True) or ended first (False); a generation still
-        decoding its prompt stops after the prompt. The context is free while it is paused: another call
+        decoding a whole prompt with the prompt cache stops between two of its ubatches (resume() sends
+        it again, which goes on from the cache), others after the prompt. The context is free while it
+        is paused: another call
         on it drops the paused generation (resume() then raises ContextError). ContextError for a
         stream of batched calls (Pool/Instance.stream), which do not pause."""
         if self._run is None:

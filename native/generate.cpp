@@ -257,7 +257,9 @@ generate_result sequence_driver::run_generation(const prompt_input & prompt, con
             st->out.stop("interrupted");
         }
         const int64_t t0 = now_us();
-        if (!st->out.stopped() && !take_prompt(plan, prompt.append, on_progress, draft == nullptr) && !prompt_paused_) {
+        // A pause inside the prompt goes on when the same request, sent again, reuses what was decoded.
+        const bool pausable = draft == nullptr && p.cache_prompt && !p.cache_bit_exact;
+        if (!st->out.stopped() && !take_prompt(plan, prompt.append, on_progress, pausable) && !prompt_paused_) {
             st->out.stop("interrupted");
         }
         const int64_t t1 = now_us();

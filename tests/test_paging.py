@@ -248,3 +248,40 @@ def test_page_files_live_in_page_dir_and_leave_nothing_behind(gemma_path: Path, 
         stats = pool[0].stats()["paging"]
         assert stats["page_dir"] == os.path.realpath(tmp_path) and stats["page_disk_bytes"] > 0
         assert os.listdir(tmp_path) == []  # unnamed files: nothing to clean up whoever crashes
+
+
+def _within(seconds: float, fn: Any) -> Any:
+    """fn() on a thread, failing the test (instead of hanging it) if it has not returned in time."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"did not return within {seconds:g} s"
+    return out[0]
+
+
+def test_state_calls_and_a_draft_page_a_context_in_first(paged: tuple[Pool, Model]) -> None:
+    # save_state/load_state take the worker's transfer file before their request, and a page-in takes it
+    # too; a draft context is used by another context's call: each is paged in (and kept) first.
+    _, model = paged
+    a, b, c = (model.new_context(n_ctx=N_CTX) for _ in range(3))
+    try:
+        a.eval(PROMPTS[0])
+        held = a.n_past()
+        b.eval(PROMPTS[1])
+        c.eval(PROMPTS[2])
+        assert _settled(a) == [True]
+        state = _within(60, a.save_state)
+        assert len(state) > 0 and not a.paged
+        b.eval(PROMPTS[3])
+        c.eval(PROMPTS[4])
+        assert _settled(a) == [True]
+        assert _within(60, lambda: a.load_state(state)) == held
+        want = b.generate(PROMPTS[5], **GREEDY).text
+        c.eval(PROMPTS[0])
+        b.eval(PROMPTS[1])
+        assert _settled(a) == [True]
+        got = _within(120, lambda: b.generate_with_draft(PROMPTS[5], draft=a, **GREEDY))
+        assert got.text == want  # greedy: every token is the target's own choice
+    finally:
+        _closing([a, b, c])

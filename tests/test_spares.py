@@ -200,3 +200,17 @@ def test_a_stream_paused_by_its_caller_and_checkpointed_in_the_background_surviv
                 if len(pieces) == 10:
                     os.kill(pool[0].pid, signal.SIGKILL)
         assert "".join(pieces) == stream.result.text == expected
+
+
+def test_a_stream_without_prompt_cache_is_not_paused_inside_its_prompt(gemma_path: Path) -> None:
+    # Sent again, its prompt would be decoded from the start: no checkpoint inside it (it would never end).
+    with Pool(1, recover=True, checkpoint_tokens=128) as pool:
+        model = pool[0].load_model(gemma_path)
+        tokens = model.tokenize(LONG)[:700]
+        expected = _alone(model, tokens, n_predict=8, cache_prompt=False).text
+        ctx = model.new_context(n_ctx=1024)
+        seen: list[int] = []
+        with ctx.stream(tokens, n_predict=8, temperature=0.0, ignore_eos=True, cache_prompt=False,
+                        progress=lambda done, total: seen.append(done)) as stream:
+            assert "".join(stream) == expected
+        assert seen[-1] == len(tokens) and seen == sorted(seen)
