@@ -161,12 +161,15 @@ def test_a_replayed_prompt_checkpointed_on_its_way_delivers_no_piece_twice(gemma
         tokens = model.tokenize(LONG)[:600]
         expected = _alone(model, tokens, n_predict=24).text
         ctx = model.new_context(n_ctx=1024)
-        # The prompt decoded, then tokens sampled with a random seed: a history that cannot be replayed.
-        ctx.generate(tokens, n_predict=4, temperature=0.8, seed=MAX_SEED)
+        # The prompt's first ubatch (512 tokens) decoded, then another token and one sampled with a random
+        # seed: a history that cannot be replayed. The stream below keeps the 512 and decodes the rest as
+        # one ubatch, as a decode from scratch does (so its first pieces are the replay's on any CPU).
+        other = tokens[512] + 1 if tokens[512] + 1 < model.n_vocab else tokens[512] - 1
+        ctx.generate([*tokens[:512], other], n_predict=1, temperature=0.8, seed=MAX_SEED)
         assert cast("Journal", ctx._link.journal).lost is not None
         pieces: list[str] = []
         with ctx.stream(tokens, n_predict=24, temperature=0.0, ignore_eos=True) as stream:
-            for piece in stream:  # its prompt is in the cache: no pause inside it
+            for piece in stream:  # 88 tokens of its prompt decoded: no pause inside it
                 pieces.append(piece)
                 if len(pieces) == 3:
                     # Recovery makes the context afresh and sends the Generate again: its 600 tokens are
