@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from invariance import INVARIANCE, log_softmax, rows
+from invariance import INVARIANCE, LOGPROB_INVARIANCE, log_softmax, rows
 from loras import attention_shapes, write_lora
 
 from lloyal_pool import Context, InvalidArgumentError, LoraAdapter, LoraError, Model, Pool, Result
@@ -48,8 +48,8 @@ def assert_as_alone(alone: Context, config: list[tuple[LoraAdapter, float]], pro
     assert result.logprobs is not None and len(result.logprobs) == len(result.tokens) > 0
     want_rows = [log_softmax(z) for z in rows(alone, prompt, result.tokens)]
     for lp, want in zip(result.logprobs, want_rows, strict=True):
-        assert lp.logprob == pytest.approx(want[lp.token], abs=INVARIANCE)
-        assert all(v == pytest.approx(want[t], abs=INVARIANCE) for t, v, _ in lp.top)
+        assert lp.logprob == pytest.approx(want[lp.token], abs=LOGPROB_INVARIANCE)
+        assert all(v == pytest.approx(want[t], abs=LOGPROB_INVARIANCE) for t, v, _ in lp.top)
     return want_rows[0]
 
 

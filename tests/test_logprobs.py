@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from invariance import INVARIANCE, log_softmax, rows
+from invariance import LOGPROB_INVARIANCE, log_softmax, rows
 
 from lloyal_pool import Context, GenerateParams, InvalidArgumentError, Model, SamplerParams
 
@@ -74,8 +74,8 @@ def test_batched_requests_report_them_too(gemma: Model, other_ctx: Context) -> N
         for lp, z in zip(r.logprobs, rows(other_ctx, gemma.tokenize(prompt), r.tokens), strict=True):
             want = log_softmax(z)
             # Rows decoded beside another request move by up to the invariance bound.
-            assert lp.logprob == pytest.approx(want[lp.token], abs=INVARIANCE)
-            assert len(lp.top) == 3 and all(v == pytest.approx(want[t], abs=INVARIANCE) for t, v, _ in lp.top)
+            assert lp.logprob == pytest.approx(want[lp.token], abs=LOGPROB_INVARIANCE)
+            assert len(lp.top) == 3 and all(v == pytest.approx(want[t], abs=LOGPROB_INVARIANCE) for t, v, _ in lp.top)
 
 
 def test_logprobs_out_of_range_are_refused(ctx: Context) -> None:
@@ -97,8 +97,8 @@ def test_a_scored_prompt_reports_each_token_s_log_probability(ctx: Context, othe
     assert -sum(lp.logprob for lp in score.logprobs) == pytest.approx(score.nll, rel=1e-5)
     for lp, z in zip(score.logprobs, rows(other_ctx, tokens[:1], tokens[1:]), strict=True):
         want = log_softmax(z)
-        assert lp.logprob == pytest.approx(want[lp.token], abs=INVARIANCE)
-        assert len(lp.top) == 3 and all(v == pytest.approx(want[t], abs=INVARIANCE) for t, v, _ in lp.top)
+        assert lp.logprob == pytest.approx(want[lp.token], abs=LOGPROB_INVARIANCE)
+        assert len(lp.top) == 3 and all(v == pytest.approx(want[t], abs=LOGPROB_INVARIANCE) for t, v, _ in lp.top)
     assert ctx.score(tokens).logprobs is None
     with pytest.raises(InvalidArgumentError):
         ctx.score(tokens, logprobs=21)

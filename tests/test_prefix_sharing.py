@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from invariance import INVARIANCE, log_softmax, rows
+from invariance import LOGPROB_INVARIANCE, log_softmax, rows
 
 from lloyal_pool import Context, Model, Pool, Result
 from lloyal_pool.batching import Batcher
@@ -44,8 +44,8 @@ def assert_as_alone(alone: Context, prompt: list[int], result: Result) -> None:
     assert result.logprobs is not None and len(result.logprobs) == len(result.tokens) > 0
     for lp, z in zip(result.logprobs, rows(alone, prompt, result.tokens), strict=True):
         want = log_softmax(z)
-        assert lp.logprob == pytest.approx(want[lp.token], abs=INVARIANCE)
-        assert all(v == pytest.approx(want[t], abs=INVARIANCE) for t, v, _ in lp.top)
+        assert lp.logprob == pytest.approx(want[lp.token], abs=LOGPROB_INVARIANCE)
+        assert all(v == pytest.approx(want[t], abs=LOGPROB_INVARIANCE) for t, v, _ in lp.top)
 
 
 class Prefills:

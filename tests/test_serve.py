@@ -17,7 +17,7 @@ import openai
 import pytest
 from browser import Browser, find_chromium
 from chatformats import HERMES, WEATHER
-from invariance import INVARIANCE, log_softmax, reference
+from invariance import INVARIANCE, LOGPROB_INVARIANCE, log_softmax, reference
 from served import PATIENCE, TEMPLATE, Served, chat_with_the_serve_command
 
 from lloyal_pool import Model, Pool, Result, StopReason
@@ -308,7 +308,7 @@ def test_echo_shows_the_prompt_and_its_tokens_log_probabilities(served: Served, 
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
     assert len(lp.token_logprobs) == len(want) == len(tokens) - 1
     for got, top, w in zip(lp.token_logprobs, lp.top_logprobs, want, strict=True):
-        assert got == pytest.approx(w.logprob, abs=INVARIANCE) and len(top) <= 2
+        assert got == pytest.approx(w.logprob, abs=LOGPROB_INVARIANCE) and len(top) <= 2
     # With a reply: the prompt, then its tokens, offsets running on; streamed, the prompt comes first.
     both = client.completions.create(model="x", prompt=text, echo=True, logprobs=1, max_tokens=4, temperature=0)
     lp = both.choices[0].logprobs
@@ -352,7 +352,7 @@ def test_logprobs_in_chat_and_completions(served: Served, spool: Pool) -> None:
     finally:
         ctx.close()
     first = model.tokenize(lp.tokens[0], add_special=False)
-    assert len(first) == 1 and lp.token_logprobs[0] == pytest.approx(want[first[0]], abs=INVARIANCE)
+    assert len(first) == 1 and lp.token_logprobs[0] == pytest.approx(want[first[0]], abs=LOGPROB_INVARIANCE)
     # Streamed: each chunk carries the tokens handed out with its piece (the last, any held back), and
     # together they are the tokens of the same request unstreamed (both run alone, one after the other).
     ask = {"model": "x", "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2,

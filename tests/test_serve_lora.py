@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from invariance import INVARIANCE, log_softmax
+from invariance import INVARIANCE, LOGPROB_INVARIANCE, log_softmax
 from loras import attention_shapes, write_lora
 from served import Served, chat_with_the_serve_command
 
@@ -43,8 +43,9 @@ def adapters(lpool: Pool, tmp_path_factory: pytest.TempPathFactory) -> list[Path
     """Two random adapters on q and v of Gemma's first six layers. Smaller than tests/test_batched_lora.py's
     (std 0.6, not 2): under adapters that large the model is so sensitive that the CPU kernels' rounding,
     which differs with a decode's shape (its other sequences, a prompt split in two), moves a top token's
-    log-probability by up to 3 (measured), past the invariance bound; at 0.6 by at most 0.35 (0.2 for no
-    adapter), while the first step still moves by 9 or more from the base model's."""
+    log-probability by up to 3 (measured), past the invariance bound; at 0.6 by at most 1.01 (measured over
+    the x64-to-zen4 kernel levels, 3 runs each of the concurrent test), while the first step still moves by
+    9 or more from the base model's."""
     d = tmp_path_factory.mktemp("serve-lora")
     shapes = attention_shapes(lpool[0].models[0].info, range(6))
     return [write_lora(d / f"{name}.gguf", "gemma3", shapes, rank=8, seed=seed, std=0.6)
@@ -80,8 +81,8 @@ class Reference:
         return self._pieces[token]
 
     def check(self, config: Mapping[Path, float], prompt: str | list[int], logprobs: Any) -> np.ndarray:
-        """Every step of a greedy completion's ``logprobs`` equals the reference's within INVARIANCE: its
-        token's log-probability and each of its top alternatives. Each step's token is the one of the
+        """Every step of a greedy completion's ``logprobs`` equals the reference's within LOGPROB_INVARIANCE:
+        its token's log-probability and each of its top alternatives. Each step's token is the one of the
         returned text among those the reference puts within 2 x INVARIANCE of its best (what a greedy step
         whose logits moved by at most INVARIANCE can take); the next step is decoded after it. Returns the
         first step's reference log-probabilities."""
@@ -100,9 +101,9 @@ class Reference:
                 chosen = [t for t in near if self.piece(t) == text]
                 assert chosen, (i, text, [self.piece(t) for t in near])
                 token = max(chosen, key=lambda t: z[t])
-                assert value == pytest.approx(want[token], abs=INVARIANCE), (i, text)
+                assert value == pytest.approx(want[token], abs=LOGPROB_INVARIANCE), (i, text)
                 for alt, v in top.items():  # an alternative's text, at a reference token close in value
-                    close = np.flatnonzero(np.abs(want - v) <= INVARIANCE)
+                    close = np.flatnonzero(np.abs(want - v) <= LOGPROB_INVARIANCE)
                     assert any(self.piece(int(t)) == alt for t in close), (i, alt, v, prompt, dict(config))
                 self.ctx.decode([token], len(tokens) + i, 0)
         finally:
@@ -207,6 +208,11 @@ def test_concurrent_requests_on_different_adapters_each_run_as_alone(served: Ser
         replies = list(ex.map(lambda case: complete(served, case[0], **case[1]), cases))
     for (prompt, _, config), reply in zip(cases, replies, strict=True):
         ref.check(config, prompt, reply.choices[0].logprobs)
+        # The check tells the adapters apart: a reply run under another request's adapters would fail it.
+        for other in ({}, {adapters[0]: 1.0}, {adapters[1]: 1.0}):
+            if other != config:
+                with pytest.raises(AssertionError):
+                    ref.check(other, prompt, reply.choices[0].logprobs)
 
 
 def test_bad_adapters_and_models_are_400s_and_the_server_serves_on(served: Served) -> None:
