@@ -112,6 +112,9 @@ def _paused(fut: Future[Any]) -> bool:
     return not fut.cancelled() and fut.exception() is None and getattr(fut.result(), "stop_reason", None) == "paused"
 
 
+_CHECKPOINT = -1  # the gate's holder while a stream's checkpoint pause lands (no thread has taken it yet)
+
+
 class ContextLink:
     def __init__(self, proc: WorkerProcess, handle: int, interrupt_slot: int) -> None:
         self.proc = proc
@@ -182,6 +185,30 @@ class ContextLink:
         finally:
             if held:
                 self._release()
+
+    def hold_for_checkpoint(self, request_id: int) -> bool:
+        """Holds the link for a stream's own checkpoint (its pause, the SaveState, its resume), so that no
+        other call runs on the context in between, but only when nothing else is under way on it: no call
+        at or past the gate, no decoding request but the stream's (``request_id``). Never waits (the
+        reader thread asks); the checkpoint's thread takes the hold over (adopt_hold) and releases it."""
+        with self._gate:
+            if self._mover is not None or self._senders:
+                return False
+            with self._lock:
+                if self._decoding != [self._latest(request_id)]:
+                    return False
+            self._mover = _CHECKPOINT
+            return True
+
+    def adopt_hold(self) -> None:
+        """The calling thread takes over a hold_for_checkpoint() hold: its calls pass the gate."""
+        with self._gate:
+            assert self._mover == _CHECKPOINT
+            self._mover = threading.get_ident()
+
+    def release_hold(self) -> None:
+        """Ends a hold_for_checkpoint() hold, taken over or not."""
+        self._release()
 
     def _release(self) -> None:
         with self._gate:

@@ -649,4 +649,9 @@ class WorkerProcess:
             self._transfer.close()
         if self._control is not None:
             self._control.close()
-        shutil.rmtree(self._cwd, ignore_errors=True)
+            # A zygote's forks work in directories inside its own and live on: they remove their own.
+            for entry in os.scandir(self._cwd):
+                if not (entry.is_dir() and entry.name.startswith("fork")):
+                    shutil.rmtree(entry.path, ignore_errors=True) if entry.is_dir() else os.unlink(entry.path)
+        else:
+            shutil.rmtree(self._cwd, ignore_errors=True)

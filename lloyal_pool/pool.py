@@ -29,7 +29,7 @@ from .model import Model
 from .paging import Pager
 from .routing import ROUTER
 from .shm import DEFAULT_SIZE, check_size
-from .snapshot import Snapshot
+from .snapshot import Snapshot, _why_no_fork
 from .spares import Spares
 
 #: The most threads a context takes (ggml's GGML_MAX_N_THREADS).
@@ -138,6 +138,10 @@ class Pool(BatchedCalls, Subscribers):
     ``recover``: a worker that dies is replaced in place, its models and contexts rebuilt
     (docs/RELIABILITY.md); ``spares``: that many spare workers kept ready, with the models the pool's
     workers hold loaded, which recovery takes instead of starting a worker (``pool.spares``);
+    ``fork_spares``: None (default) forks spares from a zygote holding the pool's models where a worker
+    can fork (as Pool.snapshot does: Linux, the CPU variant, CPU kernels without AMX), so that a spare is
+    ready in milliseconds and a recovery that finds none ready forks one; False starts every spare cold;
+    True insists (InvalidArgumentError where spares cannot fork);
     ``checkpoint_tokens``: a context is checkpointed (its state held in this process) whenever recovering
     it would decode that many prompt tokens' worth again (a generated token counting as 16): in the
     background after the call that grew its journal, and inside a stream, every that many tokens of its
@@ -168,8 +172,8 @@ class Pool(BatchedCalls, Subscribers):
                  allowed_dirs: Sequence[str | os.PathLike[str]] | None = None,
                  writable_dirs: Sequence[str | os.PathLike[str]] = (), network: bool = False,
                  sandbox: bool = True, hang_timeout: float | None = 30.0, recover: bool = False,
-                 spares: int = 0, checkpoint_tokens: int | None = None, max_resident_contexts: int | None = None,
-                 page_dir: str | os.PathLike[str] | None = None) -> None:
+                 spares: int = 0, fork_spares: bool | None = None, checkpoint_tokens: int | None = None,
+                 max_resident_contexts: int | None = None, page_dir: str | os.PathLike[str] | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"a Pool's size is an int of workers >= 0 (0: only snapshots' forks), "
                                        f"got size={size!r}")
@@ -186,6 +190,8 @@ class Pool(BatchedCalls, Subscribers):
         self._paging = (max_resident_contexts, None if page_dir is None else os.path.realpath(os.fspath(page_dir)))
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise InvalidArgumentError(f"spares is an int of ready workers >= 0, got spares={spares!r}")
+        if fork_spares is not None and not isinstance(fork_spares, bool):
+            raise InvalidArgumentError(f"fork_spares is True, False or None, got {fork_spares!r}")
         if hang_timeout is not None and (isinstance(hang_timeout, bool) or not isinstance(
                 hang_timeout, (int, float)) or not hang_timeout > 0):
             raise InvalidArgumentError(f"hang_timeout is a number of seconds > 0 or None, got {hang_timeout!r}")
@@ -225,7 +231,7 @@ class Pool(BatchedCalls, Subscribers):
         #: Whether crash recovery is on (Pool(recover=True)).
         self.recover = bool(recover)
         self._watch = None if hang_timeout is None else HangWatch(self._all_procs, float(hang_timeout))
-        self._spares = Spares(spares, self._ready_worker, self._held_models)
+        self._spares = Spares(spares, self._ready_worker, self._held_models, self._release)
         self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0, self._watch, self._temp)
         try:
             procs = [self._spawn(recoverable=True) for _ in range(size)]  # start all, then wait: start-ups overlap
@@ -235,7 +241,11 @@ class Pool(BatchedCalls, Subscribers):
             self.close()
             raise
         self._instances = [self._instance(p) for p in procs]
-        self._spares.fill()
+        why_not = _why_no_fork(self) if spares and fork_spares is not False else "fork_spares=False"
+        if fork_spares and why_not:
+            self.close()
+            raise InvalidArgumentError(f"fork_spares=True, but spares cannot fork here: {why_not}")
+        self._spares.start(fork=why_not is None)
 
     def _instance(self, proc: WorkerProcess) -> Instance:
         instance = Instance(proc)
@@ -245,8 +255,10 @@ class Pool(BatchedCalls, Subscribers):
             instance._pager = Pager(budget, page_dir)
         return instance
 
-    def _ready_worker(self) -> WorkerProcess:
-        proc = self._spawn(recoverable=True)
+    def _ready_worker(self, fork_from: WorkerProcess | None = None, zygote: bool = False) -> WorkerProcess:
+        """A started worker (a spare, or a spares' zygote with ``zygote``; forked from the frozen zygote
+        ``fork_from``), its handshake done."""
+        proc = self._spawn(recoverable=not zygote, zygote=zygote, fork_from=fork_from)
         try:
             proc.wait_ready()
         except BaseException:

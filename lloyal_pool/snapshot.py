@@ -118,12 +118,19 @@ class Snapshot:
 
 
 def _why_no_fork(pool: Pool) -> str | None:
+    # Its workers all run the same CPU kernels: a live one says which.
+    build: dict[str, Any] = next((inst.build_info for inst in pool if inst.alive), {})
+    return fork_obstacle(pool._options.variant, build)
+
+
+def fork_obstacle(variant: str, build: Mapping[str, Any]) -> str | None:
+    """Why a worker of this native ``variant``, whose handshake reported ``build``, cannot be a zygote
+    (None: it can)."""
     if not sys.platform.startswith("linux"):
         return f"forking a prepared worker needs Linux, not {sys.platform}"
-    if pool._options.variant != "cpu":
-        return f"the pool's native variant is {pool._options.variant!r} (a GPU runtime does not survive a fork)"
-    # Its workers all run the same CPU kernels: a live one says which.
-    cpu: dict[str, Any] = next((inst.build_info.get("cpu", {}) for inst in pool if inst.alive), {})
+    if variant != "cpu":
+        return f"the pool's native variant is {variant!r} (a GPU runtime does not survive a fork)"
+    cpu: Mapping[str, Any] = build.get("cpu", {})
     if any(name.startswith("AMX") for name in cpu.get("features", {})):
         return (f"the pool's CPU kernels ({cpu.get('kernels')}) use AMX, whose copy of the weights starts an "
                 "OpenMP team that a fork cannot survive")

@@ -6,6 +6,14 @@ while the caller waits.
     a worker dies (recover=True) ─▶ _recovery.recover: Spares.take ─▶ the spare's loaded models stand in
                                     for the dead worker's (what it lacks is loaded then) ─▶ a new spare
                                     starts in the background
+
+Where a worker can fork (snapshot.fork_obstacle: Linux, the CPU variant, kernels without AMX), spares are
+forked from a zygote: a frozen worker holding one load of each model the pool's workers hold (the same
+mechanism as Pool.snapshot). A fork is ready in milliseconds and shares the zygote's pages, so a spare
+comes back at once after a recovery, and a recovery that finds no spare ready (a second crash) forks one
+on the spot instead of starting a worker. A model loaded later makes the zygote stale: the ready spares
+load it themselves, and a new zygote is built (in the background) for the next forks. Elsewhere spares
+start cold: a worker spawned, then each model loaded.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import msgspec
 
 from . import protocol as p
 from .errors import LloyalError
+from .snapshot import fork_obstacle
 
 IDLE_BEFORE_FILL = 0.25
 """Seconds a recovered worker stays without calls in flight before a new spare starts."""
@@ -63,24 +72,48 @@ class Spare:
         self.loaded.clear()
 
 
-class Spares:
-    """The pool's ready spares; ``spawn`` starts a worker of the pool's (ready or raising), ``models``
-    lists the models the pool's workers hold now."""
+@dataclass(frozen=True)
+class Zygote:
+    """A frozen worker that spares fork from: one load of each model_key in ``loaded``, which every fork
+    inherits under the same handles."""
 
-    def __init__(self, wanted: int, spawn: Callable[[], WorkerProcess], models: Callable[[], list[Model]]) -> None:
+    proc: WorkerProcess
+    loaded: dict[bytes, p.ModelLoaded]
+
+
+class Spares:
+    """The pool's ready spares. ``spawn(fork_from, zygote=False)`` starts a worker of the pool's, ready or
+    raising: a fresh one (fork_from None; with ``zygote``, one that can become a zygote), or a fork of a
+    frozen zygote; ``models`` lists the models the pool's workers hold now; ``release`` ends a worker of
+    the pool's."""
+
+    def __init__(self, wanted: int, spawn: Callable[..., WorkerProcess], models: Callable[[], list[Model]],
+                 release: Callable[[WorkerProcess], None]) -> None:
         self.wanted = wanted
         self._spawn = spawn
         self._models = models
+        self._release = release
         self._lock = threading.Lock()
         self._ready: list[Spare] = []
         self._starting = 0
         self._closed = False
+        #: How spares start: "fork" (from a zygote) or "cold"; "cold" from the moment a zygote could not
+        #: be made.
+        self.mode = "cold"
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()  # one zygote built at a time
+        self._stale = threading.Event()  # the pool's models changed since the zygote was built
 
     @property
     def ready(self) -> int:
         """How many spares are ready now."""
         with self._lock:
             return len(self._ready)
+
+    def start(self, fork: bool) -> None:
+        """Starts the spares: forked from a zygote (``fork``) or cold."""
+        self.mode = "fork" if fork and self.wanted else "cold"
+        self.fill()
 
     def fill(self) -> None:
         """Starts, in the background, as many spares as are missing."""
@@ -92,7 +125,9 @@ class Spares:
 
     def _start_one(self) -> None:
         try:
-            spare = Spare(self._spawn())
+            spare = self._forked() if self.mode == "fork" else None
+            if spare is None:
+                spare = Spare(self._spawn(None))
             self._load_missing(spare)
         except BaseException as exc:
             log.error("[spares] a spare worker could not be started: %s", exc)
@@ -116,8 +151,64 @@ class Spares:
                     continue
                 spare.loaded.setdefault(key, []).append(model._load_into(spare.proc).result())
 
+    # -- forking ----------------------------------------------------------------------------------------
+    def _forked(self, build: bool = True) -> Spare | None:
+        """A spare forked from the zygote, which is built first when there is none or the pool's models
+        changed since (unless not ``build``: then a stale one serves, and None when there is none). None
+        where forking failed: spares start cold from then on (logged)."""
+        zygote = self._current_zygote() if build else self._zygote
+        if zygote is None or not zygote.proc.alive:
+            return None
+        try:
+            proc = self._spawn(zygote.proc)
+        except BaseException as exc:
+            if self._closed:
+                raise
+            log.warning("[spares] a spare could not be forked (%s); starting one cold", exc)
+            return None
+        return Spare(proc, {key: [loaded] for key, loaded in zygote.loaded.items()})
+
+    def _current_zygote(self) -> Zygote | None:
+        with self._zygote_lock:
+            old = self._zygote
+            if old is not None and old.proc.alive and not self._stale.is_set():
+                return old
+            if self.mode != "fork" or self._closed:
+                return None
+            self._stale.clear()
+            try:
+                zygote = self._build_zygote()
+            except BaseException as exc:
+                if not self._closed:
+                    log.warning("[spares] no zygote to fork spares from (%s); spares start cold", exc)
+                self.mode, zygote = "cold", None
+            self._zygote = zygote
+        if old is not None:
+            self._release(old.proc)  # its forks live on
+        return zygote
+
+    def _build_zygote(self) -> Zygote:
+        proc = self._spawn(None, zygote=True)
+        try:
+            why_not = fork_obstacle(proc.options.variant, proc.hello.get("build", {}))
+            if why_not:
+                raise LloyalError(why_not)
+            loaded: dict[bytes, p.ModelLoaded] = {}
+            for model in self._models():
+                key = model_key(model)
+                if key not in loaded:
+                    loaded[key] = model._load_into(proc).result()
+            proc.call(p.Freeze()).result()
+        except BaseException:
+            self._release(proc)
+            raise
+        return Zygote(proc, loaded)
+
     def sync(self) -> None:
-        """A model was loaded in a pool worker: the ready spares load it too (on a thread of its own)."""
+        """A model was loaded in a pool worker: the ready spares load it too (on a thread of its own), and
+        a zygote is built again with it."""
+        self._stale.set()
+
         def run() -> None:
             with self._lock:
                 ready = list(self._ready)
@@ -126,24 +217,34 @@ class Spares:
                     self._load_missing(spare)
                 except BaseException as exc:
                     log.error("[spares] spare worker %d could not load a model: %s", spare.proc.worker_id, exc)
+            if self.mode == "fork" and self._zygote is not None:
+                try:
+                    self._current_zygote()
+                except BaseException as exc:
+                    log.error("[spares] the zygote could not be built again: %s", exc)
 
         threading.Thread(target=run, daemon=True, name="lloyal-spare-sync").start()
 
     def take(self) -> Spare | None:
-        """A ready spare that is still alive, out of the set, or None (fill() starts another)."""
+        """A ready spare that is still alive, out of the set; else one forked now from the zygote (stale
+        or not: recovery loads what it lacks); else None (fill() starts another)."""
         with self._lock:
             while self._ready:
                 spare = self._ready.pop(0)
                 if spare.proc.alive:
-                    break
-            else:
-                spare = None
-        return spare
+                    return spare
+        return self._forked(build=False) if self.mode == "fork" and not self._closed else None
 
     def fill_after(self, busy: list[Future[Any]], at_most: float, idle: Callable[[], bool] | None = None) -> None:
         """fill() once the futures are done and ``idle()`` has held for a moment (at most ``at_most``
         seconds from now): a spare starting takes the CPU that a recovered worker's replayed calls need,
-        and the calls made on it right after (a paused stream resumed there)."""
+        and the calls made on it right after (a paused stream resumed there). A fork from a current zygote
+        takes next to nothing: it starts at once."""
+        zygote = self._zygote
+        if self.mode == "fork" and zygote is not None and zygote.proc.alive and not self._stale.is_set():
+            self.fill()
+            return
+
         def run() -> None:
             deadline = time.monotonic() + at_most
             wait(busy, timeout=at_most)
@@ -159,10 +260,11 @@ class Spares:
         threading.Thread(target=run, daemon=True, name="lloyal-spare-fill").start()
 
     def close(self) -> None:
-        """No more spares start; the pool closes the workers (they are among its processes)."""
+        """No more spares start; the pool closes the workers (they are among its processes, the zygote
+        too)."""
         with self._lock:
             self._closed = True
             self._ready.clear()
 
 
-__all__ = ["Spare", "Spares", "model_key"]
+__all__ = ["Spare", "Spares", "Zygote", "model_key"]

@@ -74,6 +74,7 @@ class Pausable:
         self._prompt_pausable = (not request.append and bool(params.get("cache_prompt", True))
                                  and not params.get("cache_bit_exact", False))
         self._auto = False  # the pause under way is such a checkpoint's, not the caller's
+        self._held = False  # ... for which the stream holds its link (no other call runs in between)
         self._prompt_done = 0  # of the prompt's tokens to decode, those decoded by the segments before
         self._last_done = 0  # ... and by this one too, as its last progress event said
         self._checkpointed_at = 0
@@ -146,6 +147,11 @@ class Pausable:
 
     def _segment_ended(self, fut: Future[Result]) -> None:
         error = fut.exception()
+        with self._cond:
+            if not (error is None and fut.result().stop_reason == StopReason.PAUSED and self._auto
+                    and not self._stop_wanted):  # no checkpoint's pause to take: other calls go on
+                self._auto = False
+                self._end_hold()
         adopting, self._adopting = self._adopting, None
         if error is not None and adopting is not None and adopting.exception() is not None:
             error = adopting.exception()  # the Resume failed because the take-over did: say why
@@ -183,8 +189,6 @@ class Pausable:
         with self._cond:
             self.state = "done"
             self._cond.notify_all()
-            if self._auto:  # it ended before a checkpoint's pause took effect
-                self._auto = self._link.stream_checkpoint = False
         if error is not None:
             self.future.set_exception(error)
         else:
@@ -210,32 +214,43 @@ class Pausable:
         self.future.set_exception(error)
 
     def _auto_pause(self) -> None:
+        """A checkpoint's pause, asked for where nothing but this stream is under way on the context (else
+        none now: the next is due after as many tokens again). The link is held from here to the resume,
+        so that no call of another thread runs on the context in between (it would end the generation)."""
         with self._cond:
-            if self.state != "running":
+            if self.state != "running" or not self._link.hold_for_checkpoint(self._request_id):
                 return
+            self._held = True
             self._auto = self._link.stream_checkpoint = True
             self.state = "pausing"
             if not self._link.pause_request(self._request_id):
                 self.state, self._auto = "running", False
-                self._link.stream_checkpoint = False
+                self._end_hold()
+
+    def _end_hold(self) -> None:
+        """(Under _cond.) Releases the link held for a checkpoint's pause, if it is."""
+        self._link.stream_checkpoint = False
+        if self._held:
+            self._held = False
+            self._link.release_hold()
 
     def _checkpoint_and_go(self) -> None:
         """A checkpoint's pause: the state saved as the journal's checkpoint, then on, unless the caller
         paused the stream meanwhile (then it is theirs to resume)."""
+        self._link.adopt_hold()
         try:
-            self._link.checkpoint()  # which tells this generation (checkpointed())
-        except Exception:
-            pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead
-        finally:
+            try:
+                self._link.checkpoint()  # which tells this generation (checkpointed())
+            except Exception:
+                pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead
             self._link.stream_checkpoint = False
-        with self._cond:
-            if not self._auto:
-                return
-            self._auto = False
-        try:
-            self.resume()
-        except BaseException as exc:
-            self.fail(exc)
+            try:
+                self._resume(auto=True)
+            except BaseException as exc:
+                self.fail(exc)
+        finally:
+            with self._cond:
+                self._end_hold()
 
     def checkpointed(self) -> None:
         """The context was checkpointed while this generation is paused (its tokens are in the state):
@@ -269,13 +284,17 @@ class Pausable:
         """Goes on with a paused generation (after its pause has taken effect); False when it is not
         paused (running, or ended). Holds the link while it sends the Resume, so that a move sees the
         generation either paused or running under its new request id."""
+        return self._resume(auto=False)
+
+    def _resume(self, auto: bool) -> bool:
+        """resume(); with ``auto``, a checkpoint's: only while its pause is not the caller's."""
         link = self._link
         with link.moving():
             with self._cond:
                 self._cond.wait_for(lambda: self.state != "pausing")
-                if self.state != "paused":
+                if self.state != "paused" or (auto and not self._auto):
                     return False
-                self.state = "running"
+                self.state, self._auto = "running", False
             try:
                 if not link.proc.alive:
                     link.proc.await_recovery()  # crash recovery rebuilds the history; the generation is ours
@@ -447,6 +466,8 @@ class Stream(PieceStream):
 
     @property
     def paused(self) -> bool:
-        """Whether the stream is paused (or pausing)."""
-        return self._run is not None and self._run.state in ("pausing", "paused")
+        """Whether the stream is paused (or pausing) by its caller (not for one of Pool(checkpoint_tokens)'s
+        checkpoints)."""
+        run = self._run
+        return run is not None and run.state in ("pausing", "paused") and not run._auto
 

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,6 +18,7 @@ from lloyal_pool import InvalidArgumentError, Model, Pool, Result
 from lloyal_pool._process import GENERATED_TOKEN_COST
 from lloyal_pool._recovery import Journal
 from lloyal_pool.params import MAX_SEED
+from lloyal_pool.spares import model_key
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
@@ -36,7 +38,8 @@ def _model_loaded_in(pid: int, name: str) -> bool:
 
 
 def test_recovery_takes_a_spare_with_the_model_loaded(gemma_path: Path) -> None:
-    with Pool(1, recover=True, spares=1) as pool:
+    with Pool(1, recover=True, spares=1, fork_spares=False) as pool:
+        assert pool._spares.mode == "cold"
         model = pool[0].load_model(gemma_path)
         ctx = model.new_context(n_ctx=1024)
         reference = ctx.generate(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True).text
@@ -56,10 +59,83 @@ def test_recovery_takes_a_spare_with_the_model_loaded(gemma_path: Path) -> None:
         assert ctx.generate(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True).text == reference
 
 
+def _zygote_pid(pool: Pool, model: Model | None = None) -> int:
+    """The pid of the zygote the pool's spares fork from, once it holds ``model`` (if given)."""
+    def current() -> bool:
+        zygote = pool._spares._zygote
+        return zygote is not None and zygote.proc.alive and not pool._spares._stale.is_set() and (
+            model is None or model_key(model) in zygote.loaded)
+
+    _wait(current)
+    zygote = pool._spares._zygote
+    assert zygote is not None
+    return zygote.proc.pid
+
+
+def test_forked_spares_are_ready_at_once_and_a_recovery_without_one_forks_one(gemma_path: Path) -> None:
+    with Pool(1, recover=True, spares=1, fork_spares=True) as pool:
+        assert pool._spares.mode == "fork"
+        _wait(lambda: pool.spares == 1)
+        model = pool[0].load_model(gemma_path)
+        ctx = model.new_context(n_ctx=1024)
+        reference = ctx.generate(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True).text
+        # The spare forked before the model loaded loads it itself; the zygote is built again with it.
+        zygote = _zygote_pid(pool, model)
+        spare = pool._spares._ready[0].proc
+        _wait(lambda: _model_loaded_in(spare.pid, gemma_path.name))
+        # No spare ready when the worker dies (the spare died first): recovery forks one on the spot.
+        os.kill(spare.pid, signal.SIGKILL)
+        _wait(lambda: not spare.alive)
+        pieces: list[str] = []
+        with ctx.stream(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True) as stream:
+            for piece in stream:
+                pieces.append(piece)
+                if len(pieces) == 8:
+                    os.kill(pool[0].pid, signal.SIGKILL)
+        assert "".join(pieces) == stream.result.text == reference
+        assert psutil.Process(pool[0].pid).ppid() == zygote  # the replacement is a fork of the zygote
+        assert _model_loaded_in(pool[0].pid, gemma_path.name)
+        # A new spare is forked at once, the model in it from the zygote (not loaded again).
+        _wait(lambda: pool.spares == 1)
+        again = pool._spares._ready[0]
+        assert psutil.Process(again.proc.pid).ppid() == zygote and again.loaded[model_key(model)]
+        assert ctx.generate(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True).text == reference
+        # The next recovery takes it.
+        with ctx.stream(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True) as stream:
+            pieces = []
+            for piece in stream:
+                pieces.append(piece)
+                if len(pieces) == 4:
+                    os.kill(pool[0].pid, signal.SIGKILL)
+        assert "".join(pieces) == reference and pool[0].pid == again.proc.pid
+
+
+def test_a_second_model_rebuilds_the_zygote_and_its_forks_outlive_the_old_one(gemma_path: Path,
+                                                                              tiny_model: Path) -> None:
+    with Pool(1, recover=True, spares=1, fork_spares=True) as pool:
+        gemma = pool[0].load_model(gemma_path)
+        first = _zygote_pid(pool, gemma)
+        _wait(lambda: pool.spares == 1)
+        ctx = gemma.new_context(n_ctx=512)
+        reference = ctx.generate(PROMPT, n_predict=16, temperature=0.0, ignore_eos=True).text
+        tiny = pool[0].load_model(tiny_model)
+        assert _zygote_pid(pool, tiny) != first
+        _wait(lambda: not psutil.pid_exists(first))  # the old zygote ended
+        spare = pool._spares._ready[0]
+        _wait(lambda: bool(spare.loaded.get(model_key(tiny))))  # the ready spare loaded it itself
+        os.kill(pool[0].pid, signal.SIGKILL)  # recovery takes the spare, a fork of the old zygote
+        assert ctx.generate(PROMPT, n_predict=16, temperature=0.0, ignore_eos=True).text == reference
+        assert pool[0].pid == spare.proc.pid
+        tiny_ctx = tiny.new_context(n_ctx=128)
+        assert len(tiny_ctx.generate("a", n_predict=4, temperature=0.0, ignore_eos=True).tokens) == 4
+
+
 def test_spares_is_a_count(gemma_path: Path) -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(InvalidArgumentError, match="spares"):
             Pool(1, spares=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="fork_spares"):
+        Pool(1, spares=1, fork_spares="yes")  # type: ignore[arg-type]
     with Pool(1) as pool:
         assert pool.spares == 0
 
@@ -153,6 +229,35 @@ def test_a_stream_checkpointed_as_it_generates_survives_a_kill_from_its_last_che
         assert stream.result.n_decoded == 40
         assert at_kill[0] is not None  # checkpointed inside the generation: decoded again from there
         assert journal.lost is None  # its journal goes on from the checkpoint: the generation's portable form
+
+
+def test_a_call_another_thread_makes_on_a_checkpointed_stream_s_context_waits_for_the_stream(
+        gemma_path: Path) -> None:
+    """A stream's own checkpoints (a pause, the state saved, a resume) let no other call on its context
+    run in between: one already sent waits in the worker (no checkpoint is taken meanwhile), one made
+    while a checkpoint's pause lands waits at the link. Before, either ran at the pause and ended the
+    generation (the Resume after it raised ContextError)."""
+    other_prompt = "The capital of France is"
+    with Pool(1, recover=True, checkpoint_tokens=2 * GENERATED_TOKEN_COST) as pool:  # every 2 tokens
+        model = pool[0].load_model(gemma_path)
+        expected = _alone(model, PROMPT, n_predict=40).text
+        expected_other = _alone(model, other_prompt, n_predict=8).text
+        ctx = model.new_context(n_ctx=1024)
+        journal = cast("Journal", ctx._link.journal)
+        pieces: list[str] = []
+        others: list[Future[Result]] = []
+        with ThreadPoolExecutor(4) as ex, ctx.stream(PROMPT, n_predict=40, temperature=0.0,
+                                                     ignore_eos=True) as stream:
+            for piece in stream:
+                pieces.append(piece)
+                assert not stream.paused  # its checkpoints' pauses are not the caller's
+                if len(pieces) in (5, 6, 7, 8):
+                    others.append(ex.submit(ctx.generate, other_prompt, n_predict=8, temperature=0.0,
+                                            ignore_eos=True))
+            text = "".join(pieces)
+        assert text == stream.result.text == expected
+        assert journal.checkpoint is not None  # checkpointed on its way
+        assert [f.result(timeout=120).text for f in others] == [expected_other] * 4
 
 
 def test_a_replayed_prompt_checkpointed_on_its_way_delivers_no_piece_twice(gemma_path: Path) -> None:
