@@ -130,11 +130,13 @@ def spawn(worker_id: int, options: WorkerOptions, pipes: WorkerPipes, region: Re
         cwd=cwd, env=worker_env(options.env), start_new_session=True))
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a worker and every process below it."""
+def kill_tree(pid: int, own_session_only: bool = False) -> None:
+    """SIGKILL a worker and every process below it; with ``own_session_only`` (a zygote), only those in
+    its own session: its forks, which lead sessions of their own, live on."""
     try:
         parent = psutil.Process(pid)
-        procs = [*parent.children(recursive=True), parent]
+        procs = [*(c for c in parent.children(recursive=True)
+                   if not own_session_only or _session(c.pid) in (pid, None)), parent]
     except psutil.Error:
         procs = []
     for p in procs:
@@ -148,6 +150,13 @@ def kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def _sandbox_args(options: WorkerOptions) -> list[str]:
@@ -266,8 +275,8 @@ class ForkedChild:
                 code = self._zygote.call(Reap(pid=self.pid, timeout=left)).result()
             except (LloyalError, OSError):
                 code = None
-                if not psutil.pid_exists(self.pid):
-                    self._done = True  # reaped by init: the status is gone with the zygote
+                if not _running(self.pid):
+                    self._done = True  # reaped by init (or about to be): the status is gone with the zygote
                     break
                 time.sleep(left)
             if code is not None:
@@ -276,6 +285,14 @@ class ForkedChild:
             if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
         return self.returncode
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a process that has not exited (a zombie has)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class StderrTail:

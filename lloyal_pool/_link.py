@@ -125,6 +125,7 @@ class ContextLink:
         self._lock = threading.RLock()
         self._decoding: list[int] = []  # ids of decoding requests in flight, in the order the worker runs them
         self._cancelled: set[int] = set()  # of those, the ones to interrupt as soon as the worker starts them
+        self._other_calls = 0  # calls in flight that do not decode
         # A decoding call's future -> its request id, for wait()'s interrupt when its timeout passes.
         self._ids: weakref.WeakKeyDictionary[Future[Any], int] = weakref.WeakKeyDictionary()
         self.closed = False
@@ -189,13 +190,13 @@ class ContextLink:
     def hold_for_checkpoint(self, request_id: int) -> bool:
         """Holds the link for a stream's own checkpoint (its pause, the SaveState, its resume), so that no
         other call runs on the context in between, but only when nothing else is under way on it: no call
-        at or past the gate, no decoding request but the stream's (``request_id``). Never waits (the
-        reader thread asks); the checkpoint's thread takes the hold over (adopt_hold) and releases it."""
+        at or past the gate, nothing in flight but the stream's request (``request_id``). Never waits
+        (the reader thread asks); the checkpoint's thread takes the hold over (adopt_hold) and releases it."""
         with self._gate:
             if self._mover is not None or self._senders:
                 return False
             with self._lock:
-                if self._decoding != [self._latest(request_id)]:
+                if self._decoding != [self._latest(request_id)] or self._other_calls:
                     return False
             self._mover = _CHECKPOINT
             return True
@@ -259,6 +260,10 @@ class ContextLink:
                 self._leave()
                 raise
 
+    def _other_call_ended(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._other_calls -= 1
+
     def _leave(self) -> None:
         with self._gate:
             self._senders -= 1
@@ -280,6 +285,9 @@ class ContextLink:
                 pid=getattr(err, "pid", None))
         if not req.decodes:
             fut = self.proc.call(req, on_event)
+            with self._lock:
+                self._other_calls += 1
+            fut.add_done_callback(self._other_call_ended)
             self._journal(req, fut, after)
             return fut
         sent: list[int] = []

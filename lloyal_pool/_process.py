@@ -590,7 +590,7 @@ class WorkerProcess:
 
     # -- shutdown -------------------------------------------------------------------------------------
     def _kill_tree(self) -> None:
-        kill_tree(self.pid)
+        kill_tree(self.pid, own_session_only=self._control is not None)  # a zygote's forks live on
 
     def _kill_by_close(self) -> None:
         if self.proc.returncode is None:

@@ -241,7 +241,7 @@ class Pool(BatchedCalls, Subscribers):
             self.close()
             raise
         self._instances = [self._instance(p) for p in procs]
-        why_not = _why_no_fork(self) if spares and fork_spares is not False else "fork_spares=False"
+        why_not = "fork_spares=False" if fork_spares is False else _why_no_fork(self)
         if fork_spares and why_not:
             self.close()
             raise InvalidArgumentError(f"fork_spares=True, but spares cannot fork here: {why_not}")

@@ -102,7 +102,6 @@ class Spares:
         self.mode = "cold"
         self._zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()  # one zygote built at a time
-        self._stale = threading.Event()  # the pool's models changed since the zygote was built
 
     @property
     def ready(self) -> int:
@@ -162,26 +161,32 @@ class Spares:
         try:
             proc = self._spawn(zygote.proc)
         except BaseException as exc:
-            if self._closed:
-                raise
-            log.warning("[spares] a spare could not be forked (%s); starting one cold", exc)
+            if not self._closed:
+                log.warning("[spares] a spare could not be forked (%s); starting one cold", exc)
             return None
         return Spare(proc, {key: [loaded] for key, loaded in zygote.loaded.items()})
+
+    def _is_current(self, zygote: Zygote | None) -> bool:
+        """Whether ``zygote`` is alive and holds every model the pool's workers hold."""
+        return zygote is not None and zygote.proc.alive and all(
+            model_key(m) in zygote.loaded for m in self._models())
 
     def _current_zygote(self) -> Zygote | None:
         with self._zygote_lock:
             old = self._zygote
-            if old is not None and old.proc.alive and not self._stale.is_set():
+            if self._is_current(old):
                 return old
             if self.mode != "fork" or self._closed:
                 return None
-            self._stale.clear()
             try:
-                zygote = self._build_zygote()
+                zygote: Zygote | None = self._build_zygote()
             except BaseException as exc:
                 if not self._closed:
                     log.warning("[spares] no zygote to fork spares from (%s); spares start cold", exc)
                 self.mode, zygote = "cold", None
+            if zygote is not None and self._closed:  # the pool closed while it was built
+                self._release(zygote.proc)
+                zygote = None
             self._zygote = zygote
         if old is not None:
             self._release(old.proc)  # its forks live on
@@ -207,8 +212,6 @@ class Spares:
     def sync(self) -> None:
         """A model was loaded in a pool worker: the ready spares load it too (on a thread of its own), and
         a zygote is built again with it."""
-        self._stale.set()
-
         def run() -> None:
             with self._lock:
                 ready = list(self._ready)
@@ -240,8 +243,7 @@ class Spares:
         seconds from now): a spare starting takes the CPU that a recovered worker's replayed calls need,
         and the calls made on it right after (a paused stream resumed there). A fork from a current zygote
         takes next to nothing: it starts at once."""
-        zygote = self._zygote
-        if self.mode == "fork" and zygote is not None and zygote.proc.alive and not self._stale.is_set():
+        if self.mode == "fork" and self._is_current(self._zygote):
             self.fill()
             return
 

@@ -51,6 +51,7 @@ class Pausable:
         self._stop_wanted = False
         self._adopting: Future[None] | None = None
         self._resuming = False  # the current segment is a Resume
+        self._sending = False  # a segment is being sent (its id may not be known yet)
         # What the workers that took the generation over do not report: the segments before (their
         # logprobs and decode time), joined into the ones after.
         self._before: Result | None = None
@@ -90,11 +91,25 @@ class Pausable:
 
     def _send(self, req: p.Generate | p.Resume) -> None:
         self._resuming = isinstance(req, p.Resume)
-        fut = self._link.call(req, self._on_event, on_id=self._set_id)
+        with self._cond:
+            self._sending = True
+        try:
+            fut = self._link.call(req, self._on_event, on_id=self._set_id)
+        finally:
+            with self._cond:
+                self._sending = False
         fut.add_done_callback(self._segment_ended)
 
     def _set_id(self, request_id: int) -> None:
-        self._request_id = request_id
+        """The segment being sent has its id: a stop or a pause asked for while it was sent (the one
+        before had ended) is asked of it."""
+        with self._cond:
+            self._request_id = request_id
+            stop, pause = self._stop_wanted, self.state == "pausing"
+        if stop:
+            self._link.interrupt_request(request_id)
+        elif pause:
+            self._link.pause_request(request_id)
 
     @property
     def in_prompt(self) -> bool:
@@ -181,6 +196,9 @@ class Pausable:
                 self.state = "paused"
                 self._cond.notify_all()
                 stop, auto = self._stop_wanted, self._auto
+                if stop or not auto:  # the caller paused or stopped it since the check above
+                    self._auto = False
+                    self._end_hold()
             if stop:
                 self.interrupt()
             elif auto:
@@ -273,7 +291,7 @@ class Pausable:
                 self._auto = self._link.stream_checkpoint = False
             if self.state == "running":
                 self.state = "pausing"
-                if not self._link.pause_request(self._request_id):
+                if not self._link.pause_request(self._request_id) and not self._sending:
                     self.state = "running"  # it ended meanwhile: its reply settles the state
             if not wait:
                 return self.state in ("pausing", "paused")
@@ -338,7 +356,7 @@ class Pausable:
         """Ends the generation: a running one as interrupt() does; a paused one at once, its result the
         text it had streamed, stop_reason interrupted."""
         with self._cond:
-            if self.state == "pausing":
+            if self.state in ("running", "pausing"):  # also for a segment being sent (_set_id)
                 self._stop_wanted = True
             if self.state != "paused":
                 request_id = self._request_id

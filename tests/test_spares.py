@@ -63,8 +63,7 @@ def _zygote_pid(pool: Pool, model: Model | None = None) -> int:
     """The pid of the zygote the pool's spares fork from, once it holds ``model`` (if given)."""
     def current() -> bool:
         zygote = pool._spares._zygote
-        return zygote is not None and zygote.proc.alive and not pool._spares._stale.is_set() and (
-            model is None or model_key(model) in zygote.loaded)
+        return pool._spares._is_current(zygote) and (model is None or model_key(model) in zygote.loaded)
 
     _wait(current)
     zygote = pool._spares._zygote
