@@ -30,7 +30,7 @@ from .errors import (
     WorkerCrashedError,
     WorkerError,
 )
-from .protocol import PAUSE_BIT, ContextRequest, Request, SaveState
+from .protocol import PAUSE_BIT, READS_ONLY, ContextRequest, Request, SaveState
 
 R = TypeVar("R")
 EventHandler = Callable[[dict[str, Any]], None]
@@ -125,7 +125,7 @@ class ContextLink:
         self._lock = threading.RLock()
         self._decoding: list[int] = []  # ids of decoding requests in flight, in the order the worker runs them
         self._cancelled: set[int] = set()  # of those, the ones to interrupt as soon as the worker starts them
-        self._other_calls = 0  # calls in flight that do not decode
+        self._other_calls = 0  # calls in flight that do not decode but may change the context
         # A decoding call's future -> its request id, for wait()'s interrupt when its timeout passes.
         self._ids: weakref.WeakKeyDictionary[Future[Any], int] = weakref.WeakKeyDictionary()
         self.closed = False
@@ -190,7 +190,8 @@ class ContextLink:
     def hold_for_checkpoint(self, request_id: int) -> bool:
         """Holds the link for a stream's own checkpoint (its pause, the SaveState, its resume), so that no
         other call runs on the context in between, but only when nothing else is under way on it: no call
-        at or past the gate, nothing in flight but the stream's request (``request_id``). Never waits
+        at or past the gate, nothing in flight but the stream's request (``request_id``) and calls that
+        only read the context (protocol.READS_ONLY: a background checkpoint's SaveState). Never waits
         (the reader thread asks); the checkpoint's thread takes the hold over (adopt_hold) and releases it."""
         with self._gate:
             if self._mover is not None or self._senders:
@@ -285,9 +286,10 @@ class ContextLink:
                 pid=getattr(err, "pid", None))
         if not req.decodes:
             fut = self.proc.call(req, on_event)
-            with self._lock:
-                self._other_calls += 1
-            fut.add_done_callback(self._other_call_ended)
+            if type(req) not in READS_ONLY:  # a call that may change the context: no stream pauses before it
+                with self._lock:
+                    self._other_calls += 1
+                fut.add_done_callback(self._other_call_ended)
             self._journal(req, fut, after)
             return fut
         sent: list[int] = []

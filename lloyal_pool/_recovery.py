@@ -54,9 +54,7 @@ MAX_ATTEMPTS = 3
 """How many workers one call may see die under it before its crash is reported instead of replayed."""
 
 # Requests that leave a context's history as it was.
-_READ_ONLY: frozenset[type[p.Request[Any]]] = frozenset(
-    {p.Logits, p.Tokens, p.NPast, p.MemoryBreakdown, p.SaveState, p.ScoreChoices, p.Embed, p.KvPressureRequest,
-     p.StateSeqSize})
+_READ_ONLY: frozenset[type[p.Request[Any]]] = p.READS_ONLY | {p.ScoreChoices, p.Embed}
 # Model-level requests (or none at all) that can be sent again as they are.
 _STATELESS: frozenset[type[p.Request[Any]]] = frozenset(
     {p.Ping, p.Tokenize, p.Detokenize, p.TokenToPiece, p.ApplyChatTemplate, p.ChatFormat, p.ParseChatOutput,

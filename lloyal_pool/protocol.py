@@ -820,6 +820,12 @@ class Fault(Request[Any]):
     arg: str = ""  # the probes' target: a path, or "host:port"
 
 
+#: Requests that only read a context: its history, logits, state and any paused generation stay as they
+#: were (one may run while a generation is paused without ending it).
+READS_ONLY: frozenset[type[Request[Any]]] = frozenset(
+    {Logits, Tokens, NPast, MemoryBreakdown, SaveState, KvPressureRequest, StateSeqSize})
+
+
 def _request_types() -> dict[Op, type[Request[Any]]]:
     found: dict[Op, type[Request[Any]]] = {}
     todo: list[type[Any]] = [Request]
