@@ -126,6 +126,7 @@ class ContextLink:
         self._decoding: list[int] = []  # ids of decoding requests in flight, in the order the worker runs them
         self._cancelled: set[int] = set()  # of those, the ones to interrupt as soon as the worker starts them
         self._other_calls = 0  # calls in flight that do not decode but may change the context
+        self._prompt_pauses: set[int] = set()  # generations that paused inside their prompt (prompt_paused)
         # A decoding call's future -> its request id, for wait()'s interrupt when its timeout passes.
         self._ids: weakref.WeakKeyDictionary[Future[Any], int] = weakref.WeakKeyDictionary()
         self.closed = False
@@ -345,6 +346,12 @@ class ContextLink:
             journal = self.journal
 
             def record(f: Future[Any]) -> None:
+                if self._prompt_pauses and self._ids.get(f) in self._prompt_pauses:
+                    # Paused inside its whole prompt: the history holds part of it, which the same
+                    # request, sent again on resume, decodes again after whatever the cache then holds
+                    # (the journal's history, after a crash). Nothing to record.
+                    self._prompt_pauses.discard(self._ids[f])
+                    return
                 journal.record(req, f, self.handle)
                 if journal.wants_checkpoint():  # its replay grew long: a checkpoint, off the reader thread
                     if self._checkpointing or (self.stream_checkpoint and _paused(f)):
@@ -444,6 +451,11 @@ class ContextLink:
             target = self._decoding[0] if self._decoding else 0
         if target:
             self.proc.interrupt(self._slot, target)
+
+    def prompt_paused(self, req_id: int) -> None:
+        """The generation sent as req_id paused inside its prompt (its "paused" event, which comes before
+        its reply): the journal does not record it."""
+        self._prompt_pauses.add(req_id)
 
     def pause_request(self, req_id: int) -> bool:
         """Asks one generation to pause at its next token boundary (protocol.PAUSE_BIT): now if the

@@ -119,6 +119,8 @@ class Pausable:
     def _on_event(self, event: dict[str, Any]) -> None:
         if "paused" in event:
             self.suspension = event["paused"]
+            if self.in_prompt:
+                self._link.prompt_paused(self._request_id)
             return
         pair = event.get("prompt_progress")
         if pair is not None:

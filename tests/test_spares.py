@@ -172,6 +172,36 @@ LONG = ("The keeper climbed the hundred steps at dusk, trimmed the wick, wound t
         "weather in his log. ") * 90
 
 
+@pytest.mark.parametrize("checkpoint_tokens", [None, 100_000], ids=["no checkpoints", "checkpoints on"])
+def test_a_stream_paused_inside_its_prompt_survives_a_kill(gemma_path: Path, checkpoint_tokens: int | None) -> None:
+    """A generation paused inside its prompt leaves part of it in the cache and nothing for the journal to
+    replay: recovery restores the history before it, and resume() sends the request again, which decodes
+    the prompt from there. (The journal used to be lost from such a pause until a checkpoint.)"""
+    with Pool(1, recover=True, checkpoint_tokens=checkpoint_tokens) as pool:
+        model = pool[0].load_model(gemma_path)
+        tokens = model.tokenize(LONG)[:1000]
+        expected = _alone(model, tokens, n_ubatch=128, n_predict=16).text
+        ctx = model.new_context(n_ctx=1024, n_ubatch=128)
+        ctx.generate("A first turn.", n_predict=4, temperature=0.0)  # a history the journal replays
+        holder: list[Any] = []
+
+        def progress(done: int, total: int) -> None:
+            if len(holder) == 1:
+                holder.append(done)
+                holder[0].pause(wait=False)  # on the reader thread: takes effect at the next ubatch
+
+        stream = ctx.stream(tokens, progress=progress, n_predict=16, temperature=0.0, ignore_eos=True)
+        holder.append(stream)
+        assert stream.pause()
+        assert 0 < ctx.n_past() < len(tokens)  # inside the prompt
+        journal = cast("Journal", ctx._link.journal)
+        assert journal.lost is None
+        os.kill(pool[0].pid, signal.SIGKILL)
+        assert stream.resume()
+        assert "".join(stream) == stream.result.text == expected
+        assert ctx.n_past() == len(tokens) + 16
+
+
 def test_a_long_streamed_prompt_killed_midway_resumes_from_its_last_checkpoint(gemma_path: Path) -> None:
     with Pool(1, recover=True, checkpoint_tokens=512) as pool:
         model = pool[0].load_model(gemma_path)
