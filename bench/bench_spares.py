@@ -105,10 +105,18 @@ def main() -> int:
             tokens = model.tokenize(TEXT * 40)[:CONVERSATION_TOKENS]
             reference = ctx.generate(tokens, n_predict=N_PREDICT, temperature=0.0, ignore_eos=True).text
             contexts[name] = (ctx, tokens, reference)
+        def settle() -> None:
+            """Every pool's spare ready and started: a cold one starting takes the CPU a measurement needs."""
+            for pool in pools.values():
+                wait(lambda pool=pool: pool.spares == 1)  # type: ignore[misc]
+            time.sleep(1.0)
+
         for _ in range(args.rounds):
             for name, pool in pools.items():
                 ctx, tokens, reference = contexts[name]
+                settle()
                 figures[name]["refill_ms"].append(refill_ms(pool, ctx))
+                settle()
                 figures[name]["no_spare_ms"].append(no_spare_ms(pool, ctx, tokens, reference))
         for name, pool in pools.items():
             wait(lambda pool=pool: pool.spares == 1)  # type: ignore[misc]
