@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import common_args, model_path
 
-from lloyal_pool import Pool
+from lloyal_pool import Context, Pool
 
 CONVERSATION_TOKENS, N_PREDICT, KILL_AT = 1000, 48, 12
 LONG_PROMPT_TOKENS, LONG_KILL_AT, LONG_N_PREDICT = 3400, 2600, 16
@@ -68,21 +68,27 @@ def one_round(pool: Pool, spares: int, threads: int) -> dict[str, Any]:
         deadline = time.monotonic() + 120
         while pool.spares < spares and time.monotonic() < deadline:  # a fresh spare, its model loaded
             time.sleep(0.05)
-        pieces: list[str] = []
-        killed = resumed = 0.0
-        with ctx.stream(tokens, **params) as stream:
-            for piece in stream:
-                pieces.append(piece)
-                if len(pieces) == KILL_AT:
-                    killed = time.perf_counter()
-                    os.kill(pool[0].pid, signal.SIGKILL)
-                elif len(pieces) == KILL_AT + 1:
-                    resumed = time.perf_counter()
-        if "".join(pieces) != reference:
-            raise RuntimeError("the recovered stream's text differs from an uninterrupted run's")
-        return {"kill_to_next_piece_ms": (resumed - killed) * 1000.0, "stream_ms": stream_ms}
+        return {"kill_to_next_piece_ms": kill_to_next_piece_ms(pool, ctx, tokens, reference), "stream_ms": stream_ms}
     finally:
         ctx.close()
+
+
+def kill_to_next_piece_ms(pool: Pool, ctx: Context, tokens: list[int], reference: str) -> float:
+    """Streams N_PREDICT greedy tokens after ``tokens``, SIGKILLs the worker after piece KILL_AT and
+    returns the time until the next piece; the text must be ``reference``."""
+    pieces: list[str] = []
+    killed = resumed = 0.0
+    with ctx.stream(tokens, n_predict=N_PREDICT, temperature=0.0, ignore_eos=True) as stream:
+        for piece in stream:
+            pieces.append(piece)
+            if len(pieces) == KILL_AT:
+                killed = time.perf_counter()
+                os.kill(pool[0].pid, signal.SIGKILL)
+            elif len(pieces) == KILL_AT + 1:
+                resumed = time.perf_counter()
+    if "".join(pieces) != reference:
+        raise RuntimeError("the recovered stream's text differs from an uninterrupted run's")
+    return (resumed - killed) * 1000.0
 
 
 def long_prompt_round(pool: Pool, threads: int) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import common_args, cpu_name, model_path
-from bench_recovery import CONVERSATION_TOKENS, KILL_AT, N_PREDICT, TEXT
+from bench_recovery import CONVERSATION_TOKENS, N_PREDICT, TEXT, kill_to_next_piece_ms
 
 from lloyal_pool import Context, Pool
 
@@ -62,20 +62,7 @@ def no_spare_ms(pool: Pool, ctx: Context, tokens: list[int], reference: str) -> 
     spare = pool._spares._ready[0].proc
     os.kill(spare.pid, signal.SIGKILL)
     wait(lambda: not spare.alive)
-    params: dict[str, Any] = {"n_predict": N_PREDICT, "temperature": 0.0, "ignore_eos": True}
-    pieces: list[str] = []
-    killed = resumed = 0.0
-    with ctx.stream(tokens, **params) as stream:
-        for piece in stream:
-            pieces.append(piece)
-            if len(pieces) == KILL_AT:
-                killed = time.perf_counter()
-                os.kill(pool[0].pid, signal.SIGKILL)
-            elif len(pieces) == KILL_AT + 1:
-                resumed = time.perf_counter()
-    if "".join(pieces) != reference:
-        raise RuntimeError("the recovered stream's text differs from an uninterrupted run's")
-    return (resumed - killed) * 1000.0
+    return kill_to_next_piece_ms(pool, ctx, tokens, reference)
 
 
 def memory(pid: int) -> dict[str, float]:

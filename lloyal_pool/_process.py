@@ -649,9 +649,20 @@ class WorkerProcess:
             self._transfer.close()
         if self._control is not None:
             self._control.close()
-            # A zygote's forks work in directories inside its own and live on: they remove their own.
-            for entry in os.scandir(self._cwd):
-                if not (entry.is_dir() and entry.name.startswith("fork")):
-                    shutil.rmtree(entry.path, ignore_errors=True) if entry.is_dir() else os.unlink(entry.path)
+            _remove_all_but_forks(self._cwd)
         else:
             shutil.rmtree(self._cwd, ignore_errors=True)
+
+
+def _remove_all_but_forks(path: str) -> None:
+    """Empties a zygote's directory but for its forks' directories: they live on, each removes its own,
+    and the pool's temporary directory goes at its close."""
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.path)
+                elif not entry.name.startswith("fork"):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+    except OSError:
+        pass

@@ -154,7 +154,8 @@ class Spares:
     def _forked(self, build: bool = True) -> Spare | None:
         """A spare forked from the zygote, which is built first when there is none or the pool's models
         changed since (unless not ``build``: then a stale one serves, and None when there is none). None
-        where forking failed: spares start cold from then on (logged)."""
+        where there is no zygote (it could not be built: spares start cold from then on, logged) or the
+        fork failed (logged)."""
         zygote = self._current_zygote() if build else self._zygote
         if zygote is None or not zygote.proc.alive:
             return None

@@ -37,6 +37,19 @@ def _model_loaded_in(pid: int, name: str) -> bool:
         return False
 
 
+def _stream_killing_its_worker(pool: Pool, ctx: Any, after: int) -> str:
+    """The text of a greedy 40-token stream of PROMPT on ctx whose worker is SIGKILLed after ``after``
+    pieces (recover=True: it goes on); checks the pieces joined are its result's text."""
+    pieces: list[str] = []
+    with ctx.stream(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True) as stream:
+        for piece in stream:
+            pieces.append(piece)
+            if len(pieces) == after:
+                os.kill(pool[0].pid, signal.SIGKILL)
+    assert "".join(pieces) == stream.result.text
+    return stream.result.text
+
+
 def test_recovery_takes_a_spare_with_the_model_loaded(gemma_path: Path) -> None:
     with Pool(1, recover=True, spares=1, fork_spares=False) as pool:
         assert pool._spares.mode == "cold"
@@ -47,13 +60,7 @@ def test_recovery_takes_a_spare_with_the_model_loaded(gemma_path: Path) -> None:
         spare_pids = {c.pid for c in psutil.Process().children()} - {pool[0].pid}
         # The spare loads what the pool's workers hold (on a thread of its own, after their load).
         _wait(lambda: any(_model_loaded_in(pid, gemma_path.name) for pid in spare_pids))
-        pieces: list[str] = []
-        with ctx.stream(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True) as stream:
-            for piece in stream:
-                pieces.append(piece)
-                if len(pieces) == 8:
-                    os.kill(pool[0].pid, signal.SIGKILL)
-        assert "".join(pieces) == stream.result.text == reference
+        assert _stream_killing_its_worker(pool, ctx, after=8) == reference
         assert pool[0].pid in spare_pids  # the spare took the dead worker's place
         _wait(lambda: pool.spares == 1)  # and another spare started
         assert ctx.generate(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True).text == reference
@@ -85,13 +92,7 @@ def test_forked_spares_are_ready_at_once_and_a_recovery_without_one_forks_one(ge
         # No spare ready when the worker dies (the spare died first): recovery forks one on the spot.
         os.kill(spare.pid, signal.SIGKILL)
         _wait(lambda: not spare.alive)
-        pieces: list[str] = []
-        with ctx.stream(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True) as stream:
-            for piece in stream:
-                pieces.append(piece)
-                if len(pieces) == 8:
-                    os.kill(pool[0].pid, signal.SIGKILL)
-        assert "".join(pieces) == stream.result.text == reference
+        assert _stream_killing_its_worker(pool, ctx, after=8) == reference
         assert psutil.Process(pool[0].pid).ppid() == zygote  # the replacement is a fork of the zygote
         assert _model_loaded_in(pool[0].pid, gemma_path.name)
         # A new spare is forked at once, the model in it from the zygote (not loaded again).
@@ -100,13 +101,7 @@ def test_forked_spares_are_ready_at_once_and_a_recovery_without_one_forks_one(ge
         assert psutil.Process(again.proc.pid).ppid() == zygote and again.loaded[model_key(model)]
         assert ctx.generate(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True).text == reference
         # The next recovery takes it.
-        with ctx.stream(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True) as stream:
-            pieces = []
-            for piece in stream:
-                pieces.append(piece)
-                if len(pieces) == 4:
-                    os.kill(pool[0].pid, signal.SIGKILL)
-        assert "".join(pieces) == reference and pool[0].pid == again.proc.pid
+        assert _stream_killing_its_worker(pool, ctx, after=4) == reference and pool[0].pid == again.proc.pid
 
 
 def test_a_second_model_rebuilds_the_zygote_and_its_forks_outlive_the_old_one(gemma_path: Path,
