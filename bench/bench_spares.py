@@ -7,7 +7,8 @@ spares=1, checkpoint_tokens=128) with fork_spares=True and False, Gemma loaded, 
 Each round, on each pool:
 - refill: SIGKILL the worker (idle, a context with a ~1,000-token conversation in it) and time until a
   spare is ready again (``pool.spares == 1``: started, the model loaded);
-- no spare ready: SIGKILL the ready spare first (as when a second crash follows the first), then stream
+- no spare ready: SIGKILL the ready spare first, none started in its place (as when a second crash follows
+  the first before a spare is back), then stream
   after the conversation and SIGKILL the worker after piece 12: the time until piece 13 (recovery finds
   no spare: a cold pool starts a worker and loads the model, a forking pool forks one from the zygote).
   The text must equal an uninterrupted run's.
@@ -60,9 +61,14 @@ def refill_ms(pool: Pool, ctx: Context) -> float:
 def no_spare_ms(pool: Pool, ctx: Context, tokens: list[int], reference: str) -> float:
     wait(lambda: pool.spares == 1)
     spare = pool._spares._ready[0].proc
+    pool._spares.wanted = 0  # no spare replaces it: the recovery finds none ready
     os.kill(spare.pid, signal.SIGKILL)
-    wait(lambda: not spare.alive)
-    return kill_to_next_piece_ms(pool, ctx, tokens, reference)
+    wait(lambda: not spare.alive and pool.spares == 0)
+    try:
+        return kill_to_next_piece_ms(pool, ctx, tokens, reference)
+    finally:
+        pool._spares.wanted = 1
+        pool._spares.fill()
 
 
 def memory(pid: int) -> dict[str, float]:

@@ -37,6 +37,7 @@ IDLE_BEFORE_FILL = 0.25
 
 if TYPE_CHECKING:
     from ._process import WorkerProcess
+    from .errors import WorkerCrashedError
     from .model import Model
 
 log = logging.getLogger("lloyal_pool")
@@ -137,8 +138,33 @@ class Spares:
             self._starting -= 1
             if not self._closed:
                 self._ready.append(spare)
-                return
-        spare.proc.close(1.0)
+                closed = False
+            else:
+                closed = True
+        if closed:
+            spare.proc.close(1.0)
+        else:
+            self._watch(spare)
+
+    def _watch(self, spare: Spare) -> None:
+        """A ready spare that dies is dropped, and another starts in its place."""
+        relay = spare.proc.on_death
+
+        def on_death(proc: WorkerProcess, error: WorkerCrashedError) -> None:
+            if relay is not None:
+                relay(proc, error)
+            self._drop(spare)
+
+        spare.proc.on_death = on_death
+        if not spare.proc.alive:  # it died before the watch was in place
+            self._drop(spare)
+
+    def _drop(self, spare: Spare) -> None:
+        with self._lock:
+            if spare not in self._ready:
+                return  # taken (it died as a pool worker: recovery's) or dropped already
+            self._ready.remove(spare)
+        self.fill()
 
     def _load_missing(self, spare: Spare) -> None:
         """Loads into the spare every model the pool's workers hold that it has not loaded (once per

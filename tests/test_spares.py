@@ -89,19 +89,36 @@ def test_forked_spares_are_ready_at_once_and_a_recovery_without_one_forks_one(ge
         zygote = _zygote_pid(pool, model)
         spare = pool._spares._ready[0].proc
         _wait(lambda: _model_loaded_in(spare.pid, gemma_path.name))
-        # No spare ready when the worker dies (the spare died first): recovery forks one on the spot.
+        # No spare ready when the worker dies (the spare died first, and none is let replace it):
+        # recovery forks one on the spot.
+        pool._spares.wanted = 0
         os.kill(spare.pid, signal.SIGKILL)
-        _wait(lambda: not spare.alive)
+        _wait(lambda: not spare.alive and pool.spares == 0)
         assert _stream_killing_its_worker(pool, ctx, after=8) == reference
         assert psutil.Process(pool[0].pid).ppid() == zygote  # the replacement is a fork of the zygote
         assert _model_loaded_in(pool[0].pid, gemma_path.name)
         # A new spare is forked at once, the model in it from the zygote (not loaded again).
+        pool._spares.wanted = 1
+        pool._spares.fill()
         _wait(lambda: pool.spares == 1)
         again = pool._spares._ready[0]
         assert psutil.Process(again.proc.pid).ppid() == zygote and again.loaded[model_key(model)]
         assert ctx.generate(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True).text == reference
         # The next recovery takes it.
         assert _stream_killing_its_worker(pool, ctx, after=4) == reference and pool[0].pid == again.proc.pid
+
+
+def test_a_ready_spare_that_dies_is_replaced(gemma_path: Path) -> None:
+    with Pool(1, recover=True, spares=1, fork_spares=True) as pool:
+        model = pool[0].load_model(gemma_path)
+        zygote = _zygote_pid(pool, model)
+        _wait(lambda: pool.spares == 1)
+        spare = pool._spares._ready[0].proc
+        os.kill(spare.pid, signal.SIGKILL)
+        _wait(lambda: pool.spares == 1 and pool._spares._ready[0].proc is not spare)
+        again = pool._spares._ready[0].proc
+        assert again.alive and psutil.Process(again.pid).ppid() == zygote
+        _wait(lambda: _model_loaded_in(again.pid, gemma_path.name))
 
 
 def test_a_second_model_rebuilds_the_zygote_and_its_forks_outlive_the_old_one(gemma_path: Path,
