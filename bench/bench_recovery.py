@@ -13,10 +13,11 @@ the time until the 13th arrives is taken (recovery: a worker, the model loaded, 
 its journal, the generation sent again, its first 12 pieces decoded again and not delivered twice). The
 text must equal an uninterrupted run's. Rounds alternate between the pools.
 
-Then (--prompt-rounds, default 1; 0 skips it) a killed long prompt: a stream of a 3,400-token prompt
-(n_ctx 4096) whose worker is killed once 2,600 of its tokens are decoded (its progress callback says
-when), on Pool(1, recover=True, spares=1) with and without checkpoint_tokens=512 (which checkpoints a
-streamed prompt every 512 tokens: paused between two ubatches, saved, sent again). Reported: the time
+Then (--prompt-rounds, default 1; 0 skips it) a killed long prompt: a stream, and a generate() with
+on_piece, of a 3,400-token prompt (n_ctx 4096) whose worker is killed once 2,600 of its tokens are decoded
+(its progress callback says when), on Pool(1, recover=True, spares=1) with and without
+checkpoint_tokens=256 (which checkpoints a prompt every 256 tokens: paused between two ubatches, saved, sent
+again). Reported: the time
 from the kill to the first piece, and to the end, against the same stream uninterrupted; the text must
 be the uninterrupted one's. Timings on a shared machine range widely: check the load average it prints.
 """
@@ -91,8 +92,9 @@ def kill_to_next_piece_ms(pool: Pool, ctx: Context, tokens: list[int], reference
     return (resumed - killed) * 1000.0
 
 
-def long_prompt_round(pool: Pool, threads: int) -> dict[str, Any]:
-    """A stream of a LONG_PROMPT_TOKENS prompt, uninterrupted, then killed at LONG_KILL_AT."""
+def long_prompt_round(pool: Pool, threads: int, call: str = "stream") -> dict[str, Any]:
+    """A generation of a LONG_PROMPT_TOKENS prompt (``call``: a stream, or generate() with on_piece),
+    uninterrupted, then killed at LONG_KILL_AT."""
     model = pool[0].models[0]
     tokens = model.tokenize(TEXT * 120)[:LONG_PROMPT_TOKENS]
     params: dict[str, Any] = {"n_predict": LONG_N_PREDICT, "temperature": 0.0, "ignore_eos": True}
@@ -112,13 +114,20 @@ def long_prompt_round(pool: Pool, threads: int) -> dict[str, Any]:
 
         try:
             t0 = time.perf_counter()
-            first = 0.0
-            pieces = []
-            with ctx.stream(tokens, progress=progress, **params) as stream:
-                for piece in stream:
-                    first = first or time.perf_counter()
-                    pieces.append(piece)
-            end = time.perf_counter()
+            pieces: list[str] = []
+            at: list[float] = []  # when each piece came
+
+            def on_piece(piece: str, pieces: list[str] = pieces, at: list[float] = at) -> None:
+                at.append(time.perf_counter())
+                pieces.append(piece)
+
+            if call == "stream":
+                with ctx.stream(tokens, progress=progress, **params) as stream:
+                    for piece in stream:
+                        on_piece(piece)
+            else:
+                ctx.generate(tokens, progress=progress, on_piece=on_piece, **params)
+            end, first = time.perf_counter(), at[0]
             texts.append("".join(pieces))
             if kill:
                 figures["kill_to_first_piece_ms"] = (first - killed[0]) * 1000.0
@@ -159,10 +168,11 @@ def main() -> int:
                 got = one_round(pool, configs[name]["spares"], args.threads)
                 figures[name].append(got["kill_to_next_piece_ms"])
                 stream_ms[name].append(got["stream_ms"])
-        long_prompt: dict[str, list[dict[str, Any]]] = {name: [] for name in list(configs)[1:3]}
+        long_prompt: dict[tuple[str, str], list[dict[str, Any]]] = {
+            (name, call): [] for call in ("stream", "generate") for name in list(configs)[1:3]}
         for _ in range(args.prompt_rounds):
-            for name in long_prompt:
-                long_prompt[name].append(long_prompt_round(pools[name], args.threads))
+            for (name, call), rounds in long_prompt.items():
+                rounds.append(long_prompt_round(pools[name], args.threads, call))
     finally:
         for pool in pools.values():
             pool.close()
@@ -175,12 +185,12 @@ def main() -> int:
         print(f"  {name:32} median {statistics.median(values):7.0f} ms   rounds {[round(v) for v in values]}   "
               f"(the {N_PREDICT}-token stream uninterrupted: {statistics.median(stream_ms[name]):.0f} ms)")
     if args.prompt_rounds:
-        print(f"\na {LONG_PROMPT_TOKENS}-token prompt streamed, killed once {LONG_KILL_AT} tokens were decoded "
-              f"(median of {args.prompt_rounds}):")
-        for name, rounds in long_prompt.items():
+        print(f"\na {LONG_PROMPT_TOKENS}-token prompt (a stream, generate()), killed once {LONG_KILL_AT} tokens were "
+              f"decoded (median of {args.prompt_rounds}):")
+        for (name, call), rounds in long_prompt.items():
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-            report[f"long prompt, {name}"] = {"rounds": rounds, "median": med}
-            print(f"  {name:32} kill -> first piece {med['kill_to_first_piece_ms']:7.0f} ms, kill -> end "
+            report[f"long prompt, {call}, {name}"] = {"rounds": rounds, "median": med}
+            print(f"  {call:8} {name:32} kill -> first piece {med['kill_to_first_piece_ms']:7.0f} ms, kill -> end "
                   f"{med['kill_to_end_ms']:7.0f} ms   (uninterrupted: first piece "
                   f"{med['uninterrupted_first_piece_ms']:.0f} ms, all {med['uninterrupted_ms']:.0f} ms)")
     if args.json_out:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ._process import ContextJournal, WorkerProcess
+from ._process import ContextJournal, PendingState, WorkerProcess
 from .errors import (
     BadRequestError,
     CallTimeoutError,
@@ -149,7 +149,9 @@ class ContextLink:
         self.paged = False
         self.handle_holders: weakref.WeakSet[Any] = weakref.WeakSet()
         self.stream_checkpoint = False  # a stream paused to checkpoint the context (stream.Pausable)
-        self.on_checkpoint: Callable[[], None] | None = None  # told after each checkpoint (paused streams)
+        # The generations suspended in the context's worker now, as the AdoptGenerations that take them
+        # over (its paused streams): asked at each checkpoint's reply, they replay first on top of it.
+        self.suspended: Callable[[], list[Request[Any]]] | None = None
         self._checkpointing = 0  # checkpoint() calls under way
 
     @contextmanager
@@ -375,25 +377,34 @@ class ContextLink:
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
         self._enter()
-        counted, marks = True, []
+        counted, pending = True, PendingState()
+
+        def saved(fut: Future[Any]) -> None:
+            # At the reply, on the reader thread: the calls the worker ran before the SaveState have been
+            # recorded, none after it, and a stream's segment that ended before it has said so.
+            if fut.exception() is None:
+                journal.restart(pending, self.suspended() if self.suspended is not None else ())
+
         with self._lock:
             self._checkpointing += 1
         try:
             with self.proc.transfer() as f:
-                fut = self._send(SaveState(context=self.handle, path=f.path, in_place=True), None, None,
-                                 lambda _: marks.append(journal.mark()))
+                fut = self._send(SaveState(context=self.handle, path=f.path, in_place=True), None, None, saved)
                 counted = False
                 self._leave()
                 fut.result()
-                data = f.read()
+                try:
+                    data = f.read()
+                except BaseException:
+                    journal.lost = "its last checkpoint could not be read"
+                    pending.set(None)  # a recovery waiting for it gives the context up
+                    raise
+                pending.set(data)
         finally:
             with self._lock:
                 self._checkpointing -= 1
             if counted:
                 self._leave()
-        journal.restart(data, marks[0])
-        if self.on_checkpoint is not None:
-            self.on_checkpoint()
         return len(data)
 
     def _checkpoint_quietly(self, journal: ContextJournal) -> None:

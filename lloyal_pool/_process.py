@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -98,6 +98,23 @@ class SavedState(Protocol):
     def fd(self) -> int: ...
 
 
+class PendingState:
+    """A checkpoint's bytes while they are read from the transfer file its SaveState wrote: the journal
+    restarts from it at the SaveState's reply, and a recovery waits for the bytes (None: the read failed)."""
+
+    def __init__(self) -> None:
+        self._read = threading.Event()
+        self._data: bytes | None = None
+
+    def set(self, data: bytes | None) -> None:
+        self._data = data
+        self._read.set()
+
+    def wait(self) -> bytes | None:
+        self._read.wait()
+        return self._data
+
+
 class ContextJournal(Protocol):
     """What crash recovery keeps of a context: the requests that built its history (_recovery.Journal).
     The context's link records every call in it; ``lost`` says why the history cannot be rebuilt."""
@@ -107,9 +124,7 @@ class ContextJournal(Protocol):
 
     def record(self, req: Request[Any], fut: Future[Any], handle: int) -> None: ...
 
-    def mark(self) -> int: ...
-
-    def restart(self, state: bytes | SavedState, mark: int) -> None: ...
+    def restart(self, state: bytes | SavedState | PendingState, first: Sequence[Request[Any]] = ()) -> None: ...
 
     def wants_checkpoint(self) -> bool: ...
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
 from . import protocol as p
-from ._process import GENERATED_TOKEN_COST
+from ._process import GENERATED_TOKEN_COST, PendingState
 from .errors import (
     BadRequestError,
     ContextError,
@@ -77,27 +77,22 @@ class Journal:
         self.checkpoint_tokens = checkpoint_tokens
         self.replay_tokens = 0  # what replaying the entries costs, about, in prompt tokens (GENERATED_TOKEN_COST)
         self._checkpointing = False
-        self.checkpoint: bytes | SavedState | None = None  # a page file's state is held in that file
+        self.checkpoint: bytes | SavedState | PendingState | None = None  # a page file's state: in that file
         self.entries: list[p.Request[Any]] = []
         self.lost: str | None = None  # why the history cannot be rebuilt, or None
         # Set while LoRA adapters are applied: every history computed under them is lost, until set_lora([]).
         self._lora: str | None = None
-        self._n_recorded = 0  # requests recorded so far: marks for checkpoints taken between them
 
-    def mark(self) -> int:
-        """The journal's position now (call it from a done-callback of the request it follows)."""
+    def restart(self, state: bytes | SavedState | PendingState, first: Sequence[p.Request[Any]] = ()) -> None:
+        """The history is ``state`` now (a checkpoint, or a state loaded from bytes), and ``first`` (the
+        AdoptGenerations of generations suspended in it) is what replays on top of it. Called in the
+        request's reply order (from the done-callback of the SaveState or LoadState that made the state),
+        so that every call the worker ran after it is recorded after it, and none before it stays."""
         with self._lock:
-            return self._n_recorded
-
-    def restart(self, state: bytes | SavedState, mark: int) -> None:
-        """The history at ``mark`` is ``state`` (a checkpoint, or a state loaded from bytes): what came
-        before is no longer needed, what was recorded since stays."""
-        with self._lock:
-            since = self._n_recorded - mark
             self.checkpoint = state
-            self.entries = self.entries[len(self.entries) - since:] if since else []
-            self.replay_tokens = 0 if not since else self.replay_tokens
-            self.lost = self._lora if not since else self.lost
+            self.entries = list(first)
+            self.replay_tokens = 0
+            self.lost = self._lora
 
     def wants_checkpoint(self) -> bool:
         """Whether a background checkpoint is due now (then it counts as begun: checkpoint_done ends it)."""
@@ -127,7 +122,6 @@ class Journal:
         if isinstance(req, p.ContextRequest) and req.context != handle:
             req = msgspec.structs.replace(req, context=handle)
         with self._lock:
-            self._n_recorded += 1
             self.replay_tokens += self._record(req, fut)
 
     def _record(self, req: p.Request[Any], fut: Future[Any]) -> int:
@@ -219,6 +213,9 @@ class Journal:
         start = self.entries[at] if at >= 0 else None
         if not isinstance(start, (p.Generate, p.AdoptGeneration)):
             self.lost = "a resumed generation whose start is not in the journal"
+            return
+        if not _deterministic(start.params):  # taken over from a checkpoint or a move: it drew anew
+            self.lost = "a generation sampled with a random seed (seed=0xFFFFFFFF)"
             return
         self.entries[at] = msgspec.structs.replace(start, params={**start.params, "n_predict": result.n_decoded})
         if isinstance(start, p.AdoptGeneration) and at == len(self.entries) - 1:
@@ -500,6 +497,10 @@ def _restore(proc: WorkerProcess, context: int, journal: Journal, handles: Handl
     replayed: list[p.Request[Any]] = []
     try:
         checkpoint = journal.checkpoint
+        if isinstance(checkpoint, PendingState):
+            checkpoint = checkpoint.wait()
+            if checkpoint is None:
+                return "its last checkpoint could not be read"
         if checkpoint:  # b"": the state of an empty context
             with proc.transfer() as f:
                 f.write(checkpoint if isinstance(checkpoint, bytes) else checkpoint.fd)

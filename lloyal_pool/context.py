@@ -17,7 +17,7 @@ import numpy as np
 from . import protocol as p
 from ._aio import AsyncStream, twin
 from ._files import beneath
-from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress
+from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
 from ._pieces import PieceStream
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import (
@@ -86,8 +86,8 @@ class Context:
         self.kv = KV(self._link, self.branches)
         self._lora: list[tuple[LoraAdapter, float]] = []
         self._logits_reads = 0  # logits() calls: a view shows the row as the one that made it wrote it
-        self._runs: weakref.WeakSet[Pausable] = weakref.WeakSet()  # its streams (pause, move_to)
-        self._link.on_checkpoint = _paused_runs_told(self._runs)
+        self._runs: weakref.WeakSet[Pausable] = weakref.WeakSet()  # its pausable generations (move_to)
+        self._link.suspended = _suspended_runs(self._runs)
         # Session paging (paging.py): the worker's pager while the context is pageable; a lock so that one
         # thread pages it in while the others' calls wait.
         self._pager: Pager | None = None
@@ -125,18 +125,50 @@ class Context:
         not fit, GrammarError, InvalidTokenError, ValueError for an empty prompt without append.
 
         ``timeout``: seconds to wait at most (this and every other blocking call that takes it): then the
-        generation is interrupted and CallTimeoutError raised, its ``result`` the partial Result."""
+        generation is interrupted and CallTimeoutError raised, its ``result`` the partial Result.
+
+        With Pool(recover=True, checkpoint_tokens=N) it is checkpointed as it goes, as a stream is
+        (docs/RELIABILITY.md), and a move_to() meanwhile takes it along to the other worker."""
         check_timeout(timeout)
-        return self._link.wait(self.generate_async(prompt, params, append=append, on_piece=on_piece,
-                                                   progress=progress, **overrides), timeout, "generate")
+        fut, run = self._generate(prompt, GenerateParams.of(params, overrides), append, on_piece, progress)
+        if run is None:
+            return self._link.wait(fut, timeout, "generate")
+        return wait(fut, timeout, run.interrupt, "generate")
 
     def generate_async(self, /, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                        append: bool = False, on_piece: Callable[[str], None] | None = None,
                        progress: PromptProgress | None = None, **overrides: Any) -> Future[Result]:
         """generate() without waiting: a Future of the Result."""
-        req = self._generate_request(prompt, GenerateParams.of(params, overrides), stream=on_piece is not None,
-                                     append=append, progress=progress is not None)
-        return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
+        return self._generate(prompt, GenerateParams.of(params, overrides), append, on_piece, progress)[0]
+
+    def _generate(self, prompt: str | Sequence[int], params: GenerateParams, append: bool,
+                  on_piece: Callable[[str], None] | None,
+                  progress: PromptProgress | None) -> tuple[Future[Result], Pausable | None]:
+        """generate()'s call; with Pool(checkpoint_tokens), a Pausable, which is checkpointed as a stream
+        is (and pauses for a move as a stream does)."""
+        on_event = events(piece=on_piece, prompt_progress=spread_progress(progress))
+        if self._checkpoint_every() is None:
+            req = self._generate_request(prompt, params, stream=on_piece is not None, append=append,
+                                         progress=progress is not None)
+            return self._link.call(req, on_event), None
+        run = self._pausable(prompt, params, append, on_event, progress is not None)
+        run.start()
+        return run.future, run
+
+    def _checkpoint_every(self) -> int | None:
+        journal = self._link.journal
+        return None if journal is None else journal.checkpoint_tokens
+
+    def _pausable(self, prompt: str | Sequence[int], params: GenerateParams, append: bool,
+                  on_event: Callable[[dict[str, Any]], None] | None, progress: bool) -> Pausable:
+        """A generation that can pause, move and be checkpointed: its pieces come as events, and its
+        prompt's progress where it is wanted or checkpoints are taken (which follow it)."""
+        every = self._checkpoint_every()
+        req = self._generate_request(prompt, params, stream=True, append=append,
+                                     progress=progress or every is not None)
+        run = Pausable(self._link, req, on_event, every)
+        self._runs.add(run)
+        return run
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                append: bool = False, progress: PromptProgress | None = None, timeout: float | None = None,
@@ -151,17 +183,11 @@ class Context:
 
     def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
                       progress: PromptProgress | None) -> S:
-        journal = self._link.journal
-        every = None if journal is None else journal.checkpoint_tokens
-        # Checkpoints inside a long prompt are taken as its progress events report it.
-        req = self._generate_request(prompt, params, stream=True, append=append,
-                                     progress=progress is not None or (every is not None and isinstance(s, Stream)))
         on_event = events(piece=s._q.put, prompt_progress=spread_progress(progress))
         if isinstance(s, Stream):  # a blocking stream (a chat turn's too) pauses and moves
-            run = Pausable(self._link, req, on_event, every)
-            self._runs.add(run)
-            s._start_run(run)
+            s._start_run(self._pausable(prompt, params, append, on_event, progress is not None))
         else:
+            req = self._generate_request(prompt, params, stream=True, append=append, progress=progress is not None)
             s._attach(self._link.call(req, on_event, on_id=s._set_id))
         return s
 
@@ -283,6 +309,8 @@ class Context:
         round trip: it writes the request's id into the context's word in shared memory, which the
         worker checks every token and inside each decode step. A no-op when nothing is running."""
         self._link.interrupt()
+        for run in list(self._runs):  # one paused for a checkpoint runs, for its caller
+            run.interrupt_checkpointing()
 
     def logits(self, *, copy: bool = False) -> np.ndarray:
         """Logits (n_vocab float32) of the last decoded position. Without copy, a read-only view of the
@@ -451,15 +479,16 @@ class Context:
         Pool(recover=True) the state is also the context's checkpoint."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise BadRequestError(f"a state is bytes (from save_state), got {type(data).__name__}")
-        marks: list[int] = []
         journal = self._link.journal
+        state = bytes(data)
+
+        def loaded(fut: Future[Any]) -> None:  # in reply order (Journal.restart)
+            if journal is not None and fut.exception() is None:
+                journal.restart(state)
+
         with self._resident(), self._proc.transfer() as f:
             f.write(data)
-            n = self._link.call(p.LoadState(context=self.handle, path=f.path),
-                                after=None if journal is None else lambda _: marks.append(journal.mark())).result()
-        if journal is not None:
-            journal.restart(bytes(data), marks[0])
-        return n
+            return self._link.call(p.LoadState(context=self.handle, path=f.path), after=loaded).result()
 
     def checkpoint(self) -> int:
         """With Pool(recover=True): saves the context's state in this process, so that crash recovery
@@ -611,13 +640,12 @@ class Context:
                 self._proc.call(p.FreeContext(context=self.handle)).result()
 
 
-def _paused_runs_told(runs: weakref.WeakSet[Pausable]) -> Callable[[], None]:
-    """What a checkpoint of the context tells its streams: a paused generation goes on from it."""
-    def told() -> None:
-        for run in list(runs):
-            run.checkpointed()
+def _suspended_runs(runs: weakref.WeakSet[Pausable]) -> Callable[[], list[p.Request[Any]]]:
+    """What a checkpoint's journal starts with: the streams' generations suspended in the saved state."""
+    def suspended() -> list[p.Request[Any]]:
+        return [req for run in list(runs) if (req := run.adoption()) is not None]
 
-    return told
+    return suspended
 
 
 def _is_int(x: object) -> bool:

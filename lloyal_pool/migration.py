@@ -68,7 +68,7 @@ def move(ctx: Context, target: Instance) -> None:
             _commit_paged(ctx, model, loras)
             return
         if ctx._pager is not None:
-            ctx._pager.use(ctx)  # paged in here first where the target pages nothing
+            ctx._pager.use(ctx, holding_link=True)  # paged in here first where the target pages nothing
         runs = [r for r in list(ctx._runs) if r.state != "done"]
         running = [r for r in runs if r.state != "paused"]  # what the move pauses, and resumes: not the caller's
         for run in running:
@@ -222,7 +222,7 @@ def _commit(ctx: Context, model: Model, created: p.ContextCreated, loras: list[t
         if loras:  # what the journal makes of adapters applied: not replayed
             journal.record(p.SetLora(context=created.context, adapters=lora_wire(loras)), done, created.context)
         if data:
-            journal.restart(data, journal.mark())
+            journal.restart(data)
         for run in paused:  # the generations handed over, which a Resume then caps
             assert run.suspension is not None
             if run.in_prompt:

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import weakref
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
@@ -98,7 +99,10 @@ class Pager:
         ctx._link.on_use = _use_hook(ctx)
         with self._lock:
             self._resident[ctx] = None
-        self._enforce(ctx)
+            start = len(self._resident) > self.budget and not self._enforcing
+            self._enforcing = self._enforcing or start
+        if start:  # else the page-out under way goes on until the budget holds
+            self._enforce_while_over(ctx)
 
     def forget(self, ctx: Context) -> None:
         """The context closed, or moved to another worker: its page file goes."""
@@ -132,12 +136,14 @@ class Pager:
             page.close()
 
     # -- use ---------------------------------------------------------------------------------------
-    def use(self, ctx: Context) -> None:
+    def use(self, ctx: Context, holding_link: bool = False) -> None:
         """Before each call on ctx: pages it in if it is out, marks it most recently used, and pages out
-        what goes beyond the budget."""
+        what goes beyond the budget. ``holding_link``: the caller holds the context's link (a move), so
+        no other call can page it in or out meanwhile; the page lock is not taken then, as a thread that
+        holds it (logits()) may be waiting at the link."""
         link = ctx._link
         if link.paged:
-            with ctx._page_lock:
+            with nullcontext() if holding_link else ctx._page_lock:
                 if link.paged:
                     t0 = time.perf_counter()
                     page = self._pages.get(ctx)
@@ -156,12 +162,13 @@ class Pager:
             start = len(self._resident) > self.budget and not self._enforcing
             self._enforcing = self._enforcing or start
         if start:  # off the caller's thread: its call need not wait for another context's page-out
-            threading.Thread(target=self._enforce_quietly, daemon=True, name="lloyal-page-out").start()
+            threading.Thread(target=self._enforce_while_over, daemon=True, name="lloyal-page-out").start()
 
-    def _enforce_quietly(self) -> None:
+    def _enforce_while_over(self, keep: Context | None = None) -> None:
+        """Pages out until the budget holds or nothing more can go; one at a time (``_enforcing``)."""
         try:
             while True:
-                self._enforce(None)
+                self._enforce(keep)
                 with self._lock:
                     if len(self._resident) <= self.budget or not self._progress:
                         self._enforcing = False
@@ -224,12 +231,14 @@ class Pager:
                         page.fill(f.fd)
                 journal = link.journal
                 if journal is not None:  # what crash recovery restores the context from, from now on
-                    journal.restart(page if page is not None else b"", journal.mark())
+                    journal.restart(page if page is not None else b"")
                 proc.call(p.FreeContext(context=link.handle)).result()
             except (LloyalError, WorkerCrashedError, OSError):
                 if page is not None and link.journal is None:
                     page.close()
                 return False  # it stays resident (or crash recovery rebuilds it from its journal)
+            # Still holding the link: a call made meanwhile pages it in, never finds it freed.
+            link.paged = True
             with self._lock:
                 self._resident.pop(ctx, None)
                 self._paged[ctx] = None
@@ -237,10 +246,9 @@ class Pager:
                 if page is not None:
                     self._pages[ctx] = page
                 self.page_outs += 1
-            if old is not None:
-                old.close()
-            link.paged = True
-            return True
+        if old is not None:
+            old.close()
+        return True
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

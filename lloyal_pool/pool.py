@@ -144,9 +144,9 @@ class Pool(BatchedCalls, Subscribers):
     True insists (InvalidArgumentError where spares cannot fork);
     ``checkpoint_tokens``: a context is checkpointed (its state held in this process) whenever recovering
     it would decode that many prompt tokens' worth again (a generated token counting as 16): in the
-    background after the call that grew its journal, and inside a stream, every that many tokens of its
-    prompt and every 1/16 of that of its generation (docs/RELIABILITY.md), so that recovery loads the
-    state instead of decoding it all again.
+    background after the call that grew its journal, and inside a context's generation (stream(),
+    generate(), a chat turn), every that many tokens of its prompt and every 1/16 of that of its
+    generation (docs/RELIABILITY.md), so that recovery loads the state instead of decoding it all again.
     ``max_resident_contexts``: session paging, at most that many contexts resident per worker: the least
     recently used idle one beyond it is paged out (its state saved into an unnamed file in ``page_dir``,
     default the system's temporary directory, held by this process) and its next call pages it in again

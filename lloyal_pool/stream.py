@@ -47,6 +47,9 @@ class Pausable:
         self.origin = 0  # the first segment's request id: what the worker knows the generation by
         self.holder: WorkerProcess | None = None  # the worker that holds the paused generation
         self.suspension: dict[str, Any] | None = None  # its portable form (None: mirostat, which has none)
+        # The portable form its last segment to end left suspended in the worker (not inside its prompt),
+        # or None: what a checkpoint taken after that segment holds of it (adoption()).
+        self._left_suspended: dict[str, Any] | None = None
         self._partial: Result | None = None  # the paused segment's result
         self._stop_wanted = False
         self._adopting: Future[None] | None = None
@@ -164,9 +167,10 @@ class Pausable:
 
     def _segment_ended(self, fut: Future[Result]) -> None:
         error = fut.exception()
+        paused = error is None and fut.result().stop_reason == StopReason.PAUSED
+        self._left_suspended = self.suspension if paused and not self.in_prompt else None
         with self._cond:
-            if not (error is None and fut.result().stop_reason == StopReason.PAUSED and self._auto
-                    and not self._stop_wanted):  # no checkpoint's pause to take: other calls go on
+            if not (paused and self._auto and not self._stop_wanted):  # no checkpoint's pause: other calls go on
                 self._auto = False
                 self._end_hold()
         adopting, self._adopting = self._adopting, None
@@ -184,7 +188,7 @@ class Pausable:
             return
         if self._first_cached is None and error is None:
             self._first_cached = fut.result().n_cached
-        if error is None and fut.result().stop_reason == StopReason.PAUSED:
+        if paused:
             if not self._resuming:  # the Generate's id, or the one crash recovery sent it again under
                 self.origin = self._link.latest(self._request_id)
             with self._cond:
@@ -260,7 +264,7 @@ class Pausable:
         self._link.adopt_hold()
         try:
             try:
-                self._link.checkpoint()  # which tells this generation (checkpointed())
+                self._link.checkpoint()  # whose journal takes this generation over (adoption())
             except Exception:
                 pass  # a worker that died or a context closed meanwhile: recovery replays the journal instead
             self._link.stream_checkpoint = False
@@ -272,18 +276,18 @@ class Pausable:
             with self._cond:
                 self._end_hold()
 
-    def checkpointed(self) -> None:
-        """The context was checkpointed while this generation is paused (its tokens are in the state):
-        its journal starts the generation again from its portable form, as a move's does, and the
-        Resume that follows caps it. Nothing for one paused inside its prompt (its Generate, sent again,
-        starts afresh) or that has no portable form (mirostat: the journal marks it lost)."""
-        journal = self._link.journal
-        if journal is None or self.state != "paused" or self.in_prompt or self.suspension is None:
-            return
-        done: Future[None] = Future()
-        done.set_result(None)
-        journal.record(p.AdoptGeneration(context=self._link.handle, params=self._request.params,
-                                         suspension=self.suspension, origin=self.origin), done, self._link.handle)
+    def adoption(self) -> p.AdoptGeneration | None:
+        """At the reply of a SaveState (the reader thread runs segments' ends and replies in order): the
+        request that takes over the generation as the saved state holds it, suspended there (its tokens
+        in the state), or None. A checkpoint's journal starts with it, as a move's does, and the Resume
+        that follows caps it. None for one paused inside its prompt (its Generate, sent again, starts
+        afresh) or running; for one with no portable form (mirostat) the Resume's record finds no start
+        and marks the journal lost."""
+        suspension = self._left_suspended
+        if suspension is None or self.state == "done":
+            return None
+        return p.AdoptGeneration(context=self._link.handle, params=self._request.params, suspension=suspension,
+                                 origin=self.origin)
 
     def pause(self, wait: bool = True, timeout: float | None = None) -> bool:
         """Asks the generation to pause at its next token boundary; with ``wait``, returns once it has
@@ -314,7 +318,9 @@ class Pausable:
                 self._cond.wait_for(lambda: self.state != "pausing")
                 if self.state != "paused" or (auto and not self._auto):
                     return False
-                self.state, self._auto = "running", False
+                # A checkpoint's Resume is being sent: a Context.interrupt() meanwhile ends it
+                # (interrupt_checkpointing), as one before the pause would have.
+                self.state, self._auto, self._sending = "running", False, auto
             try:
                 if not link.proc.alive:
                     link.proc.await_recovery()  # crash recovery rebuilds the history; the generation is ours
@@ -331,7 +337,7 @@ class Pausable:
                 self._send(p.Resume(context=link.handle, stream=self._request.stream, origin=self.origin))
             except BaseException:
                 with self._cond:
-                    self.state = "paused"
+                    self.state, self._sending = "paused", False
                     self._cond.notify_all()
                 raise
         return True
@@ -353,6 +359,14 @@ class Pausable:
         if self._partial is not None and not self.in_prompt:
             self._before, self._partial = self._joined(self._partial), None
         self.holder = proc
+
+    def interrupt_checkpointing(self) -> None:
+        """Context.interrupt() for a generation that is paused, or being resumed, for a checkpoint (the
+        worker runs nothing of it then): ends it. Not one its caller paused, nor one that is running."""
+        with self._cond:
+            if not (self._auto or (self.state == "running" and self._sending)):
+                return
+        self.interrupt()
 
     def interrupt(self) -> None:
         """Ends the generation: a running one as interrupt() does; a paused one at once, its result the

@@ -166,6 +166,31 @@ def test_a_moved_stream_writes_what_an_unmoved_one_does(pair: tuple[Pool, Model,
     assert result.n_decoded == params["n_predict"]
 
 
+def test_a_checkpointed_generate_moves_as_a_stream_does(gemma_path: Path) -> None:
+    """With Pool(checkpoint_tokens) generate() runs as a stream: a move pauses it, hands it over and
+    resumes it in the target; its Result is the unmoved run's."""
+    with Pool(2, recover=True, checkpoint_tokens=100_000) as pool:
+        model = pool[0].load_model(gemma_path)
+        pool[1].load_model(gemma_path)
+        reference = _reference(model, SEEDED)
+        ctx = model.new_context(n_ctx=N_CTX)
+        sixth = threading.Event()
+        pieces: list[str] = []
+
+        def on_piece(piece: str) -> None:
+            pieces.append(piece)
+            if len(pieces) == 6:
+                sixth.set()
+
+        fut = ctx.generate_async(PROMPT, on_piece=on_piece, **SEEDED)
+        assert sixth.wait(60)
+        ctx.move_to(pool[1])
+        assert not fut.done()  # moved halfway
+        result = fut.result(timeout=120)
+        assert ctx.instance is pool[1] and result.n_decoded == SEEDED["n_predict"]
+        assert "".join(pieces) == result.text == reference
+
+
 def test_a_paused_stream_moves_paused_and_resumes_in_the_target(pair: tuple[Pool, Model, Model]) -> None:
     pool, model, _ = pair
     reference = _reference(model, SEEDED)

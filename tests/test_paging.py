@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from lloyal_pool import InvalidArgumentError, Pool, PoolClosedError, StaleHandleError
 from lloyal_pool.context import Context
 from lloyal_pool.model import Model
+from lloyal_pool.paging import Pager
 
 GREEDY: dict[str, Any] = dict(temperature=0.0, n_predict=12, ignore_eos=True)
 N_CTX = 512
@@ -197,6 +199,43 @@ def test_a_paged_context_moves_as_its_file(gemma_path: Path) -> None:
         assert (first, second.text, second.n_cached) == reference
         fresh = pool.drain(pool[0])  # the resident one moves too
         assert other.instance is fresh and other.n_past() > 0
+
+
+def test_a_paged_context_moves_to_a_worker_without_paging_while_another_thread_reads_its_logits(
+        gemma_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The move holds the context's link and pages it in here first; a logits() call made meanwhile holds
+    the context's page lock while it waits at the link. The move does not take that lock (before, each
+    waited for the other, for ever)."""
+    with Pool(1, max_resident_contexts=1) as pool, Pool(1) as plain:
+        model = pool[0].load_model(gemma_path)
+        plain[0].load_model(gemma_path)
+        ctx, other = model.new_context(n_ctx=N_CTX), model.new_context(n_ctx=N_CTX)
+        ctx.generate(PROMPTS[0], **GREEDY)
+        expected = ctx.logits(copy=True)
+        other.eval(PROMPTS[1])
+        assert _settled(ctx) == [True]
+        holding, reader_waits = threading.Event(), threading.Event()
+        use = Pager.use
+
+        def use_once_the_reader_waits(self: Pager, c: Context, **how: bool) -> None:
+            holding.set()
+            assert reader_waits.wait(30)
+            use(self, c, **how)
+
+        monkeypatch.setattr(Pager, "use", use_once_the_reader_waits)
+        mover = threading.Thread(target=ctx.move_to, args=(plain[0],), daemon=True)
+        mover.start()
+        assert holding.wait(30)
+        read: list[np.ndarray] = []
+        reader = threading.Thread(target=lambda: read.append(ctx.logits(copy=True)), daemon=True)
+        reader.start()
+        time.sleep(0.5)  # the reader has the page lock and waits at the link
+        reader_waits.set()
+        mover.join(30)
+        reader.join(30)
+        assert not mover.is_alive() and not reader.is_alive(), "the move and the read wait for each other"
+        assert ctx.instance is plain[0] and not ctx.paged
+        np.testing.assert_array_equal(read[0], expected)
 
 
 def test_paged_and_resident_contexts_survive_a_kill_of_their_worker(gemma_path: Path) -> None:

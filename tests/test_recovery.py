@@ -115,6 +115,37 @@ def test_a_checkpoint_and_a_loaded_state_restore_without_replay(tiny_model: Path
         assert ctx.tokens() == expected
 
 
+def test_calls_answered_while_a_checkpoint_is_read_replay_on_top_of_it(tiny_model: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal restarts at the SaveState's reply: calls the worker answered after it (read-only ones
+    too) are replayed on top of the checkpoint, none from before it again."""
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+        ctx.eval("Once upon a time")
+        ctx.eval(" and then")
+        replied, go_on = threading.Event(), threading.Event()
+        transfer = type(ctx._proc.transfer())  # its bytes are read once the SaveState has replied
+        read = transfer.read
+
+        def slow_read(self: Any) -> bytes:
+            replied.set()
+            assert go_on.wait(30)
+            return read(self)
+
+        monkeypatch.setattr(transfer, "read", slow_read)
+        saving = threading.Thread(target=ctx.checkpoint)
+        saving.start()
+        assert replied.wait(30)
+        monkeypatch.undo()
+        ctx.tokens()  # read-only: recorded after the SaveState, adds nothing
+        ctx.eval(" the end")
+        expected = ctx.tokens()
+        go_on.set()
+        saving.join()
+        _kill(pool)
+        assert ctx.tokens() == expected
+
+
 def test_what_cannot_be_replayed_fails_as_a_crash_and_says_why(tiny_model: Path) -> None:
     with Pool(1, recover=True) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=4096)

@@ -14,7 +14,7 @@ from typing import Any, cast
 import psutil
 import pytest
 
-from lloyal_pool import InvalidArgumentError, Model, Pool, Result
+from lloyal_pool import CallTimeoutError, InvalidArgumentError, Model, Pool, Result
 from lloyal_pool._process import GENERATED_TOKEN_COST
 from lloyal_pool._recovery import Journal
 from lloyal_pool.params import MAX_SEED
@@ -214,11 +214,43 @@ def test_a_stream_paused_inside_its_prompt_survives_a_kill(gemma_path: Path, che
         assert ctx.n_past() == len(tokens) + 16
 
 
-def test_a_long_streamed_prompt_killed_midway_resumes_from_its_last_checkpoint(gemma_path: Path) -> None:
+def _generated(ctx: Any, how: str, prompt: str | list[int], *, on_piece: Callable[[str], None] | None = None,
+               progress: Callable[[int, int], None] | None = None, **params: Any) -> Result:
+    """A generation on ctx made as the caller chose (a stream, generate(), a chat turn's send(): each
+    checkpointed as it goes), its pieces passed to on_piece (not for a chat turn) and checked to join to
+    its text."""
+    if how == "chat":
+        return cast("Result", ctx.chat().send(prompt, progress=progress, **params).result)
+    pieces: list[str] = []
+
+    def piece(text: str) -> None:
+        pieces.append(text)
+        if on_piece is not None:
+            on_piece(text)
+
+    if how == "generate":
+        result = cast("Result", ctx.generate(prompt, on_piece=piece, progress=progress, **params))
+    else:
+        with ctx.stream(prompt, progress=progress, **params) as stream:
+            for text in stream:
+                piece(text)
+        result = stream.result
+    assert "".join(pieces) == result.text
+    return result
+
+
+CALLS = ["stream", "generate", "chat"]
+
+
+@pytest.mark.parametrize("how", CALLS)
+def test_a_long_prompt_killed_midway_resumes_from_its_last_checkpoint(gemma_path: Path, how: str) -> None:
     with Pool(1, recover=True, checkpoint_tokens=512) as pool:
         model = pool[0].load_model(gemma_path)
-        tokens = model.tokenize(LONG)[:2000]
-        expected = _alone(model, tokens, n_ctx=4096, n_ubatch=256, n_predict=16)
+        prompt: str | list[int] = LONG if how == "chat" else model.tokenize(LONG)[:2000]
+        params: dict[str, Any] = dict(n_predict=16, temperature=0.0, ignore_eos=True)
+        alone = model.new_context(n_ctx=4096, n_ubatch=256)
+        expected = _generated(alone, how, prompt, **params)
+        alone.close()
         ctx = model.new_context(n_ctx=4096, n_ubatch=256)
         journal = cast("Journal", ctx._link.journal)
         seen: list[tuple[int, int]] = []
@@ -234,25 +266,24 @@ def test_a_long_streamed_prompt_killed_midway_resumes_from_its_last_checkpoint(g
                 at_kill.append((journal.checkpoint, list(journal.entries)))
                 os.kill(pool[0].pid, signal.SIGKILL)
 
-        with ctx.stream(tokens, n_predict=16, temperature=0.0, ignore_eos=True, progress=progress) as stream:
-            text = "".join(stream)
-        result = stream.result
+        result = _generated(ctx, how, prompt, progress=progress, **params)
         assert len(checkpoints) == 2, f"no kill after a checkpoint inside the prompt: {seen}"
-        assert text == result.text == expected.text
-        assert result.n_cached == 0 and result.n_prompt == len(tokens)
+        assert result.text == expected.text
+        assert result.n_cached == 0 and result.n_prompt == expected.n_prompt > 1536
         # The caller saw one prompt: counts that grow to the whole, whatever the pauses and the crash.
-        assert [t for _, t in seen] == [len(tokens)] * len(seen)
-        assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == len(tokens)
+        assert [t for _, t in seen] == [expected.n_prompt] * len(seen)
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == expected.n_prompt
         # What the replacement was restored from: the state inside the prompt, with nothing to replay
         # after it; the Generate sent again decoded only the rest.
         assert at_kill[0][0] is not None and at_kill[0][1] == []
-        assert len(ctx.tokens()) == len(tokens) + 16
+        assert len(ctx.tokens()) == expected.n_prompt + 16
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, seed=3, top_k=40, repeat_penalty=1.1)],
                          ids=["greedy", "seeded"])
-def test_a_stream_checkpointed_as_it_generates_survives_a_kill_from_its_last_checkpoint(
-        gemma_path: Path, params: dict[str, object]) -> None:
+@pytest.mark.parametrize("how", ["stream", "generate"])
+def test_a_generation_checkpointed_as_it_goes_survives_a_kill_from_its_last_checkpoint(
+        gemma_path: Path, params: dict[str, object], how: str) -> None:
     with Pool(1, recover=True, checkpoint_tokens=8 * GENERATED_TOKEN_COST) as pool:  # every 8 tokens
         model = pool[0].load_model(gemma_path)
         expected = _alone(model, PROMPT, n_predict=40, **params).text
@@ -260,16 +291,56 @@ def test_a_stream_checkpointed_as_it_generates_survives_a_kill_from_its_last_che
         journal = cast("Journal", ctx._link.journal)
         pieces: list[str] = []
         at_kill: list[object] = []
-        with ctx.stream(PROMPT, n_predict=40, ignore_eos=True, **params) as stream:
-            for piece in stream:
-                pieces.append(piece)
-                if len(pieces) == 21:
-                    at_kill.append(journal.checkpoint)
-                    os.kill(pool[0].pid, signal.SIGKILL)
-        assert "".join(pieces) == stream.result.text == expected
-        assert stream.result.n_decoded == 40
+
+        def on_piece(piece: str) -> None:
+            pieces.append(piece)
+            if len(pieces) == 21:
+                at_kill.append(journal.checkpoint)
+                os.kill(pool[0].pid, signal.SIGKILL)
+
+        result = _generated(ctx, how, PROMPT, on_piece=on_piece, n_predict=40, ignore_eos=True, **params)
+        assert result.text == expected
+        assert result.n_decoded == 40
         assert at_kill[0] is not None  # checkpointed inside the generation: decoded again from there
         assert journal.lost is None  # its journal goes on from the checkpoint: the generation's portable form
+
+
+def test_a_random_seed_generation_resumed_after_a_checkpoint_is_not_replayed(gemma_path: Path) -> None:
+    """A checkpoint of a paused generation starts its journal from its hand-over; resumed, a generation
+    that draws with a random seed cannot be replayed (a replay would draw anew): the journal says so."""
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
+        journal = cast("Journal", ctx._link.journal)
+        with ctx.stream(PROMPT, n_predict=12, temperature=0.8, seed=MAX_SEED, ignore_eos=True) as stream:
+            next(stream)
+            assert stream.pause()
+            ctx.checkpoint()
+            assert journal.lost is None  # the history up to the pause is the state
+            assert stream.resume()
+            list(stream)
+        assert journal.lost is not None and "random seed" in journal.lost
+
+
+def test_interrupt_during_a_checkpoint_s_pause_ends_the_generation(gemma_path: Path) -> None:
+    """Context.interrupt() stops a generation whose worker runs nothing of it for the moment, paused to be
+    checkpointed (before, the interrupt found nothing running and the generation went on to its end)."""
+    with Pool(1, recover=True, checkpoint_tokens=GENERATED_TOKEN_COST) as pool:  # a checkpoint every token
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
+        fut = ctx.generate_async(PROMPT, n_predict=300, temperature=0.0, ignore_eos=True)
+        run = next(iter(ctx._runs))
+        deadline = time.monotonic() + 60
+        while not (run.state == "paused" and run._auto):
+            assert not fut.done() and time.monotonic() < deadline, "no checkpoint's pause seen"
+            time.sleep(0.0005)
+        ctx.interrupt()
+        result = fut.result(timeout=30)
+        assert result.stop_reason == "interrupted" and result.n_decoded < 300
+        # generate()'s timeout interrupts it the same way, paused for a checkpoint or not.
+        with pytest.raises(CallTimeoutError, match="it was interrupted") as info:
+            ctx.generate(PROMPT, n_predict=300, temperature=0.0, ignore_eos=True, timeout=1.0)
+        partial = cast("Result", info.value.result)
+        assert partial.stop_reason == "interrupted" and 0 < partial.n_decoded < 300
+        assert ctx.generate("Once", n_predict=2).n_decoded == 2  # the context is free again
 
 
 def test_a_call_another_thread_makes_on_a_checkpointed_stream_s_context_waits_for_the_stream(
