@@ -152,7 +152,7 @@ async def awaited(link: ContextLink, submit: Callable[[], Future[T]]) -> T:
         for req_id in sent:
             link.interrupt_request(req_id)
 
-    return await settle(fut, stop)
+    return await settle(fut, link.stopper(fut) or stop)
 
 
 def twin(submit: Callable[Concatenate[H, P], Future[T]],

@@ -129,6 +129,8 @@ class ContextLink:
         self._prompt_pauses: set[int] = set()  # generations that paused inside their prompt (prompt_paused)
         # A decoding call's future -> its request id, for wait()'s interrupt when its timeout passes.
         self._ids: weakref.WeakKeyDictionary[Future[Any], int] = weakref.WeakKeyDictionary()
+        # A future whose call spans several requests (a pausable generation's segments) -> what stops it.
+        self._stops: weakref.WeakKeyDictionary[Future[Any], Callable[[], None]] = weakref.WeakKeyDictionary()
         self.closed = False
         # Crash recovery (_recovery.py): the context's journal, why it could not be restored, and the ids
         # its calls in flight were sent again under (first id -> latest).
@@ -377,7 +379,7 @@ class ContextLink:
         if self.closed:
             raise StaleHandleError(f"context handle {self.handle} was closed")
         self._enter()
-        counted, pending = True, PendingState()
+        counted, pending, data = True, PendingState(), None
 
         def saved(fut: Future[Any]) -> None:
             # At the reply, on the reader thread: the calls the worker ran before the SaveState have been
@@ -393,18 +395,16 @@ class ContextLink:
                 counted = False
                 self._leave()
                 fut.result()
-                try:
-                    data = f.read()
-                except BaseException:
-                    journal.lost = "its last checkpoint could not be read"
-                    pending.set(None)  # a recovery waiting for it gives the context up
-                    raise
-                pending.set(data)
+                data = f.read()
         finally:
+            pending.set(data)  # None (it failed, or was given up): a recovery waiting for it gives the context up
+            if data is None and journal.checkpoint is pending:
+                journal.lost = "its last checkpoint could not be read"
             with self._lock:
                 self._checkpointing -= 1
             if counted:
                 self._leave()
+        assert data is not None  # else it raised
         return len(data)
 
     def _checkpoint_quietly(self, journal: ContextJournal) -> None:
@@ -450,11 +450,33 @@ class ContextLink:
         if target:
             self.proc.interrupt(self._slot, target)
 
+    def stop_with(self, fut: Future[Any], stop: Callable[[], None]) -> None:
+        """``stop`` ends the call behind fut (made of several requests): for wait() and stopper()."""
+        self._stops[fut] = stop
+
+    def stopper(self, fut: Future[Any]) -> Callable[[], None] | None:
+        """What ends the call behind fut, if it is one stop_with() named."""
+        return self._stops.get(fut)
+
     def wait(self, fut: Future[R], timeout: float | None, what: str) -> R:
         """fut's result within timeout seconds (module wait()); a decoding call is interrupted when the
         time has passed."""
+        stop = self._stops.get(fut)
         req_id = self._ids.get(fut)
-        return wait(fut, timeout, None if req_id is None else lambda: self.interrupt_request(req_id), what)
+        if stop is None and req_id is not None:
+            stop = lambda: self.interrupt_request(req_id)  # noqa: E731
+        return wait(fut, timeout, stop, what)
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        """Past the gate (as a call is, paged in) for the block: for a call that takes the worker's transfer
+        file before its request is sent. A hold (a move, a stream's checkpoint) takes the link and then
+        that file: taking the file first and then waiting at the gate would deadlock with it."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
 
     def interrupt(self) -> None:
         """Stops the decoding request the worker runs (or runs next) on this context; a no-op when none."""

@@ -110,8 +110,8 @@ class PendingState:
         self._data = data
         self._read.set()
 
-    def wait(self) -> bytes | None:
-        self._read.wait()
+    def wait(self, timeout: float) -> bytes | None:
+        self._read.wait(timeout)
         return self._data
 
 
@@ -121,6 +121,7 @@ class ContextJournal(Protocol):
 
     lost: str | None
     checkpoint_tokens: int | None  # Pool(checkpoint_tokens=N): checkpointed once replaying costs N prompt tokens
+    checkpoint: bytes | SavedState | PendingState | None
 
     def record(self, req: Request[Any], fut: Future[Any], handle: int) -> None: ...
 

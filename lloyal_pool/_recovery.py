@@ -498,7 +498,7 @@ def _restore(proc: WorkerProcess, context: int, journal: Journal, handles: Handl
     try:
         checkpoint = journal.checkpoint
         if isinstance(checkpoint, PendingState):
-            checkpoint = checkpoint.wait()
+            checkpoint = checkpoint.wait(60.0)
             if checkpoint is None:
                 return "its last checkpoint could not be read"
         if checkpoint:  # b"": the state of an empty context

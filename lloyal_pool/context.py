@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -17,7 +16,7 @@ import numpy as np
 from . import protocol as p
 from ._aio import AsyncStream, twin
 from ._files import beneath
-from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress, wait
+from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress
 from ._pieces import PieceStream
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import (
@@ -45,7 +44,7 @@ from .params import (
 )
 from .sampler import Sampler
 from .session import Session
-from .stream import Pausable, Stream
+from .stream import Pausable, Runs, Stream
 
 if TYPE_CHECKING:
     from ._process import WorkerProcess
@@ -86,8 +85,8 @@ class Context:
         self.kv = KV(self._link, self.branches)
         self._lora: list[tuple[LoraAdapter, float]] = []
         self._logits_reads = 0  # logits() calls: a view shows the row as the one that made it wrote it
-        self._runs: weakref.WeakSet[Pausable] = weakref.WeakSet()  # its pausable generations (move_to)
-        self._link.suspended = _suspended_runs(self._runs)
+        self._runs = Runs()  # its pausable generations (a move pauses them, a checkpoint hands them over)
+        self._link.suspended = self._runs.suspended
         # Session paging (paging.py): the worker's pager while the context is pageable; a lock so that one
         # thread pages it in while the others' calls wait.
         self._pager: Pager | None = None
@@ -130,30 +129,25 @@ class Context:
         With Pool(recover=True, checkpoint_tokens=N) it is checkpointed as it goes, as a stream is
         (docs/RELIABILITY.md), and a move_to() meanwhile takes it along to the other worker."""
         check_timeout(timeout)
-        fut, run = self._generate(prompt, GenerateParams.of(params, overrides), append, on_piece, progress)
-        if run is None:
-            return self._link.wait(fut, timeout, "generate")
-        return wait(fut, timeout, run.interrupt, "generate")
+        return self._link.wait(self.generate_async(prompt, params, append=append, on_piece=on_piece,
+                                                   progress=progress, **overrides), timeout, "generate")
 
     def generate_async(self, /, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                        append: bool = False, on_piece: Callable[[str], None] | None = None,
                        progress: PromptProgress | None = None, **overrides: Any) -> Future[Result]:
         """generate() without waiting: a Future of the Result."""
-        return self._generate(prompt, GenerateParams.of(params, overrides), append, on_piece, progress)[0]
-
-    def _generate(self, prompt: str | Sequence[int], params: GenerateParams, append: bool,
-                  on_piece: Callable[[str], None] | None,
-                  progress: PromptProgress | None) -> tuple[Future[Result], Pausable | None]:
-        """generate()'s call; with Pool(checkpoint_tokens), a Pausable, which is checkpointed as a stream
-        is (and pauses for a move as a stream does)."""
+        params = GenerateParams.of(params, overrides)
         on_event = events(piece=on_piece, prompt_progress=spread_progress(progress))
         if self._checkpoint_every() is None:
             req = self._generate_request(prompt, params, stream=on_piece is not None, append=append,
                                          progress=progress is not None)
-            return self._link.call(req, on_event), None
+            return self._link.call(req, on_event)
+        # Checkpointed as a stream is (and paused for a move as a stream is): a Pausable, whose segments
+        # a timeout or a cancelled agenerate() stops through its interrupt().
         run = self._pausable(prompt, params, append, on_event, progress is not None)
+        self._link.stop_with(run.future, run.interrupt)
         run.start()
-        return run.future, run
+        return run.future
 
     def _checkpoint_every(self) -> int | None:
         journal = self._link.journal
@@ -309,7 +303,7 @@ class Context:
         round trip: it writes the request's id into the context's word in shared memory, which the
         worker checks every token and inside each decode step. A no-op when nothing is running."""
         self._link.interrupt()
-        for run in list(self._runs):  # one paused for a checkpoint runs, for its caller
+        for run in self._runs.live():  # one paused for a checkpoint runs, for its caller
             run.interrupt_checkpointing()
 
     def logits(self, *, copy: bool = False) -> np.ndarray:
@@ -603,10 +597,9 @@ class Context:
     def _resident(self) -> Iterator[None]:
         """In its worker for the block (paged in first, if it was out; not paged out meanwhile): for a call
         that reads ``_proc`` or takes the worker's transfer file before its request is sent (a page-in
-        takes that file too)."""
-        with self._page_lock:
-            if self._pager is not None and self._link.paged:
-                self._pager.use(self)
+        takes that file too). Past the link's gate first (which pages it in), as every call is: a move
+        or a checkpoint's hold, which takes the link and then the transfer file, is not under way."""
+        with self._link.entered(), self._page_lock:
             yield
 
     def _pin(self, delta: int) -> None:
@@ -624,7 +617,7 @@ class Context:
         if self._pager is not None:
             self._pager.forget(self)
         self.branches._forget_all()
-        for run in list(self._runs):
+        for run in self._runs.live():
             run.interrupt()  # a paused stream ends (interrupted) instead of waiting for a resume that cannot come
 
     def close(self) -> None:
@@ -638,14 +631,6 @@ class Context:
             self._forget()
             if self._proc.alive and not paged:
                 self._proc.call(p.FreeContext(context=self.handle)).result()
-
-
-def _suspended_runs(runs: weakref.WeakSet[Pausable]) -> Callable[[], list[p.Request[Any]]]:
-    """What a checkpoint's journal starts with: the streams' generations suspended in the saved state."""
-    def suspended() -> list[p.Request[Any]]:
-        return [req for run in list(runs) if (req := run.adoption()) is not None]
-
-    return suspended
 
 
 def _is_int(x: object) -> bool:

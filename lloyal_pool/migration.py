@@ -69,7 +69,7 @@ def move(ctx: Context, target: Instance) -> None:
             return
         if ctx._pager is not None:
             ctx._pager.use(ctx, holding_link=True)  # paged in here first where the target pages nothing
-        runs = [r for r in list(ctx._runs) if r.state != "done"]
+        runs = ctx._runs.live()
         running = [r for r in runs if r.state != "paused"]  # what the move pauses, and resumes: not the caller's
         for run in running:
             run.pause()

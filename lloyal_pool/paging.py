@@ -101,8 +101,13 @@ class Pager:
             self._resident[ctx] = None
             start = len(self._resident) > self.budget and not self._enforcing
             self._enforcing = self._enforcing or start
-        if start:  # else the page-out under way goes on until the budget holds
-            self._enforce_while_over(ctx)
+        if start:  # one pass here (else the page-out under way goes on until the budget holds)
+            try:
+                self._enforce(ctx)
+            finally:
+                with self._lock:
+                    self._enforcing = False
+                    self._settled.notify_all()
 
     def forget(self, ctx: Context) -> None:
         """The context closed, or moved to another worker: its page file goes."""
@@ -204,7 +209,7 @@ class Pager:
         """Pages ctx out if it is idle now (module docstring); False when it is not."""
         link = ctx._link
         if (ctx.closed or ctx._pins or len(ctx.branches) or link.holds_handles()
-                or any(r.state != "done" for r in list(ctx._runs))):
+                or ctx._runs.live()):
             return False
         proc = link.proc
         if not proc.alive:

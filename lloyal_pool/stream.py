@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from . import protocol as p
+from ._futures import running
 from ._link import check_timeout, wait
 from ._pieces import PieceStream
 from ._process import GENERATED_TOKEN_COST
@@ -40,7 +42,7 @@ class Pausable:
         self._link = link
         self._request = request
         self._deliver = deliver
-        self.future: Future[Result] = Future()
+        self.future: Future[Result] = running()  # cancel() cannot take it back: interrupt() stops it
         self._cond = threading.Condition(threading.Lock())
         self.state = "running"
         self._request_id = 0
@@ -55,6 +57,7 @@ class Pausable:
         self._adopting: Future[None] | None = None
         self._resuming = False  # the current segment is a Resume
         self._sending = False  # a segment is being sent (its id may not be known yet)
+        self._auto_resuming = False  # ... the Resume (or Generate sent again) after a checkpoint's pause
         # What the workers that took the generation over do not report: the segments before (their
         # logprobs and decode time), joined into the ones after.
         self._before: Result | None = None
@@ -320,7 +323,7 @@ class Pausable:
                     return False
                 # A checkpoint's Resume is being sent: a Context.interrupt() meanwhile ends it
                 # (interrupt_checkpointing), as one before the pause would have.
-                self.state, self._auto, self._sending = "running", False, auto
+                self.state, self._auto, self._auto_resuming = "running", False, auto
             try:
                 if not link.proc.alive:
                     link.proc.await_recovery()  # crash recovery rebuilds the history; the generation is ours
@@ -337,9 +340,12 @@ class Pausable:
                 self._send(p.Resume(context=link.handle, stream=self._request.stream, origin=self.origin))
             except BaseException:
                 with self._cond:
-                    self.state, self._sending = "paused", False
+                    self.state = "paused"
                     self._cond.notify_all()
                 raise
+            finally:
+                with self._cond:
+                    self._auto_resuming = False
         return True
 
     def take_over(self) -> None:
@@ -362,9 +368,10 @@ class Pausable:
 
     def interrupt_checkpointing(self) -> None:
         """Context.interrupt() for a generation that is paused, or being resumed, for a checkpoint (the
-        worker runs nothing of it then): ends it. Not one its caller paused, nor one that is running."""
+        worker runs nothing of it then): ends it. Not one its caller paused, nor one that is running or
+        starting (Context.interrupt() stops the request the worker runs, as for any call)."""
         with self._cond:
-            if not (self._auto or (self.state == "running" and self._sending)):
+            if not (self._auto or self._auto_resuming):
                 return
         self.interrupt()
 
@@ -385,6 +392,29 @@ class Pausable:
             self._link.interrupt_request(request_id)
             return
         self.future.set_result(msgspec.structs.replace(paused, stop_reason=StopReason.INTERRUPTED))
+
+
+class Runs:
+    """A context's pausable generations, weakly held: added by the thread that starts one, listed by any
+    (a move, a page-out, a checkpoint's reply on the reader thread)."""
+
+    def __init__(self) -> None:
+        self._runs: weakref.WeakSet[Pausable] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, run: Pausable) -> None:
+        with self._lock:
+            self._runs.add(run)
+
+    def live(self) -> list[Pausable]:
+        """Those that have not ended."""
+        with self._lock:
+            runs = list(self._runs)
+        return [r for r in runs if r.state != "done"]
+
+    def suspended(self) -> list[p.Request[Any]]:
+        """What a checkpoint's journal starts with: the generations suspended in the saved state (adoption())."""
+        return [req for run in self.live() if (req := run.adoption()) is not None]
 
 
 class Stream(PieceStream):

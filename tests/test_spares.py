@@ -3,8 +3,10 @@ another spare starts in its place."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -305,6 +307,46 @@ def test_a_generation_checkpointed_as_it_goes_survives_a_kill_from_its_last_chec
         assert journal.lost is None  # its journal goes on from the checkpoint: the generation's portable form
 
 
+def test_a_checkpointed_generate_is_stopped_by_its_cancelled_task_and_not_by_cancel(gemma_path: Path) -> None:
+    """Its segments after the first checkpoint are other requests: cancelling the task awaiting
+    agenerate() stops the generation all the same; its future, running, cannot be cancelled."""
+    with Pool(1, recover=True, checkpoint_tokens=8 * GENERATED_TOKEN_COST) as pool:  # every 8 tokens
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=4096)
+        fut = ctx.generate_async(PROMPT, n_predict=12, temperature=0.0, ignore_eos=True)
+        assert not fut.cancel()
+        assert fut.result(timeout=60).n_decoded == 12
+
+        async def cancelled() -> None:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(ctx.agenerate(PROMPT, n_predict=3000, temperature=0.0, ignore_eos=True), 3.0)
+
+        asyncio.run(cancelled())
+        # Stopped: the next call runs at once instead of queueing behind ~3,000 tokens.
+        assert ctx.generate("Once", n_predict=2, timeout=30).n_decoded == 2
+
+
+def test_save_state_beside_a_generation_checkpointed_every_token(gemma_path: Path) -> None:
+    """A checkpoint's hold takes the link, then the worker's transfer file; save_state() and load_state()
+    pass the link's gate before they take that file (before, each could wait for the other for ever
+    where the worker has a transfer file of its own)."""
+    with Pool(1, recover=True, checkpoint_tokens=GENERATED_TOKEN_COST) as pool:
+        ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
+        expected = _alone(ctx.model, PROMPT, n_predict=40).text
+        states: list[int] = []
+
+        def save_and_load() -> None:
+            while len(states) < 20:
+                data = ctx.save_state()
+                states.append(len(data))
+
+        saver = threading.Thread(target=save_and_load, daemon=True)
+        fut = ctx.generate_async(PROMPT, n_predict=40, temperature=0.0, ignore_eos=True)
+        saver.start()
+        assert fut.result(timeout=120).text == expected
+        saver.join(120)
+        assert not saver.is_alive() and len(states) == 20
+
+
 def test_a_random_seed_generation_resumed_after_a_checkpoint_is_not_replayed(gemma_path: Path) -> None:
     """A checkpoint of a paused generation starts its journal from its hand-over; resumed, a generation
     that draws with a random seed cannot be replayed (a replay would draw anew): the journal says so."""
@@ -327,7 +369,7 @@ def test_interrupt_during_a_checkpoint_s_pause_ends_the_generation(gemma_path: P
     with Pool(1, recover=True, checkpoint_tokens=GENERATED_TOKEN_COST) as pool:  # a checkpoint every token
         ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
         fut = ctx.generate_async(PROMPT, n_predict=300, temperature=0.0, ignore_eos=True)
-        run = next(iter(ctx._runs))
+        run = ctx._runs.live()[0]
         deadline = time.monotonic() + 60
         while not (run.state == "paused" and run._auto):
             assert not fut.done() and time.monotonic() < deadline, "no checkpoint's pause seen"
