@@ -125,7 +125,10 @@ def test_busy_contexts_stay_resident_and_page_out_once_idle(paged: tuple[Pool, M
             extra = model.new_context(n_ctx=N_CTX)
             extra.eval(PROMPTS[3 + i])
             _settled(extra)
-            assert pool[0].stats()["paging"]["resident"] == 3  # over budget while nothing else is idle
+            # Over budget while nothing else is idle: the busy two stay; the new one, idle once its eval
+            # has ended, may go out too (the page-out runs when the machine lets it: after the eval or not).
+            assert [idle.paged, streaming.paged, branching.paged] == [True, False, False]
+            assert pool[0].stats()["paging"]["resident"] == 2 + (not extra.paged)
             extra.close()
         assert _settled(idle, streaming, branching) == [True, False, False]
         stream.resume()
