@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import metrics
     from ._aio import AsyncStream
-    from ._link import PromptProgress
+    from ._futures import PromptProgress
     from .branches import KV, Branch, BranchInfo, BranchStore, KVPressure, Produced
     from .chat import ChatMessage, ToolCall
     from .context import Context
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         BranchError,
         CallTimeoutError,
         ContextError,
+        ContextLostError,
         ContextOverflowError,
         DeadWorkerError,
         DecodeError,
@@ -106,6 +107,7 @@ __all__ = [
     "ChatStream",
     "Context",
     "ContextError",
+    "ContextLostError",
     "ContextOverflowError",
     "ContextParams",
     "DeadWorkerError",
@@ -163,7 +165,7 @@ __all__ = [
 # its way to lloyal_pool.worker and must not load the client with it (tests/unit/test_layers.py).
 _SOURCES: dict[str, tuple[str, ...]] = {
     "_aio": ("AsyncStream",),
-    "_link": ("PromptProgress",),
+    "_futures": ("PromptProgress",),
     "branches": ("KV", "Branch", "BranchInfo", "BranchStore", "KVPressure", "Produced"),
     "chat": ("ChatMessage", "ToolCall"),
     "context": ("Context",),
@@ -174,7 +176,8 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "pool": ("Pool",),
     "sampler": ("Sampler",),
     "stream": ("Stream",),
-    "errors": ("BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError", "DeadWorkerError",
+    "errors": ("BranchError", "CallTimeoutError", "ContextError", "ContextLostError", "ContextOverflowError",
+               "DeadWorkerError",
                "DecodeError", "GrammarError", "InterruptedByClient", "InvalidArgumentError", "InvalidTokenError",
                "LloyalError", "LoraError", "MigrationError", "ModelLoadError", "PoolClosedError", "ProtocolError",
                "RemoteError", "ResultTooLargeError", "SnapshotError", "StaleHandleError", "StateError", "TemplateError",

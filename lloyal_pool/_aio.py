@@ -19,9 +19,10 @@ import asyncio
 import inspect
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from ._link import ContextLink, check_timeout
+from ._futures import check_timeout
 from ._pieces import PieceStream
 
 if TYPE_CHECKING:
@@ -31,11 +32,21 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
+class Link(Protocol):
+    """What the asyncio face asks of a context's core (_core.ContextCore)."""
+
+    def sending(self) -> AbstractContextManager[list[Any]]: ...
+
+    def interrupt_calls(self, calls: list[Any]) -> None: ...
+
+    def stopper(self, fut: Future[Any]) -> Callable[[], None] | None: ...
+
+
 class OnALink(Protocol):
-    """A handle whose requests go over one context's link (Context, BranchStore)."""
+    """A handle whose requests go over one context's core (Context, BranchStore)."""
 
     @property
-    def _link(self) -> ContextLink: ...
+    def _link(self) -> Link: ...
 
 
 H = TypeVar("H", bound=OnALink)
@@ -101,7 +112,7 @@ class AsyncStream(PieceStream):
                     break          # the worker stops generating here
     """
 
-    def __init__(self, interrupt: Callable[[int], None], loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, interrupt: Callable[[Future[Any]], None], loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(interrupt)
         # The loop that iterates it: the running one, unless it is made on another thread for a loop.
         self._q: _LoopQueue = _LoopQueue(loop or asyncio.get_running_loop())
@@ -142,17 +153,12 @@ class AsyncStream(PieceStream):
             self.interrupt()
 
 
-async def awaited(link: ContextLink, submit: Callable[[], Future[T]]) -> T:
+async def awaited(link: Link, submit: Callable[[], Future[T]]) -> T:
     """submit()'s future awaited; cancelling the task interrupts the decoding requests submit sent on
     link."""
     with link.sending() as sent:
         fut = submit()
-
-    def stop() -> None:
-        for req_id in sent:
-            link.interrupt_request(req_id)
-
-    return await settle(fut, link.stopper(fut) or stop)
+    return await settle(fut, link.stopper(fut) or (lambda: link.interrupt_calls(sent)))
 
 
 def twin(submit: Callable[Concatenate[H, P], Future[T]],

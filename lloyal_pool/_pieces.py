@@ -1,6 +1,6 @@
 """What Stream (blocking) and AsyncStream (asyncio) share: a streamed request's end of the pipe. The
 request's events put each text piece into ``_q`` and its future's end puts ``_END``; ``interrupt``
-stops the request by its id (ContextLink.interrupt_request, or a batched request's own)."""
+stops the request behind its future (its context's ContextCore.interrupt_future, or a batched request's own)."""
 
 from __future__ import annotations
 
@@ -21,18 +21,14 @@ class PieceStream:
     _END = object()
     _q: _Queue
 
-    def __init__(self, interrupt: Callable[[int], None]) -> None:
-        self._interrupt = interrupt  # of the request with this id
-        self._request_id = 0
+    def __init__(self, interrupt: Callable[[Future[Any]], None]) -> None:
+        self._interrupt = interrupt  # of the request behind this future
         self.future: Future[Result]
 
     def _attach(self, fut: Future[Result]) -> None:
         self.future = fut
         q, end = self._q, self._END  # not self: a running request must not keep its stream alive
         fut.add_done_callback(lambda _: q.put(end))
-
-    def _set_id(self, request_id: int) -> None:
-        self._request_id = request_id
 
     def __del__(self) -> None:
         fut = getattr(self, "future", None)  # absent when the request could not even be sent
@@ -47,4 +43,6 @@ class PieceStream:
     def interrupt(self) -> None:
         """Stops this stream's generation, from any thread: now if it runs, or as soon as it starts if it
         is still queued behind other calls on the context. Its result says ``interrupted``."""
-        self._interrupt(self._request_id)
+        fut = getattr(self, "future", None)
+        if fut is not None:
+            self._interrupt(fut)

@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -73,76 +73,15 @@ R = TypeVar("R")
 
 
 
-class CallLedger(Protocol):
-    """What crash recovery keeps of a call in flight: the events its caller has been given, so that the
-    call sent again to a replacement delivers only what comes after (_recovery.Ledger)."""
+class Owner(Protocol):
+    """Who owns what a worker holds (_core.WorkerCore): told of the worker's death first, on the reader
+    thread, so that it settles its own calls before anything else is failed."""
 
-    attempts: int
-
-    def deliver(self, event: dict[str, Any]) -> None: ...
-
-    def replayer(self) -> Callable[[dict[str, Any]], None]: ...
+    def worker_died(self, proc: WorkerProcess, error: WorkerCrashedError | PoolClosedError) -> None: ...
 
 
-GENERATED_TOKEN_COST = 16
-"""What replaying one generated token costs, in prompt tokens: each is a decode of its own, where a prompt
-goes in by ubatches (Gemma 3 270M on 2 cores: 24 ms a generated token, 1.6 ms a prompt token). A
-journal's replay, and Pool(checkpoint_tokens=N), count in prompt tokens."""
-
-
-class SavedState(Protocol):
-    """A context's state in a file this process holds (a page file, paging.py): what a transfer copies
-    into a worker from ``fd``."""
-
-    @property
-    def fd(self) -> int: ...
-
-
-class PendingState:
-    """A checkpoint's bytes while they are read from the transfer file its SaveState wrote: the journal
-    restarts from it at the SaveState's reply, and a recovery waits for the bytes (None: the read failed)."""
-
-    def __init__(self) -> None:
-        self._read = threading.Event()
-        self._data: bytes | None = None
-
-    def set(self, data: bytes | None) -> None:
-        self._data = data
-        self._read.set()
-
-    def wait(self, timeout: float) -> bytes | None:
-        self._read.wait(timeout)
-        return self._data
-
-
-class ContextJournal(Protocol):
-    """What crash recovery keeps of a context: the requests that built its history (_recovery.Journal).
-    The context's link records every call in it; ``lost`` says why the history cannot be rebuilt."""
-
-    lost: str | None
-    checkpoint_tokens: int | None  # Pool(checkpoint_tokens=N): checkpointed once replaying costs N prompt tokens
-    checkpoint: bytes | SavedState | PendingState | None
-
-    def record(self, req: Request[Any], fut: Future[Any], handle: int) -> None: ...
-
-    def restart(self, state: bytes | SavedState | PendingState, first: Sequence[Request[Any]] = ()) -> None: ...
-
-    def wants_checkpoint(self) -> bool: ...
-
-    def checkpoint_done(self) -> None: ...
-
-
-class Recovery(Protocol):
-    """The observer a pool that recovers crashed workers installs on each of them (Pool(recover=True):
-    _recovery.PoolRecovery). The transport reports to it and never imports it: a ledger for every call,
-    a journal for every context, and at a crash the calls in flight, of which it takes those it will send
-    again to a replacement (the others fail as usual); ``recovering`` is set when it is done."""
-
-    def ledger(self, on_event: Callable[[dict[str, Any]], None] | None) -> CallLedger: ...
-
-    def journal(self) -> ContextJournal: ...
-
-    def salvage(self, proc: WorkerProcess, error: WorkerCrashedError, pending: list[_Pending]) -> list[_Pending]: ...
+READING = threading.local()
+"""``active`` on a worker's reader thread: what runs there (a reply's callbacks) must not write to a pipe."""
 
 
 @dataclass
@@ -151,12 +90,10 @@ class _Pending:
     on_event: Callable[[dict[str, Any]], None] | None
     request: type[Request[Any]]
     callback_error: BaseException | None = None  # what on_event raised: the call's outcome once it ends
-    # For a replay by crash recovery (_recovery.py): the request itself, what its caller has been given
-    # of its events, and how its context link learns the id it is sent again under.
-    request_obj: Request[Any] | None = None
-    request_id: int = 0
-    ledger: CallLedger | None = None
-    on_resent: Callable[[int, int], None] | None = None
+    # The owner's: called with the outcome before the future is settled, in the order the worker replied
+    # (so that what the owner records of the call is recorded before its caller wakes). Its owner settles
+    # it at the worker's death.
+    on_done: Callable[[Any, BaseException | None], None] | None = None
 
 
 # Request ids are unique across every worker of this process, so that a call sent again to a replacement
@@ -195,10 +132,8 @@ class WorkerProcess:
         self._in_callback = False  # the reader runs a user callback: the worker may block on a full pipe
         #: Called (on the reader thread) with this process and its error when it dies other than by close().
         self.on_death: Callable[[WorkerProcess, WorkerCrashedError], None] | None = None
-        #: Crash recovery's observer (Recovery), installed by a pool that recovers; ``recovering`` is set
-        #: when it has dealt with this worker's death.
-        self.recovery: Recovery | None = None
-        self.recovering: threading.Event | None = None
+        #: Its owner (_core.WorkerCore), told of its death before anything else.
+        self.owner: Owner | None = None
         self._dead_event = threading.Event()
         self._stderr = StderrTail(worker_id)
         self._psutil: psutil.Process | None = None
@@ -362,25 +297,23 @@ class WorkerProcess:
         return self._dead is None
 
     def call(self, req: Request[R], on_event: Callable[[dict[str, Any]], None] | None = None,
-             on_id: Callable[[int], None] | None = None, *, ledger: CallLedger | None = None,
-             on_resent: Callable[[int, int], None] | None = None) -> Future[R]:
+             on_id: Callable[[int], None] | None = None, *,
+             on_done: Callable[[Any, BaseException | None], None] | None = None) -> Future[R]:
         """Sends req; the future gets its reply, converted to the type req declares (protocol.py).
 
         Request ids follow the order frames enter the pipe, which is the order the worker serves them.
         on_id(id) runs just before the frame is written: the caller's bookkeeping of what is in flight,
-        never I/O. The pipe write itself can block (a frame larger than the pipe buffer while the
-        worker is busy), so nothing a caller holds across it may be needed to interrupt the worker."""
+        never I/O. ``on_done(result, error)`` runs on the reader thread before the future is settled, in
+        reply order (the owner's record of the call; at the worker's death the owner is told instead).
+        The pipe write itself can block (a frame larger than the pipe buffer while the worker is busy),
+        so nothing a caller holds across it may be needed to interrupt the worker."""
         fut: Future[R] = running()
-        if self.recovery is not None and ledger is None:
-            ledger = self.recovery.ledger(on_event)
-            on_event = ledger.deliver
         with self._write_lock:
             with self._lock:
                 if self._dead is not None:
                     raise self._stale_error()
                 req_id = next(_request_ids)
-                self._pending[req_id] = _Pending(fut, on_event, type(req), request_obj=req if ledger else None,
-                                                 request_id=req_id, ledger=ledger, on_resent=on_resent)
+                self._pending[req_id] = _Pending(fut, on_event, type(req), on_done=on_done)
             try:
                 frame = pack(Kind.REQUEST, req_id, request_payload(req))
             except BaseException:
@@ -427,18 +360,13 @@ class WorkerProcess:
         err.__cause__ = dead
         return err
 
-    def await_recovery(self, timeout: float | None = None) -> None:
-        """A dead worker that crash recovery is replacing: returns once the replacement serves (the
-        handles have been rebound to it), or at once otherwise."""
-        if self._dead is not None and self.recovering is not None:
-            self.recovering.wait(timeout if timeout is not None else self.options.start_timeout + 300)
-
     def interrupt(self, slot: int, request_id: int) -> None:
         if self._dead is None:
             self.region.set_interrupt(slot, request_id)
 
     # -- the reader thread ----------------------------------------------------------------------------
     def _read_replies(self) -> None:
+        READING.active = True
         why = "its replies pipe closed"
         while True:
             try:
@@ -495,6 +423,11 @@ class WorkerProcess:
             error = pending.callback_error or rebuild(payload["type"], payload["message"], payload.get("traceback"))
         with self._lock:
             self._pending.pop(req_id, None)
+        if pending.on_done is not None:
+            try:
+                pending.on_done(result, error)
+            except Exception:  # the owner's bug must not end this thread: every later reply would be lost
+                log.exception("a reply's owner failed on request %d", req_id)
         if error is not None:
             pending.future.set_exception(error)
         else:
@@ -511,8 +444,6 @@ class WorkerProcess:
         self._stderr_thread.join(timeout=1.0)
         error: WorkerCrashedError | PoolClosedError
         closed = self._closing and (code == 0 or self._killed_by_close)
-        if self.recovery is not None and not closed:
-            self.recovering = threading.Event()  # before _dead: a call that sees the death waits for it
         if closed:
             error = PoolClosedError(f"worker {self.worker_id} was closed while the call was in flight")
         elif self._hung_for > 0:
@@ -533,18 +464,16 @@ class WorkerProcess:
             self._dead = error
             pending, self._pending = self._pending, {}
         self._dead_event.set()
-        taken: set[int] = set()
-        if self.recovery is not None and isinstance(error, WorkerCrashedError):
+        owner = self.owner
+        if owner is not None:
             try:
-                taken = {id(x) for x in self.recovery.salvage(self, error, [pending[k] for k in sorted(pending)])}
+                owner.worker_died(self, error)  # it settles its own calls (on_done), replaying what it can
             except Exception:
-                log.exception("crash recovery of worker %d failed", self.worker_id)
-                if self.recovering is not None:
-                    self.recovering.set()
-        elif self.recovering is not None:
-            self.recovering.set()
+                log.exception("the owner of worker %d failed at its death", self.worker_id)
         for p in pending.values():
-            if id(p) not in taken and not p.future.done():  # a timed-out call may have been failed already
+            if p.on_done is not None and owner is None:
+                p.on_done(None, copy_error(error))
+            if not p.future.done():  # a timed-out call may have been failed already
                 p.future.set_exception(copy_error(error))
         if isinstance(error, WorkerCrashedError) and self.on_death is not None:
             try:

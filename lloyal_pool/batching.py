@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import msgspec
 
 from ._aio import AsyncStream, settle
-from ._futures import running
-from ._link import check_timeout, wait
+from ._futures import check_timeout, running, wait
 from .branches import Branch
 from .errors import (
     ContextOverflowError,
@@ -206,6 +205,7 @@ class Batcher:
         self.context: Context = model._new_context(ContextParams(
             n_ctx=seqs * n_ctx_slot, n_seq_max=seqs, n_batch=max(512, chunk, seqs), n_threads=n_threads,
             batch_invariant=self.deterministic), pageable=False)
+        self._incarnation = self.context._link.incarnation  # a crash makes its context again, branches gone
         # A deterministic context keeps each slot in a cache stream of its own: nothing to copy between them.
         self._plan = Scheduler([self.context.branches.create().detach() for _ in range(seqs)], n_ctx_slot, chunk,
                                share=not self.deterministic, lanes=slots)
@@ -296,8 +296,8 @@ class Batcher:
     def closed(self) -> bool:
         """Whether the batcher stopped (closed, or its worker died) or its context is gone (crash
         recovery does not restore a batcher's context): a model's next batcher() makes a new one."""
-        link = self.context._link
-        return self._closed is not None or self.context.closed or link.lost is not None
+        return (self._closed is not None or self.context.closed
+                or self.context._link.incarnation != self._incarnation)
 
     def affinity(self, prompt: Sequence[int]) -> int:
         """The longest prefix of prompt a free slot holds (0 when no slot is free): what a request would

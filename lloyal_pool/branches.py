@@ -27,8 +27,8 @@ import numpy as np
 from . import metrics
 from . import protocol as p
 from ._aio import twin
-from ._futures import mapped, running
-from ._link import ContextLink, PromptProgress, events, spread_progress
+from ._core import ContextCore
+from ._futures import PromptProgress, events, mapped, running, spread_progress
 from .errors import BadRequestError, BranchError, InvalidArgumentError, LloyalError, StaleHandleError
 from .lora import LoraAdapter, lora_pairs, lora_wire
 from .params import (
@@ -110,6 +110,7 @@ class Branch:
         self._state = created.state
         self._parent = store._get(created.parent)
         self._alive = True
+        self._incarnation = store._link.incarnation  # the context made again (a crash): the branch is gone
 
     def __repr__(self) -> str:
         state = "" if self._alive else " released"
@@ -120,7 +121,7 @@ class Branch:
         if not self._alive:
             raise StaleHandleError(f"branch {self.handle} was pruned, retained away or detached")
         link = self.store._link
-        if link.closed or not link.proc.alive:
+        if link.closed or link.incarnation != self._incarnation or not link.proc.alive:
             raise StaleHandleError(f"branch {self.handle}'s context was closed or its worker is gone")
         return self.handle
 
@@ -321,7 +322,7 @@ class Branch:
         released or its worker gone; a view taken before cannot be revoked and may then show another
         branch's logits, so it must not be read after the release."""
         self._live()
-        return self.store._link.proc.region.floats(self._logits_offset, self.store.n_vocab)
+        return self.store._link.region.floats(self._logits_offset, self.store.n_vocab)
 
     def logits_at(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """The logits of the given token ids (a float32 copy), read locally like ``logits``.
@@ -378,16 +379,21 @@ def _check_logits(arr: np.ndarray) -> None:
 class BranchStore:
     """The branches of one context (``context.branches``) and the operations over many of them."""
 
-    def __init__(self, link: ContextLink, n_vocab: int) -> None:
+    def __init__(self, link: ContextCore, n_vocab: int) -> None:
         self._link = link
         self.n_vocab = n_vocab
         self._branches: dict[int, Branch] = {}  # live handles, creation order
+        link.state.holders.add(self)  # while it holds branches the context stays in its worker
 
     def __iter__(self) -> Iterator[Branch]:
         return iter(list(self._branches.values()))
 
     def __len__(self) -> int:
         return len(self._branches)
+
+    def holds(self) -> bool:
+        """Whether it keeps its context in its worker (residency: a branch's state is the worker's)."""
+        return bool(self._branches)
 
     # -- registry: what the handles know without asking ------------------------------------------------
     def _register(self, created: p.BranchCreated) -> Branch:
@@ -443,7 +449,7 @@ class BranchStore:
         # A progress callback that raises stops the prefill and fails the call with its error. The branch
         # may be made all the same (the prefill ended before the interrupt landed): then it is pruned.
         failed: list[BaseException] = []
-        sent: list[int] = []
+        sent: list[Future[p.BranchCreated]] = []
 
         def guarded(done: int, total: int) -> None:
             if not failed:
@@ -452,7 +458,7 @@ class BranchStore:
                 except BaseException as exc:
                     failed.append(exc)
                     if sent:
-                        self._link.interrupt_request(sent[0])
+                        self._link.interrupt_future(sent[0])
 
         out: Future[Branch] = running()
 
@@ -469,8 +475,8 @@ class BranchStore:
             else:
                 out.set_result(self._register(fut.result()))
 
-        self._link.call(req, events(prompt_progress=spread_progress(guarded)),
-                        on_id=sent.append).add_done_callback(created)
+        sent.append(self._link.call(req, events(prompt_progress=spread_progress(guarded))))
+        sent[0].add_done_callback(created)
         return out
 
     def adopt(self, seq: int, params: SamplerParams | None = None, *, grammar: GrammarLike = None,
@@ -530,7 +536,7 @@ class BranchStore:
         req = p.Prefill(context=self._link.handle, items=[(self._own(b), self._wire_prompt(t)) for b, t in items],
                         progress=progress is not None,
                         commits=[(self._own(b), token_id(t, self.n_vocab)) for b, t in commits],
-                        loras=None if lora is None else lora_wire(lora_pairs(lora, self._link.proc, "prefill")))
+                        loras=None if lora is None else lora_wire(lora_pairs(lora, self._link.core, "prefill")))
         return mapped(self._link.call(req, events(prompt_progress=spread_progress(progress))), self._decoded)
 
     def step(self, branches: Sequence[Branch]) -> StepResult:
@@ -569,7 +575,7 @@ class KV:
     """Raw operations on the context's KV-cache sequences (``context.kv``). Sequences owned by a branch
     can be read but not written (BranchError): detach the branch first."""
 
-    def __init__(self, link: ContextLink, branches: BranchStore) -> None:
+    def __init__(self, link: ContextCore, branches: BranchStore) -> None:
         self._link = link
         self._branches = branches
 

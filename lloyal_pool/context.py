@@ -8,26 +8,26 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
 from . import protocol as p
 from ._aio import AsyncStream, twin
+from ._core import ContextCore, WorkerCore
 from ._files import beneath
-from ._link import ContextLink, PromptProgress, check_timeout, events, spread_progress
+from ._futures import PromptProgress, check_timeout, events, spread_progress
+from ._machine import ContextState, Status
 from ._pieces import PieceStream
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import (
     BadRequestError,
-    ContextError,
     InvalidArgumentError,
     StaleHandleError,
     StateError,
 )
 from .lora import LoraAdapter, lora_pairs, lora_wire
-from .paging import Pager
 from .params import (
     RERANK_PROMPT,
     BufferMemory,
@@ -44,14 +44,22 @@ from .params import (
 )
 from .sampler import Sampler
 from .session import Session
-from .stream import Pausable, Runs, Stream
+from .stream import Stream
 
 if TYPE_CHECKING:
+    from ._generation import Generation
     from ._process import WorkerProcess
     from .instance import Instance
     from .model import Model
 
 S = TypeVar("S", bound=PieceStream)
+
+
+@runtime_checkable
+class MoveTarget(Protocol):
+    """Where a context moves to (an Instance, which checks it can take it: migration.py moves it)."""
+
+    def _take_context(self, ctx: Context) -> None: ...
 
 
 class Context:
@@ -62,11 +70,10 @@ class Context:
     its request has been served. Once it is closed (or its model is), or its worker died, its methods
     raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
-    def __init__(self, model: Model, desc: p.ContextCreated) -> None:
+    def __init__(self, model: Model, desc: p.ContextCreated, params: ContextParams | None = None, *,
+                 pageable: bool = True) -> None:
         self.model = model
-        self.instance = model.instance
-        self._desc = desc  # a snapshot's fork rebuilds this handle from it
-        self._params = ContextParams()  # what it was created with (Model.new_context sets it)
+        self._params = params or ContextParams()  # what it was created with: it is made so again
         self.n_ctx = desc.n_ctx
         self.n_batch = desc.n_batch
         self.n_ubatch = desc.n_ubatch
@@ -74,30 +81,39 @@ class Context:
         self.n_threads = desc.n_threads
         #: An embedding context's pooling ("none", "mean", "cls", "last", "rank"); None: a generation context.
         self.pooling = desc.pooling
-        self._proc = model._proc
         # embed() and rerank() reuse one block of the region per context: a call frees the previous
         # call's rows, so each call holds this from its request until its rows are copied out.
         self._embed_lock = threading.Lock()
-        self._logits_offset = desc.logits_offset
-        self._link = ContextLink(self._proc, desc.context, desc.interrupt_slot)
-        model._links.add(self._link)
+        core: WorkerCore = model.instance._core
+        state = ContextState(desc.context, desc.interrupt_slot, model, self._params.to_wire(),
+                             pageable=pageable and not self._params.embeddings, desc=desc)
+        self._link = ContextCore(core, state)
         self.branches = BranchStore(self._link, model.n_vocab)
         self.kv = KV(self._link, self.branches)
-        self._lora: list[tuple[LoraAdapter, float]] = []
         self._logits_reads = 0  # logits() calls: a view shows the row as the one that made it wrote it
-        self._runs = Runs()  # its pausable generations (a move pauses them, a checkpoint hands them over)
-        self._link.suspended = self._runs.suspended
-        # Session paging (paging.py): the worker's pager while the context is pageable; a lock so that one
-        # thread pages it in while the others' calls wait.
-        self._pager: Pager | None = None
-        self._page_lock = threading.RLock()  # also held while a reply's rows are read from shared memory
-        self._pins = 0  # calls that use this context without a call of its own (a draft): it stays resident
-        self._pin_lock = threading.Lock()
+        model._contexts.add(self)
+        core.step(core.machine.admit, state)
 
-    def _rebind(self, proc: WorkerProcess, desc: p.ContextCreated) -> None:
-        """Crash recovery created the context again in a replacement worker."""
-        self._proc, self._desc, self._logits_offset = proc, desc, desc.logits_offset
-        self._link.rebind(proc, desc.context, desc.interrupt_slot)
+    @property
+    def instance(self) -> Instance:
+        """The worker the context lives in now (a move changes it)."""
+        return self.model.instance
+
+    @property
+    def _desc(self) -> p.ContextCreated:
+        """What its worker said when it made the context as it is now (a snapshot's fork rebuilds from it)."""
+        desc = self._link.state.desc
+        assert isinstance(desc, p.ContextCreated)
+        return desc
+
+    @property
+    def _proc(self) -> WorkerProcess:
+        return self._link.proc
+
+    @property
+    def _lora(self) -> list[tuple[LoraAdapter, float]]:
+        return list(self._link.state.lora)
+
     @property
     def handle(self) -> int:
         """The context's id in its worker (for logs and repr; handles are numbered per worker)."""
@@ -142,27 +158,22 @@ class Context:
             req = self._generate_request(prompt, params, stream=on_piece is not None, append=append,
                                          progress=progress is not None)
             return self._link.call(req, on_event)
-        # Checkpointed as a stream is (and paused for a move as a stream is): a Pausable, whose segments
-        # a timeout or a cancelled agenerate() stops through its interrupt().
-        run = self._pausable(prompt, params, append, on_event, progress is not None)
-        self._link.stop_with(run.future, run.interrupt)
-        run.start()
-        return run.future
+        # Checkpointed as a stream is (and paused for a move as a stream is): a Generation, whose
+        # segments a timeout or a cancelled agenerate() stops through its stop.
+        return self._pausable(prompt, params, append, on_event, progress is not None).future
 
     def _checkpoint_every(self) -> int | None:
         journal = self._link.journal
         return None if journal is None else journal.checkpoint_tokens
 
     def _pausable(self, prompt: str | Sequence[int], params: GenerateParams, append: bool,
-                  on_event: Callable[[dict[str, Any]], None] | None, progress: bool) -> Pausable:
+                  on_event: Callable[[dict[str, Any]], None] | None, progress: bool) -> Generation:
         """A generation that can pause, move and be checkpointed: its pieces come as events, and its
         prompt's progress where it is wanted or checkpoints are taken (which follow it)."""
         every = self._checkpoint_every()
         req = self._generate_request(prompt, params, stream=True, append=append,
                                      progress=progress or every is not None)
-        run = Pausable(self._link, req, on_event, every)
-        self._runs.add(run)
-        return run
+        return self._link.generation(req, on_event)
 
     def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                append: bool = False, progress: PromptProgress | None = None, timeout: float | None = None,
@@ -172,17 +183,17 @@ class Context:
         thread, and it goes on in the worker its context moves to (move_to). ``timeout``: seconds the
         whole generation may take (paused time included); past it the stream is interrupted and
         iterating it (or reading ``result``) raises CallTimeoutError."""
-        return self._start_stream(Stream(self._link.interrupt_request, timeout), prompt,
+        return self._start_stream(Stream(self._link.interrupt_future, timeout), prompt,
                                   GenerateParams.of(params, overrides), append=append, progress=progress)
 
     def _start_stream(self, s: S, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
                       progress: PromptProgress | None) -> S:
         on_event = events(piece=s._q.put, prompt_progress=spread_progress(progress))
         if isinstance(s, Stream):  # a blocking stream (a chat turn's too) pauses and moves
-            s._start_run(self._pausable(prompt, params, append, on_event, progress is not None))
+            s._start_run(self._link, lambda: self._pausable(prompt, params, append, on_event, progress is not None))
         else:
             req = self._generate_request(prompt, params, stream=True, append=append, progress=progress is not None)
-            s._attach(self._link.call(req, on_event, on_id=s._set_id))
+            s._attach(self._link.call(req, on_event))
         return s
 
     agenerate = twin(generate_async, """generate() for asyncio: the same request, awaited. Cancelling the awaiting task
@@ -194,7 +205,7 @@ class Context:
         """stream() for asyncio (call it inside a running event loop): ``async for piece in
         ctx.astream(...)``, then ``await stream.result()``. Leaving early, ``aclose()`` or cancelling the
         iterating task interrupts the generation."""
-        return self._start_stream(AsyncStream(self._link.interrupt_request), prompt,
+        return self._start_stream(AsyncStream(self._link.interrupt_future), prompt,
                                   GenerateParams.of(params, overrides), append=append, progress=progress)
 
     def chat(self, system: str | None = None, *, template: str | None = None,
@@ -242,28 +253,30 @@ class Context:
         """generate_with_draft() without waiting: a Future of the Result."""
         if not isinstance(draft, Context) and draft != "ngram":
             raise InvalidArgumentError(f'draft must be "ngram" or a Context, got {draft!r}')
-        with self._resident(), (draft._resident() if isinstance(draft, Context) else nullcontext()):
-            wire_draft: str | int = draft if isinstance(draft, str) else draft.handle
-            if isinstance(draft, Context):
-                if draft._proc is not self._proc:
-                    raise InvalidArgumentError("the draft context must live in the same worker (Instance) as the "
-                                               "target")
-                if draft.closed:
-                    raise StaleHandleError(f"draft context handle {draft.handle} was closed")
-            req = p.GenerateWithDraft(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab),
-                                      params=GenerateParams.of(params, overrides).to_wire(), draft=wire_draft,
-                                      n_draft=whole(n_draft, "n_draft"), ngram_min=whole(ngram_min, "ngram_min"),
-                                      ngram_max=whole(ngram_max, "ngram_max"), stream=on_piece is not None,
-                                      append=bool(append), progress=progress is not None)
-            if not isinstance(draft, Context):
-                return self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
-            draft._pin(+1)  # the draft stays resident until the call ends (its own link sees no call)
-            try:
-                fut = self._link.call(req, events(piece=on_piece, prompt_progress=spread_progress(progress)))
-            except BaseException:
-                draft._pin(-1)
-                raise
-        fut.add_done_callback(lambda _: draft._pin(-1))
+        gen = GenerateParams.of(params, overrides).to_wire()
+        on_event = events(piece=on_piece, prompt_progress=spread_progress(progress))
+
+        def request(wire_draft: str | int) -> p.GenerateWithDraft:
+            return p.GenerateWithDraft(context=self.handle, prompt=wire_prompt(prompt, self.model.n_vocab), params=gen,
+                                       draft=wire_draft, n_draft=whole(n_draft, "n_draft"),
+                                       ngram_min=whole(ngram_min, "ngram_min"), ngram_max=whole(ngram_max, "ngram_max"),
+                                       stream=on_piece is not None, append=bool(append), progress=progress is not None)
+
+        if not isinstance(draft, Context):
+            return self._link.call(request(draft), on_event)
+        if draft.closed:
+            raise StaleHandleError(f"draft context handle {draft.handle} was closed")
+        # The draft stays resident (and in this worker) until the call ends: its own link sees no call.
+        draft._link.pin(+1)
+        try:
+            if draft._link.core is not self._link.core:
+                raise InvalidArgumentError("the draft context must live in the same worker (Instance) as the target")
+            draft._resident()
+            fut = self._link.call(request(draft.handle), on_event, data=draft._link.state)
+        except BaseException:
+            draft._link.pin(-1)
+            raise
+        fut.add_done_callback(lambda _: draft._link.pin(-1))
         return fut
 
     agenerate_with_draft = twin(generate_with_draft_async,
@@ -303,32 +316,34 @@ class Context:
         round trip: it writes the request's id into the context's word in shared memory, which the
         worker checks every token and inside each decode step. A no-op when nothing is running."""
         self._link.interrupt()
-        for run in self._runs.live():  # one paused for a checkpoint runs, for its caller
-            run.interrupt_checkpointing()
 
     def logits(self, *, copy: bool = False) -> np.ndarray:
         """Logits (n_vocab float32) of the last decoded position. Without copy, a read-only view of the
         context's row in the worker's shared memory, which the next logits() call writes again: the view
         is valid until then (or until the context closes or its worker dies), and reading it afterwards
         raises StaleHandleError instead of showing other logits. Keep a copy (copy=True) to hold on."""
-        with self._page_lock:  # no page-out frees the row before it is read
+        self._link.pin(+1)  # no page-out frees the row before it is read
+        try:
             at = self._link.call(p.Logits(context=self.handle)).result()
             self._logits_reads += 1
+            region, incarnation = self._link.region, self._link.incarnation
             if copy:
-                row: np.ndarray = self._proc.region.floats(at.offset, at.count).copy()
+                row: np.ndarray = region.floats(at.offset, at.count).copy()
                 return row
-        read, proc, desc = self._logits_reads, self._proc, self._desc
+        finally:
+            self._link.pin(-1)
+        read, link = self._logits_reads, self._link
 
         def stale() -> str:
             if self._logits_reads != read:
                 return "the context's logits() was called again since"
-            if self._link.closed or self._proc is not proc or not proc.alive:
+            if link.closed or link.region is not region or not link.proc.alive:
                 return "its context was closed, or its worker died"
-            if self._link.paged or self._desc is not desc:
-                return "its context was paged out (Pool(max_resident_contexts=...)) since"
+            if link.incarnation != incarnation:
+                return "its context was paged out (Pool(max_resident_contexts=...)) or moved since"
             return ""
 
-        return self._proc.region.floats(at.offset, at.count, guard=stale)
+        return region.floats(at.offset, at.count, guard=stale)
 
     # -- lloyal.node's low-level loop: decode at a position, sample, grammar handles ---------------------
     def decode(self, tokens: Sequence[int], pos: int, seq: int = 0) -> float:
@@ -390,9 +405,9 @@ class Context:
         if not items:
             raise InvalidArgumentError("embed needs at least one text")
         wire = [wire_prompt(t, self.model.n_vocab) for t in items]
-        with self._embed_lock, self._page_lock:
+        with self._embed_lock, self._pinned():
             at = self._link.call(p.Embed(context=self.handle, inputs=wire, normalize=bool(normalize))).result()
-            flat = self._proc.region.floats(at.offset, sum(at.rows) * at.width).copy()
+            flat = self._link.region.floats(at.offset, sum(at.rows) * at.width).copy()
         if self.pooling == "none":
             bounds = np.cumsum(at.rows)[:-1]
             per_text: list[np.ndarray] = [a.reshape(-1, at.width) for a in np.split(flat, bounds * at.width)]
@@ -445,16 +460,13 @@ class Context:
         branches or detached sequences present it raises LoraError instead and changes nothing (prune
         them or reset() first). LoraError for an adapter of another model, a non-finite scale or one
         adapter twice; StaleHandleError for a closed adapter."""
-        with self._resident():
-            pairs = lora_pairs(adapters, self._proc, "set_lora")
-            changed = self._link.call(p.SetLora(context=self.handle, adapters=lora_wire(pairs))).result()
-        self._lora = pairs
-        return changed
+        pairs = lora_pairs(adapters, self._link.core, "set_lora")
+        return self._link.call(p.SetLora(context=self.handle, adapters=lora_wire(pairs)), data=pairs).result()
 
     @property
     def lora(self) -> list[tuple[LoraAdapter, float]]:
         """The configuration the last successful set_lora gave (``[]`` at first)."""
-        return list(self._lora)
+        return self._lora
 
     # -- whole-context state ---------------------------------------------------------------------------
     def save_state(self) -> bytes:
@@ -462,9 +474,7 @@ class Context:
         load_state() takes in any context of the same model, in any worker or process. The bytes travel
         through a temporary shared-memory file, never through the pipe. ContextError for a context that
         holds branches or nothing."""
-        with self._resident(), self._proc.transfer() as f:
-            self._link.call(p.SaveState(context=self.handle, path=f.path, in_place=True)).result()
-            return f.read()
+        return self._link.save_state()
 
     def load_state(self, data: bytes | bytearray | memoryview) -> int:
         """Replaces what the context holds with a saved state; returns its n_past. StateError for bytes
@@ -473,24 +483,13 @@ class Context:
         Pool(recover=True) the state is also the context's checkpoint."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise BadRequestError(f"a state is bytes (from save_state), got {type(data).__name__}")
-        journal = self._link.journal
-        state = bytes(data)
-
-        def loaded(fut: Future[Any]) -> None:  # in reply order (Journal.restart)
-            if journal is not None and fut.exception() is None:
-                journal.restart(state)
-
-        with self._resident(), self._proc.transfer() as f:
-            f.write(data)
-            return self._link.call(p.LoadState(context=self.handle, path=f.path), after=loaded).result()
+        return self._link.load_state(bytes(data))
 
     def checkpoint(self) -> int:
         """With Pool(recover=True): saves the context's state in this process, so that crash recovery
         restores it from here instead of replaying every call since the last one (docs/RELIABILITY.md);
         returns its size in bytes. A checkpoint also makes a context recoverable again after a call that
         cannot be replayed (an interrupted generation, a random seed). ContextError without recover."""
-        if self._link.journal is None:
-            raise ContextError("checkpoint() is for crash recovery: create the pool with Pool(recover=True)")
         return self._link.checkpoint()
 
     def save_state_file(self, path: str | os.PathLike[str]) -> int:
@@ -498,13 +497,14 @@ class Context:
         file or the new one); returns its size in bytes. StateError for a path outside the pool's
         ``writable_dirs`` where the worker's sandbox confines its writes (Instance.sandbox)."""
         abspath = os.path.abspath(os.fspath(path))
-        with self._resident():
-            if self.instance.sandbox.get("writes_scoped"):
-                dirs = self._proc.options.writable_dirs
-                if not beneath(os.path.dirname(abspath), (*dirs, os.path.realpath(self._proc.private_dir))):
-                    raise StateError(f"{abspath} is outside the pool's writable_dirs {list(dirs)}: the worker may "
-                                     "not write there (Pool(writable_dirs=...))")
-            return self._link.call(p.SaveState(context=self.handle, path=abspath)).result()
+        proc = self._link.proc
+        if self.instance.sandbox.get("writes_scoped"):
+            dirs = proc.options.writable_dirs
+            # The private directory of whichever worker holds the context when the call runs.
+            if not beneath(os.path.dirname(abspath), (*dirs, os.path.realpath(proc.private_dir))):
+                raise StateError(f"{abspath} is outside the pool's writable_dirs {list(dirs)}: the worker may "
+                                 "not write there (Pool(writable_dirs=...))")
+        return self._link.call(p.SaveState(context=self.handle, path=abspath)).result()
 
     def load_state_file(self, path: str | os.PathLike[str]) -> int:
         """load_state() from a file the worker reads (StateError also for a missing file)."""
@@ -526,10 +526,9 @@ class Context:
         target fails on the way: the context then stays in its worker, whole and serving. If its own
         worker dies before its state is read out, the crash's error is raised (Pool(recover=True)
         restores the context there as for any crash)."""
-        take = getattr(instance, "_take_context", None)  # an Instance's (migration.py)
-        if take is None:
+        if not isinstance(instance, MoveTarget):
             raise BadRequestError(f"a context moves to an Instance, got {type(instance).__name__}")
-        take(self)
+        instance._take_context(self)
 
     # -- scoring ---------------------------------------------------------------------------------------
     def score(self, text: str | Sequence[int], *, logprobs: int | None = None, timeout: float | None = None) -> Score:
@@ -593,18 +592,21 @@ class Context:
         StaleHandleError. A context whose worker died is not closed, but stale all the same."""
         return self._link.closed
 
-    @contextmanager
-    def _resident(self) -> Iterator[None]:
-        """In its worker for the block (paged in first, if it was out; not paged out meanwhile): for a call
-        that reads ``_proc`` or takes the worker's transfer file before its request is sent (a page-in
-        takes that file too). Past the link's gate first (which pages it in), as every call is: a move
-        or a checkpoint's hold, which takes the link and then the transfer file, is not under way."""
-        with self._link.entered(), self._page_lock:
-            yield
+    def _resident(self) -> None:
+        """Pages the context in, if it is out (a draft, which its target's call uses without a call of its
+        own, pinned meanwhile)."""
+        if self._link.state.status is not Status.RESIDENT:
+            self._link.call(p.NPast(context=self.handle)).result()
 
-    def _pin(self, delta: int) -> None:
-        with self._pin_lock:
-            self._pins += delta
+    @contextmanager
+    def _pinned(self) -> Iterator[None]:
+        """Kept resident for the block: a reply's rows are read from shared memory before a page-out
+        could free them."""
+        self._link.pin(+1)
+        try:
+            yield
+        finally:
+            self._link.pin(-1)
 
     @property
     def paged(self) -> bool:
@@ -613,24 +615,18 @@ class Context:
         return self._link.paged
 
     def _forget(self) -> None:
-        self._link.closed = True
-        if self._pager is not None:
-            self._pager.forget(self)
+        """Its model's close freed it in the worker: the handle goes stale here too."""
+        self._link.close(freed=True)
         self.branches._forget_all()
-        for run in self._runs.live():
-            run.interrupt()  # a paused stream ends (interrupted) instead of waiting for a resume that cannot come
 
     def close(self) -> None:
         """Frees the context's KV cache in the worker; every branch is released and the handle goes
         stale. Blocks until the worker has freed it (after the calls queued before it). Idempotent; a
-        dead worker has nothing to free."""
+        dead worker has nothing to free. A stream paused on it ends (interrupted)."""
         if self._link.closed:
             return
-        with self._link.moving():  # not while a page-out or a move has it
-            paged = self._link.paged  # then its worker holds nothing of it
-            self._forget()
-            if self._proc.alive and not paged:
-                self._proc.call(p.FreeContext(context=self.handle)).result()
+        self._link.close()
+        self.branches._forget_all()
 
 
 def _is_int(x: object) -> bool:

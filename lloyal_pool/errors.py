@@ -238,6 +238,14 @@ class DeadWorkerError(WorkerCrashedError, StaleHandleError):
     Pool.replace() starts a fresh worker)."""
 
 
+class ContextLostError(DeadWorkerError):
+    """A context whose worker died and whose history crash recovery could not rebuild (branches, raw KV
+    edits, or a worker that died before the state could be saved): it came back empty in the replacement.
+    Raised once, by the first call that needs the history (the message says what was lost); every call
+    after it, and any call that replaces the whole history (a generate without append, reset()), works on
+    the empty context."""
+
+
 class CallTimeoutError(LloyalError, TimeoutError):
     """A call's ``timeout=`` passed before it ended. A call that decodes (generate, eval, score, ...) was
     interrupted, so its context is free again and holds what an interrupt leaves; any other call may still
@@ -330,7 +338,7 @@ def copy_error(err: BaseException) -> BaseException:
 
 
 __all__ = [
-    "BadRequestError", "BranchError", "CallTimeoutError", "ContextError", "ContextOverflowError",
+    "BadRequestError", "BranchError", "CallTimeoutError", "ContextError", "ContextLostError", "ContextOverflowError",
     "DeadWorkerError", "DecodeError", "GrammarError", "InterruptedByClient", "InvalidArgumentError",
     "InvalidTokenError", "LloyalError", "LoraError", "ModelLoadError", "PoolClosedError", "ProtocolError",
     "RemoteError", "ResultTooLargeError", "SnapshotError", "StaleHandleError", "StateError", "TemplateError",

@@ -12,17 +12,23 @@ from typing import Any
 
 from . import protocol as p
 from ._aio import settle
+from ._core import WorkerCore
 from ._files import beneath, irregular_path
-from ._futures import mapped
-from ._link import check_timeout, events, wait
+from ._futures import check_timeout, events, mapped, wait
 from ._process import WorkerProcess
 from .batching import BatchedCalls, Batcher
 from .context import Context
-from .errors import BadRequestError, InvalidArgumentError, LloyalError, ModelLoadError, PoolClosedError
+from .errors import (
+    BadRequestError,
+    InvalidArgumentError,
+    LloyalError,
+    ModelLoadError,
+    PoolClosedError,
+    StaleHandleError,
+)
 from .lora import LoraAdapter
 from .migration import move
 from .model import MemorySource, Model, ModelBytes
-from .paging import Pager
 from .params import Device, whole
 
 ProgressCallback = Callable[[float], None]
@@ -34,14 +40,19 @@ class Instance(BatchedCalls):
     ``generate``/``stream``/``submit`` (and ``agenerate``/``astream``) run independent requests on a
     model's Batcher: continuous batching in this worker."""
 
-    def __init__(self, proc: WorkerProcess) -> None:
-        self._proc = proc
+    def __init__(self, proc: WorkerProcess, core: WorkerCore | None = None) -> None:
+        # The owner of everything this worker holds (a recovery gives it a replacement worker).
+        self._core = core if core is not None else WorkerCore(proc)
         self._prepared: dict[str, Model | Context | LoraAdapter] = {}
         # The models loaded and not closed (a Model dropped without close() is still loaded): what crash
         # recovery loads again, and what a batched request may name.
         self._models: set[Model] = set()
         self._on_model_loaded: Callable[[], None] | None = None  # the pool's: its spares load the model too
-        self._pager: Pager | None = None  # Pool(max_resident_contexts=...)
+
+    @property
+    def _proc(self) -> WorkerProcess:
+        """The worker process serving this instance now."""
+        return self._core.proc
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
@@ -132,18 +143,15 @@ class Instance(BatchedCalls):
         batcher = self._model(model).batcher()
         return batcher, batcher.tokens(prompt)
 
-    def _live(self) -> WorkerProcess:
-        # A worker that crash recovery is replacing: wait for the replacement (Pool(recover=True)).
-        if not self._proc.alive:
-            self._proc.await_recovery()
-        return self._proc
-
     def close(self, timeout: float = 5.0) -> None:
         """Ends this worker (shutdown, then kill after ``timeout``); its handles go stale. For a forked
         instance this is how it ends before its pool does; a pool's own instance can be started again
         with Pool.replace(). Idempotent."""
-        self._stop_batchers(PoolClosedError(f"worker {self.worker_id} was closed while the request ran"))
+        error = PoolClosedError(f"worker {self.worker_id} was closed while the request ran")
+        self._stop_batchers(error)
+        self._core.shutdown()
         self._proc.close(timeout)
+        self._core.closed(error)
 
     def _stop_batchers(self, error: LloyalError) -> None:
         """Ends the loops of this worker's batchers (without waiting: a loop ends at its next call, which
@@ -156,7 +164,7 @@ class Instance(BatchedCalls):
         """Round-trip time in seconds; CallTimeoutError when there is no answer within ``timeout``."""
         check_timeout(timeout)
         t0 = time.perf_counter()
-        wait(self._live().call(p.Ping()), timeout, what="ping")
+        wait(self._core.call(p.Ping()), timeout, what="ping")
         return time.perf_counter() - t0
 
     def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
@@ -221,7 +229,7 @@ class Instance(BatchedCalls):
                     failed.append(exc)
 
         def loaded(r: p.ModelLoaded) -> Model:
-            model = Model(self, self._proc, r.model, r.info, path, req, source)
+            model = Model(self, r.model, r.info, path, req, source)
             if failed:
                 # The worker loaded it all the same: free it, from a thread of its own (this runs on the
                 # reader thread, which must not wait for a reply), and fail the call with the error.
@@ -233,7 +241,7 @@ class Instance(BatchedCalls):
             return model
 
         on_event = events(progress=None if progress is None else guarded)
-        fut = self._live().call(req, on_event) if source is None else source.load(self._live(), req, on_event)
+        fut = self._core.call(req, on_event) if source is None else source.load(self._core.proc, req, on_event)
         return mapped(fut, loaded)
 
     def _load_like(self, model: Model) -> Model:
@@ -257,8 +265,19 @@ class Instance(BatchedCalls):
         return await settle(fut, free_when_loaded)
 
     def _take_context(self, ctx: Context) -> None:
-        """Context.move_to(self)."""
-        move(ctx, self)
+        """Context.move_to(self): the target checked here, then moved (migration.py)."""
+        if ctx.closed:
+            raise StaleHandleError(f"context handle {ctx.handle} was closed")
+        if ctx.instance is self:
+            raise InvalidArgumentError(f"the context already lives in worker {self.worker_id}")
+        if not self.alive:
+            raise PoolClosedError(f"worker {self.worker_id} is closed or dead: it cannot take a context")
+        for model in self.models:
+            if model.path == ctx.model.path and not model._load.vocab_only:
+                move(ctx, model)
+                return
+        raise InvalidArgumentError(f"worker {self.worker_id} has not loaded {os.path.basename(ctx.model.path)} "
+                                   "(the context's model): load it there first")
 
     def drain_contexts(self) -> list[Context]:
         """The contexts of this worker's models that are not closed (what Pool.drain moves)."""
@@ -267,12 +286,12 @@ class Instance(BatchedCalls):
     def json_schema_to_grammar(self, schema: str | Mapping[str, Any]) -> str:
         """llama.cpp's own JSON schema -> GBNF converter."""
         text = schema if isinstance(schema, str) else json.dumps(schema)
-        return self._live().call(p.JsonSchemaToGrammar(schema=text)).result()
+        return self._core.call(p.JsonSchemaToGrammar(schema=text)).result()
 
     def devices(self) -> list[Device]:
         """The devices the worker's ggml backends registered, in their order: the CPU in every variant,
         and in a GPU variant each GPU it sees (the variant only loads when it sees one)."""
-        return self._live().call(p.Devices()).result()
+        return self._core.call(p.Devices()).result()
 
     def stats(self) -> dict[str, Any]:
         """RSS, CPU, threads and state of the worker process (psutil); under Pool(max_resident_contexts=N)
@@ -280,8 +299,8 @@ class Instance(BatchedCalls):
         ``page_ins``, ``page_in_ms_mean``, ``page_bytes`` (the paged-out states' size) and
         ``page_disk_bytes`` (the disk their files take) and ``page_dir``."""
         out = self._proc.stats()
-        if self._pager is not None:
-            out["paging"] = self._pager.stats()
+        if self._core.machine.budget is not None:
+            out["paging"] = self._core.paging_stats()
         return out
 
     def kill(self) -> None:
@@ -290,7 +309,7 @@ class Instance(BatchedCalls):
 
     def fault(self, kind: str, **args: Any) -> Future[Any]:
         """Test-only: ask the worker to crash in a given way (needs LLOYAL_POOL_TEST_FAULTS=1)."""
-        return self._proc.call(p.Fault(kind=kind, **args))
+        return self._core.call(p.Fault(kind=kind, **args))
 
 
 def _close_quietly(model: Model) -> None:

@@ -39,16 +39,21 @@ class LoraAdapter:
         Idempotent; the model's close frees it too."""
         if self.closed:
             return
-        if self.model._proc.alive:
-            self.model._proc.call(p.FreeLora(lora=self._handle)).result()
+        if self.model.instance.alive:
+            self.model.instance._core.call(p.FreeLora(lora=self._handle)).result()
         self._closed = True
         self.model._loras.discard(self)
 
+    def _lost(self) -> None:
+        """Crash recovery could not load it again in the replacement: it is closed."""
+        self._closed = True
 
 
-def lora_pairs(adapters: Iterable[tuple[LoraAdapter, float]], proc: Any, call: str) -> list[tuple[LoraAdapter, float]]:
-    """(adapter, scale) pairs checked for a context of the worker ``proc``: BadRequestError for anything but
-    such pairs, StaleHandleError for a closed adapter, LoraError for one loaded in another worker."""
+
+def lora_pairs(adapters: Iterable[tuple[LoraAdapter, float]], core: Any, call: str) -> list[tuple[LoraAdapter, float]]:
+    """(adapter, scale) pairs checked for a context of the worker whose core is ``core``: BadRequestError for
+    anything but such pairs, StaleHandleError for a closed adapter, LoraError for one loaded in another
+    worker."""
     pairs: list[tuple[LoraAdapter, float]] = []
     for item in adapters:
         adapter, scale = item
@@ -56,7 +61,7 @@ def lora_pairs(adapters: Iterable[tuple[LoraAdapter, float]], proc: Any, call: s
             raise BadRequestError(f"{call} takes (LoraAdapter, scale) pairs, got {type(adapter).__name__}")
         if adapter.closed:
             raise StaleHandleError(f"{adapter!r} was closed")
-        if adapter.model._proc is not proc:
+        if adapter.model.instance._core is not core:
             # Handles are numbered per worker: another worker's would name something else there.
             raise LoraError(f"{adapter!r} was loaded in another worker, for another model: load it with this "
                             f"context's model")

@@ -16,16 +16,24 @@ import msgspec
 
 from . import protocol as p
 from ._files import irregular_path
-from ._link import ContextLink
 from .batching import Batcher
 from .chat import ChatMessage
 from .context import Context
-from .errors import BadRequestError, InvalidArgumentError, LoraError, ModelLoadError, StaleHandleError
+from .errors import (
+    BadRequestError,
+    DeadWorkerError,
+    InvalidArgumentError,
+    LoraError,
+    ModelLoadError,
+    PoolClosedError,
+    StaleHandleError,
+)
 from .lora import LoraAdapter
 from .params import ContextParams, ModelInfo, token_id, token_ids
 from .protocol import Request
 
 if TYPE_CHECKING:
+    from ._core import WorkerCore
     from ._process import WorkerProcess
     from .instance import Instance
 
@@ -98,34 +106,38 @@ class Model:
     Its methods that ask the worker block until it replies; once the model is closed, or its worker died,
     they raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
-    def __init__(self, instance: Instance, proc: WorkerProcess, handle: int, info: ModelInfo, path: str,
+    def __init__(self, instance: Instance, handle: int, info: ModelInfo, path: str,
                  load: p.LoadModel | None = None, source: MemorySource | None = None) -> None:
         self.instance = instance
-        self._proc = proc
-        self._handle = handle
+        self._handle = handle  # its number in the worker: a recovery renumbers it (WorkerCore._load_models)
         self._load = load or p.LoadModel(path=path)  # how it was loaded: a replayed snapshot loads it so
         self._source = source  # a model loaded from memory: what loads it again
         self._closed = False
         self.info = info
         self.path = path
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()  # freed with the model
-        # ... and their links, which outlive a collected Context as long as one of its Branches lives:
-        # such a branch must go stale with the model too (its logits block is freed).
-        self._links: weakref.WeakSet[ContextLink] = weakref.WeakSet()
         # Held until closed (a request names one by its name: Model.lora), and freed with the model too.
         self._loras: set[LoraAdapter] = set()
         self._batcher: Batcher | None = None
         self._serial = next(_model_serials)
         self._batcher_lock = threading.Lock()
         instance._models.add(self)
+        instance._core.models.add(self)
 
-    def _rebind(self, proc: WorkerProcess, handle: int) -> None:
-        """Crash recovery loaded the model again in a replacement worker."""
-        self._proc, self._handle = proc, handle
+    @property
+    def _core(self) -> WorkerCore:
+        return self.instance._core
+
+    @property
+    def _proc(self) -> WorkerProcess:
+        return self.instance._core.proc
 
     def _load_into(self, proc: WorkerProcess) -> Future[p.ModelLoaded]:
         """Loads this model again, as it was loaded, in another worker (recovery, a snapshot's replay)."""
         return self._source.load(proc, self._load) if self._source is not None else proc.call(self._load)
+
+    def _adapters(self) -> list[LoraAdapter]:
+        return list(self._loras)
 
     def __repr__(self) -> str:
         return f"<Model {self.info.desc!r} worker={self.instance.worker_id} handle={self._handle}>"
@@ -133,11 +145,9 @@ class Model:
     def _call(self, req: Request[R]) -> R:
         if self._closed:
             raise StaleHandleError(f"Model handle {self._handle} was closed")
-        if not self._proc.alive:
-            self._proc.await_recovery()  # rebinds this model when it succeeds
-            if getattr(req, "model", self._handle) != self._handle:
-                req = msgspec.structs.replace(req, model=self._handle)
-        return self._proc.call(req).result()
+        # Through the worker's core: during a crash recovery it waits for the replacement, and goes there
+        # under the model's new handle.
+        return self._core.call(req, model=self).result()
 
     @property
     def n_vocab(self) -> int:
@@ -263,13 +273,12 @@ class Model:
         return self._new_context(params or ContextParams(), pageable=True)
 
     def _new_context(self, params: ContextParams, *, pageable: bool) -> Context:
-        """``pageable``: under the pool's max_resident_contexts (not a batcher's or an embedder's own)."""
-        ctx = Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())))
-        ctx._params = params
-        self._contexts.add(ctx)
-        pager = self.instance._pager
-        if pager is not None and pageable and not params.embeddings:
-            pager.admit(ctx)
+        """``pageable``: under the pool's max_resident_contexts (not a batcher's or an embedder's own): the
+        least recently used idle contexts beyond it page out before this returns."""
+        ctx = Context(self, self._call(p.NewContext(model=self._handle, params=params.to_wire())), params,
+                      pageable=pageable)
+        if pageable and self._core.machine.budget is not None:
+            self._core.settle()
         return ctx
 
     def load_lora(self, path: str | os.PathLike[str]) -> LoraAdapter:
@@ -312,10 +321,13 @@ class Model:
         self.instance._models.discard(self)
         for ctx in list(self._contexts):
             ctx._forget()  # the worker frees them with the model: their handles go stale here too
-        for link in list(self._links):
-            link.closed = True
+        for state in self._core.contexts_of(self):  # those whose Context was dropped (a Branch holds them)
+            self._core.forget(state)
         for adapter in list(self._loras):
             adapter._closed = True
-        if self._proc.alive:
-            self._proc.call(p.FreeModel(model=self._handle)).result()
+        if self.instance.alive:
+            try:
+                self._core.call(p.FreeModel(model=self._handle), model=self).result()
+            except (PoolClosedError, DeadWorkerError):
+                pass  # its worker went meanwhile: nothing is left to free
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from . import variants
 from ._aio import closed_in_thread
+from ._core import WorkerCore
+from ._futures import check_timeout
 from ._launch import LOG_LEVELS, TempRoot, WorkerOptions
-from ._link import check_timeout
 from ._process import WorkerProcess
-from ._recovery import PoolRecovery
 from ._watch import HangWatch
 from .batching import BatchedCalls, Batcher
 from .context import Context
@@ -26,11 +26,11 @@ from .instance import Instance
 from .lifecycle import Subscribers, WorkerEvent
 from .lora import LoraAdapter
 from .model import Model
-from .paging import Pager
 from .routing import ROUTER
 from .shm import DEFAULT_SIZE, check_size
-from .snapshot import Snapshot, _why_no_fork
-from .spares import Spares
+from .snapshot import Snapshot
+from .spares import Spare, Spares
+from .variants import fork_obstacle
 
 #: The most threads a context takes (ggml's GGML_MAX_N_THREADS).
 MAX_THREADS = 512
@@ -82,17 +82,22 @@ def _dirs(name: str, dirs: object) -> tuple[str, ...]:
 
 
 def _close_procs(procs: list[WorkerProcess], timeout: float, watch: HangWatch | None = None,
-                 temp: TempRoot | None = None) -> None:
+                 temp: TempRoot | None = None, cores: list[WorkerCore] | None = None) -> None:
     # Module-level and holding no reference to the Pool, so weakref.finalize can run it after the Pool is
-    # collected or at interpreter exit.
+    # collected or at interpreter exit. What runs is interrupted first, so that each worker reads its
+    # SHUTDOWN at once instead of after the generation it runs.
     if watch is not None:
         watch.stop()
+    for core in cores or ():
+        core.shutdown()
     threads = [threading.Thread(target=p.close, args=(timeout,), daemon=True) for p in procs]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     procs.clear()
+    for core in cores or ():
+        core.closed(PoolClosedError("the pool was closed"))
     if temp is not None:
         temp.close()
 
@@ -232,33 +237,51 @@ class Pool(BatchedCalls, Subscribers):
         self.recover = bool(recover)
         self._watch = None if hang_timeout is None else HangWatch(self._all_procs, float(hang_timeout))
         self._spares = Spares(spares, self._ready_worker, self._held_models, self._release)
-        self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0, self._watch, self._temp)
+        self._cores: list[WorkerCore] = []  # every instance's, for the finalizer
+        self._host = _Host(weakref.ref(self))
+        self._finalizer = weakref.finalize(self, _close_procs, self._all_procs, 5.0, self._watch, self._temp,
+                                           self._cores)
         try:
-            procs = [self._spawn(recoverable=True) for _ in range(size)]  # start all, then wait: start-ups overlap
+            procs = [self._spawn() for _ in range(size)]  # start all, then wait: start-ups overlap
             for proc in procs:
                 proc.wait_ready()
         except BaseException:
             self.close()
             raise
         self._instances = [self._instance(p) for p in procs]
-        why_not = "fork_spares=False" if fork_spares is False else _why_no_fork(self)
+        why_not = "fork_spares=False" if fork_spares is False else self._why_no_fork()
         if fork_spares and why_not:
             self.close()
             raise InvalidArgumentError(f"fork_spares=True, but spares cannot fork here: {why_not}")
         self._spares.start(fork=why_not is None)
 
     def _instance(self, proc: WorkerProcess) -> Instance:
-        instance = Instance(proc)
-        instance._on_model_loaded = self._spares.sync if self._spares.wanted else None
         budget, page_dir = self._paging
-        if budget is not None:
-            instance._pager = Pager(budget, page_dir)
+        core = WorkerCore(proc, recover=self.recover, checkpoint_tokens=self._checkpoint_tokens, budget=budget,
+                          page_dir=page_dir, host=self._host)
+        with self._lock:
+            self._cores.append(core)
+        instance = Instance(proc, core)
+        if self._spares.wanted:  # weakly: the instance's core outlives the pool in its finalizer's hands
+            sync = weakref.WeakMethod(self._spares.sync)
+
+            def loaded() -> None:
+                fn = sync()
+                if fn is not None:
+                    fn()
+
+            instance._on_model_loaded = loaded
         return instance
+
+    def _why_no_fork(self) -> str | None:
+        # Its workers all run the same CPU kernels: a live one says which.
+        build: dict[str, Any] = next((inst.build_info for inst in self._instances if inst.alive), {})
+        return fork_obstacle(self._options.variant, build)
 
     def _ready_worker(self, fork_from: WorkerProcess | None = None, zygote: bool = False) -> WorkerProcess:
         """A started worker (a spare, or a spares' zygote with ``zygote``; forked from the frozen zygote
         ``fork_from``), its handshake done."""
-        proc = self._spawn(recoverable=not zygote, zygote=zygote, fork_from=fork_from)
+        proc = self._spawn(zygote=zygote, fork_from=fork_from)
         try:
             proc.wait_ready()
         except BaseException:
@@ -276,8 +299,7 @@ class Pool(BatchedCalls, Subscribers):
         another starts in the background."""
         return self._spares.ready
 
-    def _spawn(self, *, zygote: bool = False, fork_from: WorkerProcess | None = None,
-               recoverable: bool = False) -> WorkerProcess:
+    def _spawn(self, *, zygote: bool = False, fork_from: WorkerProcess | None = None) -> WorkerProcess:
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the pool is closed")
@@ -285,23 +307,9 @@ class Pool(BatchedCalls, Subscribers):
             self._next_worker_id += 1
         proc = WorkerProcess(worker_id, self._options, zygote=zygote, fork_from=fork_from)
         proc.on_death = _death_relay(weakref.ref(self))
-        if recoverable and self.recover:
-            proc.recovery = PoolRecovery(weakref.ref(self), self._checkpoint_tokens)
         with self._lock:
             self._all_procs.append(proc)
         return proc
-
-    # -- crash recovery (_recovery.py) ----------------------------------------------------------------
-    def _adopt(self, instance: Instance, dead: WorkerProcess, proc: WorkerProcess) -> None:
-        """Recovery's replacement takes the dead worker's place, under the same Instance."""
-        dead.close(timeout=1.0)
-        with self._lock:
-            instance._proc = proc
-            if dead in self._all_procs:
-                self._all_procs.remove(dead)
-
-    def _index_of(self, instance: Instance) -> int | None:
-        return next((i for i, x in enumerate(self._instances) if x is instance), None)
 
     def _release(self, proc: WorkerProcess, timeout: float = 5.0) -> None:
         proc.close(timeout)
@@ -325,7 +333,8 @@ class Pool(BatchedCalls, Subscribers):
         returns anything else; prepare()'s own exceptions propagate; either way the worker is closed."""
         if self._closed:
             raise PoolClosedError("the pool is closed")
-        return Snapshot(self, prepare, fork)
+        return Snapshot(prepare, spawn=self._spawn, release=self._release, closed=lambda: self._closed,
+                        why_no_fork=self._why_no_fork(), fork=fork)
 
     def __enter__(self) -> Pool:
         return self
@@ -353,14 +362,18 @@ class Pool(BatchedCalls, Subscribers):
         if self._closed:
             raise PoolClosedError("the pool is closed")
         index = instance if isinstance(instance, int) else self._instances.index(instance)
-        old = self._instances[index]._proc
-        old.close(timeout=2.0)
-        proc = self._spawn(recoverable=True)
+        gone = self._instances[index]
+        old = gone._proc
+        gone.close(timeout=2.0)
+        proc = self._spawn()
         proc.wait_ready()
         fresh = self._instance(proc)
         with self._lock:
             self._instances[index] = fresh
-            self._all_procs.remove(old)
+            if old in self._all_procs:
+                self._all_procs.remove(old)
+            if gone._core in self._cores:
+                self._cores.remove(gone._core)
         self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
         return fresh
 
@@ -379,7 +392,7 @@ class Pool(BatchedCalls, Subscribers):
         check_timeout(timeout)
         index = instance if isinstance(instance, int) else self._instances.index(instance)
         old = self._instances[index]
-        proc = self._spawn(recoverable=True)
+        proc = self._spawn()
         try:
             proc.wait_ready()
             fresh = self._instance(proc)
@@ -402,6 +415,9 @@ class Pool(BatchedCalls, Subscribers):
             time.sleep(0.01)
         old.close()
         self._release(old._proc)
+        with self._lock:
+            if old._core in self._cores:
+                self._cores.remove(old._core)
         return fresh
 
     def _route(self, model: Model | str | None, prompt: str | Sequence[int],
@@ -440,10 +456,7 @@ class Pool(BatchedCalls, Subscribers):
         self._spares.close()
         for inst in list(self._instances):
             inst._stop_batchers(PoolClosedError("the pool was closed while the request ran"))
-        _close_procs(self._all_procs, timeout, self._watch, self._temp)
-        for inst in list(self._instances):
-            if inst._pager is not None:
-                inst._pager.close()
+        _close_procs(self._all_procs, timeout, self._watch, self._temp, self._cores)
         self._finalizer.detach()
 
     async def aclose(self, timeout: float = 5.0) -> None:
@@ -468,3 +481,48 @@ class Pool(BatchedCalls, Subscribers):
         process die without closing the pool, a janitor process (a shell waiting on a pipe) does."""
         return self._temp.path
 
+
+
+class _Host:
+    """What a worker's core asks of the pool when its worker dies under recovery (_core.Host). It holds
+    the pool weakly: a pool dropped without close() is not kept alive by its workers."""
+
+    def __init__(self, pool: weakref.ref[Pool]) -> None:
+        self._pool = pool
+
+    def _live(self) -> Pool:
+        pool = self._pool()
+        if pool is None or pool._closed:
+            raise PoolClosedError("the pool is closed")
+        return pool
+
+    def replacement(self) -> tuple[WorkerProcess, Spare | None]:
+        pool = self._live()
+        spare = pool._spares.take()
+        if spare is not None:
+            return spare.proc, spare  # ready: its handshake is done
+        proc = pool._spawn()
+        try:
+            proc.wait_ready()
+        except BaseException:
+            pool._release(proc)
+            raise
+        return proc, None
+
+    def adopted(self, dead: WorkerProcess, proc: WorkerProcess) -> None:
+        pool = self._pool()
+        dead.close(timeout=1.0)
+        if pool is not None:
+            with pool._lock:
+                if dead in pool._all_procs:
+                    pool._all_procs.remove(dead)
+
+    def recovered(self, core: WorkerCore, dead: WorkerProcess, error: WorkerCrashedError, replayed: int) -> None:
+        pool = self._pool()
+        if pool is None:
+            return
+        instance = next((i for i in pool._instances if i._core is core), None)
+        index = next((k for k, i in enumerate(pool._instances) if i is instance), None)
+        proc = core.proc
+        pool._spares.fill_after([], at_most=5.0, idle=lambda: proc.in_flight == 0)
+        pool._emit(WorkerEvent("recovered", proc.worker_id, proc.pid, error=error, instance=instance, index=index))

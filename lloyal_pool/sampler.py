@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import protocol as p
-from ._link import ContextLink
+from ._core import ContextCore
 from .errors import InvalidArgumentError, StaleHandleError
 from .params import token_id
 
@@ -19,13 +19,13 @@ class Sampler:
     and with its worker (a context recovered in a new worker has none of its handles); a freed handle
     raises StaleHandleError."""
 
-    def __init__(self, link: ContextLink, handle: int, n_vocab: int) -> None:
+    def __init__(self, link: ContextCore, handle: int, n_vocab: int) -> None:
         self._link = link
         self._handle = handle
         self._n_vocab = n_vocab
-        self._proc = link.proc  # the worker that holds it: a recovered context's worker does not
+        self._incarnation = link.incarnation  # a context made again (a crash) holds none of its handles
         self._closed = False
-        link.handle_holders.add(self)  # its context stays resident while it is open (paging.py)
+        link.state.holders.add(self)  # its context stays resident while it is open (its state is the worker's)
 
     @property
     def handle(self) -> int:
@@ -41,7 +41,7 @@ class Sampler:
         """n_vocab float32: 0 for each token the grammar allows next, -inf for the others (a copy).
         One pass of the grammar over the whole vocabulary, in the worker."""
         offset = self._link.call(p.GrammarMask(context=self._link.handle, handle=self._live())).result()
-        mask: np.ndarray = self._link.proc.region.floats(offset, self._n_vocab).copy()
+        mask: np.ndarray = self._link.region.floats(offset, self._n_vocab).copy()
         return mask
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
@@ -67,7 +67,12 @@ class Sampler:
     @property
     def closed(self) -> bool:
         """Whether the handle was freed: close(), its context's close(), or its worker's death."""
-        return self._closed or self._link.closed or self._link.proc is not self._proc or not self._proc.alive
+        link = self._link
+        return self._closed or link.closed or link.incarnation != self._incarnation or not link.proc.alive
+
+    def holds(self) -> bool:
+        """Whether it keeps its context in its worker (residency: an open handle's state is the worker's)."""
+        return not self.closed
 
     def close(self) -> None:
         """Frees the handle in the worker. Idempotent."""

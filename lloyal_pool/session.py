@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
-from ._link import PromptProgress
+from ._futures import PromptProgress
 from .chat import TOOL_CHOICES, ChatMessage, ToolCall
 from .errors import BadRequestError, InvalidArgumentError, LloyalError
 from .params import GenerateParams, Grammar, Result, StopReason
@@ -131,7 +131,7 @@ class ChatStream(Stream):
     ``interrupt()`` stops the reply where it is; what was generated so far is the turn."""
 
     def __init__(self, session: Session, turn: list[dict[str, Any]], opener: str = "") -> None:
-        super().__init__(session.context._link.interrupt_request)
+        super().__init__(session.context._link.interrupt_future)
         self._session = session
         self._turn = turn
         self._opener = opener  # the prompt's call marker (call_opener), which the pieces do not repeat

@@ -355,7 +355,7 @@ class TransferFile:
         """The worker's input: all of data (or of the file an int descriptor reads, from its start),
         then sealed (no write, shrink or grow from then on)."""
         os.ftruncate(self._fd, 0)
-        _write_all(self._fd, data)
+        write_all(self._fd, data)
         if self._memfd:
             import fcntl
 
@@ -423,7 +423,7 @@ class WorkerTransfer:
 
     def write(self, data: bytes | bytearray | memoryview | int) -> None:
         """The worker's input: all of data (or of the file an int descriptor reads, from its start)."""
-        _write_all(self._fd, data)
+        write_all(self._fd, data)
 
     def read(self) -> bytes:
         """What the worker wrote, once it replied."""
@@ -437,7 +437,7 @@ class WorkerTransfer:
                 self._fd = -1
 
 
-def _write_all(fd: int, data: bytes | bytearray | memoryview | int) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview | int) -> None:
     if isinstance(data, int):  # a descriptor: copied in pieces, never all of it in this process at once
         off = _copy_in_kernel(data, fd)
         while chunk := os.pread(data, 8 << 20, off):

@@ -13,20 +13,16 @@ created with).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import protocol as p
+from ._process import WorkerProcess
 from .context import Context
 from .errors import SnapshotError
 from .instance import Instance
 from .lora import LoraAdapter
 from .model import Model
-
-if TYPE_CHECKING:
-    from ._process import WorkerProcess
-    from .pool import Pool
 
 Handle = Model | Context | LoraAdapter
 Prepare = Callable[[Instance], "Mapping[str, Handle] | None"]
@@ -40,19 +36,23 @@ class Snapshot:
     models and the saved state of each named context). Close it with close() (or a ``with`` block; the pool's
     close() closes it too); forks live on after it."""
 
-    def __init__(self, pool: Pool, prepare: Prepare, fork: bool | None = None) -> None:
-        why_not = _why_no_fork(pool)
-        if fork and why_not:
-            raise SnapshotError(f"this snapshot cannot fork: {why_not}; use fork=False (replay)")
+    def __init__(self, prepare: Prepare, *, spawn: Callable[..., WorkerProcess],
+                 release: Callable[[WorkerProcess], None], closed: Callable[[], bool], why_no_fork: str | None,
+                 fork: bool | None = None) -> None:
+        """``spawn(zygote=..., fork_from=...)`` starts a worker of the pool's (not ready yet), ``release``
+        ends one, ``closed()`` says whether the pool is; ``why_no_fork``: what keeps its workers from
+        forking (variants.fork_obstacle), or None."""
+        if fork and why_no_fork:
+            raise SnapshotError(f"this snapshot cannot fork: {why_no_fork}; use fork=False (replay)")
         #: "fork" or "replay".
-        self.mode = "replay" if why_not or fork is False else "fork"
-        self._pool = pool
+        self.mode = "replay" if why_no_fork or fork is False else "fork"
+        self._spawn, self._release, self._pool_closed = spawn, release, closed
         self._closed = False
         self._states: dict[int, bytes] = {}
-        proc = pool._spawn(zygote=self.mode == "fork")
-        instance = Instance(proc)
+        proc = spawn(zygote=self.mode == "fork")
         try:
             proc.wait_ready()
+            instance = Instance(proc)
             named = prepare(instance) or {}
             self._handles = _check_handles(named, instance)
             if self.mode == "fork":
@@ -60,11 +60,11 @@ class Snapshot:
             else:
                 self._states = {id(h): h.save_state() for h in self._handles.values() if isinstance(h, Context)}
         except BaseException:
-            pool._release(proc)
+            release(proc)
             raise
         self._zygote: WorkerProcess | None = proc if self.mode == "fork" else None
         if self._zygote is None:
-            pool._release(proc)  # replay needs only what was saved from it
+            release(proc)  # replay needs only what was saved from it
 
     @property
     def names(self) -> list[str]:
@@ -74,7 +74,7 @@ class Snapshot:
     @property
     def closed(self) -> bool:
         """Whether close() was called (or the pool closed); fork() then raises SnapshotError."""
-        return self._closed or self._pool.closed
+        return self._closed or self._pool_closed()
 
     def fork(self) -> Instance:
         """A new Instance with what prepare() made, ready: the same models, contexts (their KV cache,
@@ -86,7 +86,7 @@ class Snapshot:
         zygote = self._zygote
         if zygote is not None and not zygote.alive:
             raise SnapshotError(f"the snapshot's worker is gone ({zygote._dead})")
-        proc = self._pool._spawn(fork_from=zygote)
+        proc = self._spawn(fork_from=zygote)
         try:
             proc.wait_ready()
             instance = Instance(proc)
@@ -95,7 +95,7 @@ class Snapshot:
             else:
                 instance._prepared = _replay(self._handles, self._states, instance)
         except BaseException:
-            self._pool._release(proc)
+            self._release(proc)
             raise
         return instance
 
@@ -104,7 +104,7 @@ class Snapshot:
         self._closed = True
         self._states = {}
         if self._zygote is not None:
-            self._pool._release(self._zygote)
+            self._release(self._zygote)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -115,26 +115,6 @@ class Snapshot:
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.mode
         return f"<Snapshot {state} names={self.names}>"
-
-
-def _why_no_fork(pool: Pool) -> str | None:
-    # Its workers all run the same CPU kernels: a live one says which.
-    build: dict[str, Any] = next((inst.build_info for inst in pool if inst.alive), {})
-    return fork_obstacle(pool._options.variant, build)
-
-
-def fork_obstacle(variant: str, build: Mapping[str, Any]) -> str | None:
-    """Why a worker of this native ``variant``, whose handshake reported ``build``, cannot be a zygote
-    (None: it can)."""
-    if not sys.platform.startswith("linux"):
-        return f"forking a prepared worker needs Linux, not {sys.platform}"
-    if variant != "cpu":
-        return f"the pool's native variant is {variant!r} (a GPU runtime does not survive a fork)"
-    cpu: Mapping[str, Any] = build.get("cpu", {})
-    if any(name.startswith("AMX") for name in cpu.get("features", {})):
-        return (f"the pool's CPU kernels ({cpu.get('kernels')}) use AMX, whose copy of the weights starts an "
-                "OpenMP team that a fork cannot survive")
-    return None
 
 
 def _check_handles(named: Mapping[str, Any], instance: Instance) -> dict[str, Handle]:
@@ -159,7 +139,7 @@ def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Hand
     """The fork's own handle objects: the same handle numbers (the fork inherited the zygote's engine),
     bound to the fork's worker."""
     def model(old: Model) -> Model:
-        return Model(instance, instance._proc, old._handle, old.info, old.path, old._load, old._source)
+        return Model(instance, old._handle, old.info, old.path, old._load, old._source)
 
     def adapter(old: LoraAdapter, owner: Model) -> LoraAdapter:
         new = LoraAdapter(owner, old._handle, old.path, old.alpha, old.meta)
@@ -167,9 +147,8 @@ def _rebind(handles: Mapping[str, Handle], instance: Instance) -> dict[str, Hand
         return new
 
     def context(old: Context, owner: Model, lora: list[tuple[LoraAdapter, float]]) -> Context:
-        new = Context(owner, old._desc)
-        owner._contexts.add(new)
-        new._lora = lora
+        new = Context(owner, old._desc, old._params)
+        new._link.state.lora = lora
         return new
 
     return _carry(handles, model, adapter, context)
@@ -180,7 +159,7 @@ def _replay(handles: Mapping[str, Handle], states: Mapping[int, bytes], instance
     loaded, each context created with its parameters, its adapters applied and its saved state loaded."""
     def model(old: Model) -> Model:
         loaded = old._load_into(instance._proc).result()
-        return Model(instance, instance._proc, loaded.model, loaded.info, old.path, old._load, old._source)
+        return Model(instance, loaded.model, loaded.info, old.path, old._load, old._source)
 
     def adapter(old: LoraAdapter, owner: Model) -> LoraAdapter:
         return owner.load_lora(old.path)

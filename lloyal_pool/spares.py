@@ -3,7 +3,7 @@ already loaded, so that crash recovery takes one instead of starting a worker an
 while the caller waits.
 
     a model loads in a pool worker ─▶ Spares.sync (a thread): every ready spare loads it too
-    a worker dies (recover=True) ─▶ _recovery.recover: Spares.take ─▶ the spare's loaded models stand in
+    a worker dies (recover=True) ─▶ _core.WorkerCore._recover: Spares.take ─▶ the spare's loaded models stand in
                                     for the dead worker's (what it lacks is loaded then) ─▶ a new spare
                                     starts in the background
 
@@ -30,7 +30,7 @@ import msgspec
 
 from . import protocol as p
 from .errors import LloyalError
-from .snapshot import fork_obstacle
+from .variants import fork_obstacle
 
 IDLE_BEFORE_FILL = 0.25
 """Seconds a recovered worker stays without calls in flight before a new spare starts."""

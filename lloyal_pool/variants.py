@@ -20,8 +20,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import InvalidArgumentError
 
@@ -114,3 +116,17 @@ def probe(cpu: str | None = None, timeout: float = 120.0) -> list[VariantProbe]:
         return [VariantProbe("cpu", False, 0, f"the probe process failed (exit {out.returncode}): "
                                               f"{out.stderr[-2000:].strip()}")]
     return [VariantProbe(str(v["name"]), bool(v["loads"]), int(v["devices"]), str(v["detail"])) for v in found]
+
+
+def fork_obstacle(variant: str, build: Mapping[str, Any]) -> str | None:
+    """Why a worker of this native ``variant``, whose handshake reported ``build``, cannot be a zygote that
+    forks ready workers (a snapshot's, the spares'); None: it can."""
+    if not sys.platform.startswith("linux"):
+        return f"forking a prepared worker needs Linux, not {sys.platform}"
+    if variant != "cpu":
+        return f"the pool's native variant is {variant!r} (a GPU runtime does not survive a fork)"
+    cpu: Mapping[str, Any] = build.get("cpu", {})
+    if any(name.startswith("AMX") for name in cpu.get("features", {})):
+        return (f"the pool's CPU kernels ({cpu.get('kernels')}) use AMX, whose copy of the weights starts an "
+                "OpenMP team that a fork cannot survive")
+    return None

@@ -9,9 +9,12 @@ LAYERS: list[tuple[str, set[str]]] = [
               "_futures", "_pieces"}),
     ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.grammar_trie", "worker.engine",
                 "worker.zygote", "worker.loop", "worker.__main__"}),
-    ("transport", {"_launch", "_process", "_watch", "_link", "_aio"}),
+    ("transport", {"_launch", "_process", "_watch", "_aio"}),
+    # A context's lifecycle, in one owner per worker: pure bookkeeping (journal, the generation and context
+    # machines, the residency policy), a state outside its worker, and the core that drives them.
+    ("core", {"journal", "_generation", "residency", "_machine", "_image", "_core"}),
     # What runs on one context. A context makes its conversations (Context.chat) and names its adapters.
-    ("handles", {"stream", "branches", "sampler", "lora", "session", "paging", "context"}),
+    ("handles", {"stream", "branches", "sampler", "lora", "session", "context"}),
     ("serving", {"scheduler", "batching", "routing"}),
     # A model makes its contexts and its batcher; an instance holds the models and routes batched calls.
     ("models", {"model", "migration", "instance"}),

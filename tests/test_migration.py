@@ -28,6 +28,8 @@ from lloyal_pool import (
     StaleHandleError,
     WorkerCrashedError,
 )
+from lloyal_pool._core import WorkerCore
+from lloyal_pool._machine import Kind
 from lloyal_pool.context import Context
 from lloyal_pool.errors import BadRequestError
 from lloyal_pool.model import Model
@@ -265,18 +267,33 @@ def test_bad_moves_are_typed_errors_and_lose_nothing(pair: tuple[Pool, Model, Mo
 
 
 def _kill_before(monkeypatch: pytest.MonkeyPatch, step: str, pool: Pool, index: int) -> None:
-    """A move's ``step`` (migration._save or _build) starts by SIGKILLing pool[index] and waiting until its
-    death is seen: a kill at a known point of the move."""
-    original = getattr(migration, step)
+    """A move's ``step`` starts by SIGKILLing pool[index] and waiting until its death is seen: a kill at a
+    known point of the move. "save": the source's SaveState (its streams paused, the context held);
+    "build": the target making the context (migration._build)."""
     proc = pool[index]._proc
 
-    def killed_first(*args: Any) -> Any:
+    def kill() -> None:
         os.kill(proc.pid, signal.SIGKILL)
         while proc.alive:
             time.sleep(0.005)
-        return original(*args)
 
-    monkeypatch.setattr(migration, step, killed_first)
+    if step == "build":
+        original = migration._build
+
+        def killed_first(*args: Any) -> Any:
+            kill()
+            return original(*args)
+
+        monkeypatch.setattr(migration, "_build", killed_first)
+        return
+    transfer = WorkerCore._transfer
+
+    def killed_before_the_save(self: WorkerCore, call: Any) -> None:
+        if call.kind is Kind.MOVE_SAVE:
+            kill()
+        transfer(self, call)
+
+    monkeypatch.setattr(WorkerCore, "_transfer", killed_before_the_save)
 
 
 def test_a_target_killed_during_the_move_leaves_the_stream_serving_in_its_source(
@@ -286,7 +303,7 @@ def test_a_target_killed_during_the_move_leaves_the_stream_serving_in_its_source
         pool[1].load_model(gemma_path)
         reference = _reference(model, SEEDED)
         ctx = model.new_context(n_ctx=N_CTX)
-        _kill_before(monkeypatch, "_build", pool, 1)
+        _kill_before(monkeypatch, "build", pool, 1)
         pieces: list[str] = []
         with ctx.stream(PROMPT, **SEEDED) as stream:
             for piece in stream:
@@ -306,7 +323,7 @@ def test_a_source_killed_during_the_move_loses_nothing_with_recovery(
         pool[1].load_model(gemma_path)
         reference = _reference(model, SEEDED)
         ctx = model.new_context(n_ctx=N_CTX)
-        _kill_before(monkeypatch, "_save", pool, 0)
+        _kill_before(monkeypatch, "save", pool, 0)
         stream = ctx.stream(PROMPT, **SEEDED)
         pieces = [next(stream) for _ in range(10)]
         with pytest.raises(WorkerCrashedError):

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from lloyal_pool import CallTimeoutError, InvalidArgumentError, Model, Pool, Result
-from lloyal_pool._process import GENERATED_TOKEN_COST
-from lloyal_pool._recovery import Journal
+from lloyal_pool._generation import Phase, Why
+from lloyal_pool.journal import GENERATED_TOKEN_COST, Journal
 from lloyal_pool.params import MAX_SEED
 from lloyal_pool.spares import model_key
 
@@ -162,7 +162,7 @@ def test_a_long_journal_is_checkpointed_in_the_background(gemma_path: Path) -> N
         assert journal.checkpoint is None and journal.replay_tokens == 2 + 2 * GENERATED_TOKEN_COST
         ctx.generate(PROMPT, n_predict=60, temperature=0.0, ignore_eos=True)
         _wait(lambda: journal.checkpoint is not None)  # far more to replay: one taken after the call
-        _wait(lambda: not journal._checkpointing)
+        _wait(lambda: not ctx._link.state.checkpointing)
         assert journal.entries == []
         held = ctx.tokens()
         os.kill(pool[0].pid, signal.SIGKILL)  # restored from the checkpoint, nothing decoded again
@@ -347,9 +347,10 @@ def test_save_state_beside_a_generation_checkpointed_every_token(gemma_path: Pat
         assert not saver.is_alive() and len(states) == 20
 
 
-def test_a_random_seed_generation_resumed_after_a_checkpoint_is_not_replayed(gemma_path: Path) -> None:
+def test_a_random_seed_generation_resumed_after_a_checkpoint_is_saved_instead_of_replayed(gemma_path: Path) -> None:
     """A checkpoint of a paused generation starts its journal from its hand-over; resumed, a generation
-    that draws with a random seed cannot be replayed (a replay would draw anew): the journal says so."""
+    that draws with a random seed cannot be replayed (a replay would draw anew): the pool saves the state
+    instead once it has ended, so that a crash then loses nothing."""
     with Pool(1, recover=True) as pool:
         ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
         journal = cast("Journal", ctx._link.journal)
@@ -360,7 +361,10 @@ def test_a_random_seed_generation_resumed_after_a_checkpoint_is_not_replayed(gem
             assert journal.lost is None  # the history up to the pause is the state
             assert stream.resume()
             list(stream)
-        assert journal.lost is not None and "random seed" in journal.lost
+        _wait(lambda: not ctx._link.state.checkpointing and journal.lost is None and journal.entries == [])
+        held = ctx.tokens()
+        os.kill(pool[0].pid, signal.SIGKILL)
+        assert ctx.tokens() == held
 
 
 def test_interrupt_during_a_checkpoint_s_pause_ends_the_generation(gemma_path: Path) -> None:
@@ -369,9 +373,9 @@ def test_interrupt_during_a_checkpoint_s_pause_ends_the_generation(gemma_path: P
     with Pool(1, recover=True, checkpoint_tokens=GENERATED_TOKEN_COST) as pool:  # a checkpoint every token
         ctx = pool[0].load_model(gemma_path).new_context(n_ctx=1024)
         fut = ctx.generate_async(PROMPT, n_predict=300, temperature=0.0, ignore_eos=True)
-        run = ctx._runs.live()[0]
+        run = ctx._link.state.gens[0]
         deadline = time.monotonic() + 60
-        while not (run.state == "paused" and run._auto):
+        while not (run.phase is Phase.PAUSED and run.why is Why.CHECKPOINT):
             assert not fut.done() and time.monotonic() < deadline, "no checkpoint's pause seen"
             time.sleep(0.0005)
         ctx.interrupt()
@@ -418,24 +422,20 @@ def test_a_replayed_prompt_checkpointed_on_its_way_delivers_no_piece_twice(gemma
     with Pool(1, recover=True, checkpoint_tokens=128) as pool:
         model = pool[0].load_model(gemma_path)
         tokens = model.tokenize(LONG)[:600]
-        expected = _alone(model, tokens, n_predict=24).text
-        ctx = model.new_context(n_ctx=1024)
-        # The prompt's first ubatch (512 tokens) decoded, then another token and one sampled with a random
-        # seed: a history that cannot be replayed. The stream below keeps the 512 and decodes the rest as
-        # one ubatch, as a decode from scratch does (so its first pieces are the replay's on any CPU).
-        other = tokens[512] + 1 if tokens[512] + 1 < model.n_vocab else tokens[512] - 1
-        ctx.generate([*tokens[:512], other], n_predict=1, temperature=0.8, seed=MAX_SEED)
-        assert cast("Journal", ctx._link.journal).lost is not None
+        expected = _alone(model, tokens, n_predict=24, n_ubatch=128).text
+        ctx = model.new_context(n_ctx=1024, n_ubatch=128)
+        journal = cast("Journal", ctx._link.journal)
         pieces: list[str] = []
         with ctx.stream(tokens, n_predict=24, temperature=0.0, ignore_eos=True) as stream:
-            for piece in stream:  # 88 tokens of its prompt decoded: no pause inside it
+            for piece in stream:
                 pieces.append(piece)
                 if len(pieces) == 3:
-                    # Recovery makes the context afresh and sends the Generate again: its 600 tokens are
-                    # decoded from the start, checkpointed on the way (pauses inside the prompt, the
-                    # request sent once more each time); the 3 pieces delivered are not delivered again.
+                    # Checkpointed inside its prompt on the way (a pause between two ubatches, the state
+                    # saved, the request sent once more, each time): recovery restores the last of them and
+                    # sends the Generate again, whose 3 pieces delivered are not delivered again.
+                    assert journal.checkpoint is not None
                     os.kill(pool[0].pid, signal.SIGKILL)
-        assert stream.result.n_cached == 0  # what the last attempt reused: nothing
+        assert stream.result.n_cached == 0  # what the first request reused: nothing
         assert "".join(pieces) == stream.result.text == expected
 
 
@@ -456,7 +456,7 @@ def test_a_stream_paused_by_its_caller_and_checkpointed_in_the_background_surviv
                     assert stream.pause()
                     # The pause made the journal long: a checkpoint in the background, with the paused
                     # generation's hand-over after it, so that the Resume is replayable.
-                    _wait(lambda: journal.checkpoint is not None and not journal._checkpointing)
+                    _wait(lambda: journal.checkpoint is not None and not ctx._link.state.checkpointing)
                     assert journal.lost is None
                     assert stream.resume()
                 if len(pieces) == 10:

@@ -111,8 +111,8 @@ def detokenize(model: Model, tokens: Sequence[int]) -> str:
 def token_pieces(model: Model, tokens: Sequence[int]) -> list[bytes]:
     """Each token's bytes (control tokens written out), asked of the worker all at once."""
     ids = token_ids(tokens, model.n_vocab)
-    proc = model._proc
-    sent = [proc.call(p.TokenToPiece(model=model._handle, token=t, special=True)) for t in ids]
+    core = model._core
+    sent = [core.call(p.TokenToPiece(model=model._handle, token=t, special=True), model=model) for t in ids]
     return [f.result() for f in sent]
 
 

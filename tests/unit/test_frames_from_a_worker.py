@@ -356,14 +356,14 @@ def test_a_reply_the_client_cannot_take_is_a_violation_not_a_dead_reader(fake_py
 def test_a_crash_recovery_that_cannot_start_fails_the_calls_and_keeps_no_one_waiting(
         fake_python: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from lloyal_pool import DeadWorkerError
-    from lloyal_pool._recovery import PoolRecovery
+    from lloyal_pool import pool as pool_module
 
-    def broken(*args: object) -> list[Any]:
-        raise RuntimeError("no recovery today")
+    def broken(*args: object) -> Any:
+        raise RuntimeError("no replacement today")
 
-    monkeypatch.setattr(PoolRecovery, "salvage", broken)
+    monkeypatch.setattr(pool_module._Host, "replacement", broken)
     with caplog.at_level("ERROR", logger="lloyal_pool"), fake_pool(fake_python, [], recover=True) as pool:
-        first = ping(pool)  # the fake leaves its first request unanswered
+        first = ping(pool)  # the fake leaves its first request unanswered (a ping is sent again: none comes)
         pool[0]._proc.kill()
         assert isinstance(outcome(first), WorkerCrashedError), first
         # A later call would wait for the replacement; none is coming, so it is told the worker is dead.
@@ -372,7 +372,7 @@ def test_a_crash_recovery_that_cannot_start_fails_the_calls_and_keeps_no_one_wai
             assert isinstance(outcome(ex.submit(pool[0].ping, 5.0)), DeadWorkerError)
         finally:
             ex.shutdown(wait=False)
-    assert any("crash recovery of worker 0 failed" in r.getMessage() for r in caplog.records)
+    assert any("could not be replaced" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("alive_by", ["heartbeat", "callback"])
