@@ -449,7 +449,7 @@ class WorkerCore:
         host.recovered(self, dead, error, replayed)
 
     def _load_models(self, proc: WorkerProcess, spare: Spare | None) -> None:
-        for model in list(self.models):
+        for model in sorted(self.models, key=lambda m: getattr(m, "_serial", 0)):  # in the order first loaded
             if model._closed:
                 continue
             try:

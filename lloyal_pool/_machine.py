@@ -1060,8 +1060,9 @@ class CoreMachine:
             if ctx.journal is not None:
                 ctx.journal.restart(None)
             for gen in list(ctx.gens):
-                gen.ended(None, self._lost_error(ctx, lost))
-                self._gen_gone(ctx, gen)
+                if gen.phase is Phase.PAUSED:  # what it goes on from is gone (one sent again from its
+                    gen.ended(None, self._lost_error(ctx, lost))  # whole prompt goes on: recovered())
+                    self._gen_gone(ctx, gen)
         if alone:
             self._serve(ctx)
             self._police()

@@ -137,7 +137,7 @@ class Branch:
         """False once the branch was pruned, detached or dropped by retain_only, or its context was reset
         or closed; then its methods raise StaleHandleError, as they do once its worker died. Does not ask
         the worker."""
-        return self._alive
+        return self._alive and self._incarnation == self.store._link.incarnation
 
     # -- tree ---------------------------------------------------------------------------------------------
     def fork(self, *, reseed: int | None = None) -> Branch:
@@ -386,14 +386,23 @@ class BranchStore:
         link.state.holders.add(self)  # while it holds branches the context stays in its worker
 
     def __iter__(self) -> Iterator[Branch]:
+        self._forget_stale()
         return iter(list(self._branches.values()))
 
     def __len__(self) -> int:
+        self._forget_stale()
         return len(self._branches)
 
     def holds(self) -> bool:
         """Whether it keeps its context in its worker (residency: a branch's state is the worker's)."""
-        return bool(self._branches)
+        return any(b._incarnation == self._link.incarnation for b in list(self._branches.values()))
+
+    def _forget_stale(self) -> None:
+        """The branches of a worker that is gone (a crash made the context again): released here too."""
+        now = self._link.incarnation
+        stale = [h for h, b in self._branches.items() if b._incarnation != now]
+        if stale:
+            self._released(stale)
 
     # -- registry: what the handles know without asking ------------------------------------------------
     def _register(self, created: p.BranchCreated) -> Branch:

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # A model makes its contexts and its batcher; an instance holds the models and routes batched calls.
     ("models", {"model", "migration", "instance"}),
     ("features", {"_embedder"}),
-    ("pool", {"lifecycle", "spares", "_recovery", "snapshot", "pool"}),
+    ("pool", {"lifecycle", "spares", "snapshot", "pool"}),
     # "" is lloyal_pool/__init__.py: the public names, loaded lazily (so importing it for __version__ is free).
     ("fronts", {"client", "serve", "serve.app", "serve.backend", "serve.schemas", "ray", "cli", "__main__", ""}),
 ]

@@ -250,10 +250,9 @@ def test_model_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny_m
     from concurrent.futures import ThreadPoolExecutor
 
     with Pool(1, recover=True) as pool:
-        # One handle counter per worker, and the replacement loads each model and then its contexts: with
-        # handles 1 (closed), 2 and 3 before, whichever of a and b comes first gets a lower handle and
-        # the other a higher one (a's two contexts or b's one come in between). Two models whose tokens
-        # differ, so that a call sent to the other's handle is seen.
+        # One handle counter per worker, and the replacement loads the models first, then the contexts:
+        # with handles 1 (closed), 2 and 3 before, a and b get 1 and 2, so that a's old handle names b
+        # there. Two models whose tokens differ, so that a call sent to a stale handle is seen.
         gone, a, b = (pool[0].load_model(path) for path in (tiny_model, tiny_model, gemma_path))
         contexts = [a.new_context(n_ctx=64), a.new_context(n_ctx=64), b.new_context(n_ctx=64)]
         gone.close()
@@ -267,8 +266,8 @@ def test_model_calls_made_while_the_recovery_runs_go_to_their_new_handles(tiny_m
         with ThreadPoolExecutor(2) as calls:  # both made before the recovery is done
             got = [f.result(timeout=60) for f in [calls.submit(m.tokenize, "Hello world") for m in (a, b)]]
         assert got == expected
-        moved = sorted(new - old for old, new in zip(before, (a._handle, b._handle), strict=True))
-        assert moved[0] < 0 < moved[1], (before, moved)
+        after = (a._handle, b._handle)
+        assert before == (2, 3) and after == (1, 2), (before, after)  # a's old handle is b's now
         assert all(ctx.generate("Hi", n_predict=1).n_decoded == 1 for ctx in contexts)
 
 

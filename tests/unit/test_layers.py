@@ -150,9 +150,8 @@ def test_the_back_references_are_the_owners_handles_name() -> None:
     # What the two checks leave out, spelled out: a change here is a change of who owns whom.
     assert back_references(PACKAGE) == {
         ("context", "model"), ("lora", "model"), ("batching", "model"), ("model", "instance"),
-        ("session", "context"), ("snapshot", "pool"), ("_recovery", "pool"), ("_launch", "_process"),
-        ("context", "instance"), ("migration", "instance"),  # a context moves to an instance
-        ("paging", "context"),  # a worker's pager pages its contexts out and in
+        ("session", "context"), ("_launch", "_process"),
+        ("context", "instance"),  # a context moves to an instance
     }
 
 
