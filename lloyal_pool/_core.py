@@ -20,20 +20,20 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from . import _image
+from . import _jobs
 from . import protocol as p
 from ._futures import running, wait
 from ._generation import Generation, Phase
+from ._jobs import Host
 from ._machine import (
     Action,
     CallRec,
@@ -47,70 +47,19 @@ from ._machine import (
     RunJob,
     Settle,
     Status,
-    holds_nothing,
 )
 from ._process import READING
-from .errors import ContextError, LloyalError, PoolClosedError, WorkerCrashedError, copy_error
-from .journal import PendingState
+from .errors import ContextError, LloyalError, PoolClosedError, WorkerCrashedError
 
 if TYPE_CHECKING:
+    from ._journal import Journal
     from ._process import WorkerProcess
-    from .journal import Journal
     from .shm import Region
 
 log = logging.getLogger("lloyal_pool")
 R = TypeVar("R")
 MOVED = object()  # WorkerCore.step's answer when its guard failed: the context moved to another core
 _serials = itertools.count()
-
-
-class ModelEntry(Protocol):
-    """A model of the worker, as its core rebuilds it in a replacement (model.Model)."""
-
-    _handle: int
-
-    @property
-    def _closed(self) -> bool: ...
-
-    def _load_into(self, proc: WorkerProcess) -> Future[p.ModelLoaded]: ...
-
-    def _adapters(self) -> list[AdapterEntry]: ...
-
-
-class AdapterEntry(Protocol):
-    """A LoRA adapter of a model (lora.LoraAdapter)."""
-
-    _handle: int
-    path: str
-
-    @property
-    def closed(self) -> bool: ...
-
-    def _lost(self) -> None: ...
-
-
-class Spare(Protocol):
-    """A ready worker with models loaded ahead (spares.Spare)."""
-
-    proc: WorkerProcess
-    lock: threading.Lock
-
-    def claim(self, model: Any) -> p.ModelLoaded | None: ...
-
-    def release_unclaimed(self) -> None: ...
-
-
-class Host(Protocol):
-    """What a core asks of its pool when its worker dies under recovery (pool.Pool provides it)."""
-
-    def replacement(self) -> tuple[WorkerProcess, Spare | None]:
-        """A started worker to take the dead one's place (a ready spare, or one spawned now)."""
-
-    def adopted(self, dead: WorkerProcess, proc: WorkerProcess) -> None:
-        """proc now serves in dead's place (the pool forgets dead)."""
-
-    def recovered(self, core: WorkerCore, dead: WorkerProcess, error: WorkerCrashedError, replayed: int) -> None:
-        """The recovery ended (the pool tells its subscribers, starts a spare)."""
 
 
 class WorkerCore:
@@ -128,7 +77,7 @@ class WorkerCore:
         self._changed = threading.Condition(self._lock)
         self._flush_lock = threading.Lock()
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()  # ModelEntry: what a recovery loads again
-        self._jobs: deque[RunJob] = deque()
+        self._urgent: deque[RunJob] = deque()
         self._background: deque[RunJob] = deque()
         self._job_ready = threading.Condition(threading.Lock())
         self._stopping = False
@@ -255,218 +204,25 @@ class WorkerCore:
     # -- the loop and its jobs ------------------------------------------------------------------------
     def _post(self, job: RunJob) -> None:
         with self._job_ready:
-            (self._background if job.kind in ("page_out", "flush") else self._jobs).append(job)
+            (self._background if job.kind in ("page_out", "flush") else self._urgent).append(job)
             self._job_ready.notify()
 
     def _loop(self) -> None:
         while True:
             with self._job_ready:
-                while not (self._jobs or self._background or self._stopping):
+                while not (self._urgent or self._background or self._stopping):
                     self._job_ready.wait()
-                if self._stopping and not self._jobs:
+                if self._stopping and not self._urgent:
                     return
-                job = self._jobs.popleft() if self._jobs else self._background.popleft()
+                job = self._urgent.popleft() if self._urgent else self._background.popleft()
             try:
-                self._run(job)
+                _jobs.run(self, job)
             except BaseException:  # a job's bug must not end the loop: every later job would hang
                 log.exception("[core] worker %d: job %s failed", self.proc.worker_id, job.kind)
             try:
                 self._flush()
             except BaseException:
                 log.exception("[core] worker %d: flush failed", self.proc.worker_id)
-
-    def _run(self, job: RunJob) -> None:
-        kind = job.kind
-        if kind == "flush":
-            return
-        if kind == "transfer":
-            assert job.call is not None
-            self._transfer(job.call)
-        elif kind == "page_out":
-            assert job.ctx is not None
-            self._page_out(job.ctx)
-        elif kind == "page_in":
-            assert job.ctx is not None
-            self._page_in(job.ctx)
-        elif kind == "recover":
-            self._recover()
-        elif kind == "rebuild":
-            assert job.ctx is not None
-            self._rebuild(job.ctx, alone=True)
-        elif kind == "call":
-            fn, fut = job.data
-            try:
-                fut.set_result(fn(self.proc))
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-    def _transfer(self, call: CallRec) -> None:
-        """A SAVE, LOAD or MOVE_SAVE the machine sent: the transfer file written (a LOAD's bytes), the frame,
-        the reply, and the state read out (bytes; for a move a StateFile; b"" for an empty context's own
-        checkpoint). The machine hears of the reply (in reply order) and of the state read."""
-        machine = self.machine
-        with self._lock:
-            if call.state != "sending" or call.epoch != machine.epoch:
-                return  # its worker died before it went out: the machine has dealt with it
-            proc = self.proc
-        data: Any = None
-        try:
-            with proc.transfer() as f:
-                with self._lock:
-                    handle = call.ctx.handle if call.ctx is not None else 0
-                if call.kind is Kind.LOAD:
-                    f.write(call.data)
-                    req: p.Request[Any] = p.LoadState(context=handle, path=f.path)
-                else:
-                    req = p.SaveState(context=handle, path=f.path, in_place=True)
-                fut = self._write(proc, call, req)
-                try:
-                    fut.result()
-                except BaseException as exc:
-                    if call.internal and holds_nothing(exc):
-                        data = b""
-                    return
-                if call.kind is Kind.MOVE_SAVE:
-                    image = _image.StateFile(None)
-                    image.fill(f.fd)
-                    data = image
-                elif call.kind is Kind.SAVE:
-                    data = f.read()
-        except (OSError, LloyalError) as exc:
-            log.warning("[core] worker %d: a state transfer failed: %s", proc.worker_id, exc)
-            data = None
-        finally:
-            if call.kind is not Kind.LOAD:
-                self.step(machine.state_read, call, data)
-
-    def _page_out(self, ctx: ContextState) -> None:
-        machine = self.machine
-        with self._lock:
-            if ctx.status is not Status.PAGING_OUT:
-                machine.page_out_failed(ctx)
-                return
-            proc, handle = self.proc, ctx.handle
-        page: _image.StateFile | None = None
-        try:
-            if proc.call(p.NPast(context=handle)).result():
-                with proc.transfer() as f:
-                    proc.call(p.SaveState(context=handle, path=f.path, in_place=True)).result()
-                    page = _image.StateFile(self.page_dir)
-                    page.fill(f.fd)
-            proc.call(p.FreeContext(context=handle)).result()
-        except (LloyalError, WorkerCrashedError, OSError) as exc:
-            log.debug("page-out of context %d failed: %s", handle, exc)
-            if page is not None:
-                page.close()
-            self.step(machine.page_out_failed, ctx)
-            return
-        self.step(machine.paged_out, ctx, page)
-
-    def _page_in(self, ctx: ContextState) -> None:
-        machine = self.machine
-        with self._lock:
-            if ctx.status is not Status.LOADING:
-                return
-            proc, page = self.proc, ctx.page
-            model, params, lora = ctx.model, ctx.params, _lora_wire(ctx)
-        t0 = time.perf_counter()
-        try:
-            created = _image.make(proc, model._handle, params, lora, page)
-        except BaseException as exc:
-            self.step(machine.page_in_failed, ctx, exc)
-            return
-        self.page_in_s += time.perf_counter() - t0
-        if not self.step(machine.paged_in, ctx, created):
-            _free(proc, created.context)
-
-    def _rebuild(self, ctx: ContextState, *, alone: bool = False) -> None:
-        """Makes ctx again in the worker from its checkpoint and journal; empty, and saying so once, where
-        its history cannot be rebuilt; dead where not even that works."""
-        machine = self.machine
-        with self._lock:
-            if ctx.status is not Status.RECOVERING:
-                return
-            proc, model, params, lora = self.proc, ctx.model, ctx.params, _lora_wire(ctx)
-            journal: Journal | None = ctx.journal
-            lost = "it keeps no journal" if journal is None else journal.lost
-            state = None if journal is None else journal.checkpoint
-            entries = [] if journal is None else list(journal.entries)
-        if model._closed:
-            self.step(machine.unrestorable, ctx, "its model was closed")
-            return
-        if isinstance(state, PendingState):  # read before this job ran (jobs run one at a time)
-            state = state.data
-        why = lost
-        created = None
-        if why is None:
-            try:
-                created = _image.make(proc, model._handle, params, lora, state, entries)
-            except BaseException as exc:
-                why = f"replaying its history failed ({type(exc).__name__}: {exc})"
-        if created is None:
-            try:
-                created = _image.make(proc, model._handle, params, lora, None)
-            except BaseException as exc:
-                self.step(machine.unrestorable, ctx, f"it could not be made again ({exc})")
-                return
-        if not self.step(machine.restored, ctx, created, why, alone=alone):
-            _free(proc, created.context)
-
-    def _recover(self) -> None:
-        """The dead worker's place taken by a replacement: its models loaded again (a spare's stand in for
-        them), its contexts rebuilt, then the calls kept at the crash sent again (machine.recovered)."""
-        machine = self.machine
-        dead, error = self.proc, machine.death
-        host = self._host
-        assert isinstance(error, WorkerCrashedError)
-        if host is None or self._stopping:
-            self.step(machine.close_all, PoolClosedError("the pool was closed during a recovery"))
-            return
-        try:
-            proc, spare = host.replacement()
-        except BaseException as exc:
-            log.error("[recover] worker %d could not be replaced: %s", dead.worker_id, exc)
-            self.step(machine.close_all, copy_error(error), phase="dead")
-            return
-        with self._lock:
-            self.proc = proc
-            proc.owner = self
-        host.adopted(dead, proc)
-        if spare is not None:
-            with spare.lock:  # its models, loaded ahead, stand in for the dead worker's
-                self._load_models(proc, spare)
-                spare.release_unclaimed()
-        else:
-            self._load_models(proc, None)
-        with self._lock:
-            contexts = machine.to_rebuild()
-        for ctx in contexts:
-            self._rebuild(ctx)
-        replayed = len(machine.salvaged)
-        self.step(machine.recovered)
-        log.warning("[recover] worker %d (pid %d) replaced by worker %d (pid %d): %d call(s) replayed",
-                    dead.worker_id, dead.pid, proc.worker_id, proc.pid, replayed)
-        host.recovered(self, dead, error, replayed)
-
-    def _load_models(self, proc: WorkerProcess, spare: Spare | None) -> None:
-        for model in sorted(self.models, key=lambda m: getattr(m, "_serial", 0)):  # in the order first loaded
-            if model._closed:
-                continue
-            try:
-                loaded = (spare.claim(model) if spare is not None else None) or model._load_into(proc).result()
-            except Exception as exc:
-                log.error("[recover] model %s could not be loaded again: %s", getattr(model, "path", "?"), exc)
-                continue
-            with self._lock:
-                model._handle = loaded.model
-            for adapter in model._adapters():
-                if adapter.closed:
-                    continue
-                try:
-                    adapter._handle = proc.call(p.LoadLora(model=loaded.model, path=adapter.path)).result().lora
-                except Exception as exc:
-                    adapter._lost()
-                    log.error("[recover] LoRA adapter %s could not be loaded again: %s", adapter.path, exc)
 
     # -- the worker's death ----------------------------------------------------------------------------
     def worker_died(self, proc: WorkerProcess, error: WorkerCrashedError | PoolClosedError) -> None:
@@ -538,19 +294,6 @@ class WorkerCore:
         out["page_disk_bytes"] = sum(pg.disk_bytes for pg in pages)
         out["page_dir"] = self.page_dir
         return out
-
-
-def _lora_wire(ctx: ContextState) -> list[tuple[int, float]]:
-    return [(a._handle, s) for a, s in ctx.lora if not a.closed]
-
-
-def _free(proc: WorkerProcess, handle: int) -> None:
-    """A context made for nothing (closed meanwhile): freed, not waited for."""
-    if proc.alive:
-        try:
-            proc.call(p.FreeContext(context=handle))
-        except LloyalError:
-            pass
 
 
 class ContextCore:
@@ -717,4 +460,4 @@ class ContextCore:
 
 
 
-__all__ = ["ContextCore", "Host", "ModelEntry", "WorkerCore"]
+__all__ = ["ContextCore", "WorkerCore"]

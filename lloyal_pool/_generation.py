@@ -23,7 +23,7 @@ import msgspec
 
 from . import protocol as p
 from ._futures import running
-from .journal import GENERATED_TOKEN_COST
+from ._journal import GENERATED_TOKEN_COST
 from .params import Result, StopReason
 
 

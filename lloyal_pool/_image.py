@@ -25,8 +25,8 @@ from .errors import LloyalError, WorkerCrashedError
 from .shm import write_all
 
 if TYPE_CHECKING:
+    from ._journal import SavedState
     from ._process import WorkerProcess
-    from .journal import SavedState
 
 
 class StateFile:

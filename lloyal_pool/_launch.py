@@ -16,20 +16,14 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import psutil
 
-from .errors import LloyalError
-from .protocol import Reap
 from .shm import DEFAULT_SIZE, Region
-
-if TYPE_CHECKING:
-    from ._process import WorkerProcess
 
 log = logging.getLogger("lloyal_pool")
 T = TypeVar("T")
@@ -252,47 +246,6 @@ class TempRoot:
                 self._janitor.kill()
                 self._janitor.wait()
             self._janitor = None
-
-
-class ForkedChild:
-    """A worker forked from a snapshot's zygote, as WorkerProcess sees it (what a Popen is for a spawned
-    one). Its parent is the zygote, so only the zygote can wait for it: wait() asks it (Reap). Should the
-    zygote be gone, the child was handed to init, which reaps it; its exit status is then unknown (None)."""
-
-    def __init__(self, pid: int, stderr_fd: int, zygote: WorkerProcess) -> None:
-        self.pid = pid
-        self.stderr = os.fdopen(stderr_fd, "rb")
-        self.returncode: int | None = None
-        self._zygote = zygote
-        self._done = False
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """The exit status once the child has exited; subprocess.TimeoutExpired after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done:
-            left = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
-            try:
-                code = self._zygote.call(Reap(pid=self.pid, timeout=left)).result()
-            except (LloyalError, OSError):
-                code = None
-                if not _running(self.pid):
-                    self._done = True  # reaped by init (or about to be): the status is gone with the zygote
-                    break
-                time.sleep(left)
-            if code is not None:
-                self.returncode, self._done = code, True
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
-        return self.returncode
-
-
-def _running(pid: int) -> bool:
-    """Whether pid is a process that has not exited (a zombie has)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class StderrTail:

@@ -35,7 +35,6 @@ import psutil
 from ._futures import running
 from ._launch import (
     START_DATA_BYTES,
-    ForkedChild,
     StderrTail,
     WorkerOptions,
     WorkerPipes,
@@ -44,6 +43,7 @@ from ._launch import (
 )
 from .errors import (
     DeadWorkerError,
+    LloyalError,
     PoolClosedError,
     ProtocolError,
     SnapshotError,
@@ -59,6 +59,7 @@ from .protocol import (
     Fork,
     Kind,
     PeerClosed,
+    Reap,
     Request,
     pack,
     parse_reply,
@@ -103,6 +104,47 @@ _request_ids = itertools.count(1)
 
 # The request pipe's write, one chunk at a time (a name of its own, so that a test can interrupt it).
 _pipe_write: Callable[[int, memoryview], int] = os.write
+
+
+class ForkedChild:
+    """A worker forked from a snapshot's zygote, as WorkerProcess sees it (what a Popen is for a spawned
+    one). Its parent is the zygote, so only the zygote can wait for it: wait() asks it (Reap). Should the
+    zygote be gone, the child was handed to init, which reaps it; its exit status is then unknown (None)."""
+
+    def __init__(self, pid: int, stderr_fd: int, zygote: WorkerProcess) -> None:
+        self.pid = pid
+        self.stderr = os.fdopen(stderr_fd, "rb")
+        self.returncode: int | None = None
+        self._zygote = zygote
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit status once the child has exited; subprocess.TimeoutExpired after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            left = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
+            try:
+                code = self._zygote.call(Reap(pid=self.pid, timeout=left)).result()
+            except (LloyalError, OSError):
+                code = None
+                if not _running(self.pid):
+                    self._done = True  # reaped by init (or about to be): the status is gone with the zygote
+                    break
+                time.sleep(left)
+            if code is not None:
+                self.returncode, self._done = code, True
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
+        return self.returncode
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a process that has not exited (a zombie has)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class WorkerProcess:

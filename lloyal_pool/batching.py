@@ -16,8 +16,10 @@ with the batched calls the Branch API already has (produce, then prefill with co
 context's link, one round trip each, which costs well under a millisecond against a decode of tens of
 milliseconds.
 
-When the worker dies, requests that have not produced a token yet go to the model's next batcher (on
-the replacement worker, with Pool(recover=True)); the others fail with WorkerCrashedError.
+When the worker dies, its requests go to the model's next batcher (a live worker's with the same model,
+or the replacement's with Pool(recover=True)): from the start, the text its caller had not given again;
+those that had produced tokens only where they sample deterministically (greedy, or a fixed seed); the
+others fail with WorkerCrashedError.
 
 A request's text is made in the worker by the code generate uses (native/text_assembly.hpp), on its
 branch: control tokens and markers are left out unless render_special, stop strings are matched across
@@ -32,15 +34,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from ._aio import AsyncStream, settle
-from ._futures import check_timeout, running, wait
+from ._futures import running
+from ._journal import MAX_ATTEMPTS, deterministic
 from .branches import Branch
 from .errors import (
     ContextOverflowError,
@@ -64,7 +66,6 @@ from .params import (
 )
 from .routing import AFFINITY_TOKENS
 from .scheduler import Decode, Job, Placement, Scheduler
-from .stream import Stream
 
 if TYPE_CHECKING:
     from .context import Context
@@ -85,14 +86,16 @@ _GONE = (WorkerError, StaleHandleError, PoolClosedError)
 class _Output:
     """One request's text as its branch makes it in the worker, as generate makes it (native
     text_assembly: stop strings, UTF-8 hold-back, control tokens): what became final goes to on_piece at
-    once; what is held back is final only when the request ends there."""
+    once; what is held back is final only when the request ends there. ``skip``: bytes of it the caller
+    was given already (by an attempt on a worker that died): counted, not given again."""
 
-    def __init__(self, on_piece: Callable[[str], None] | None) -> None:
+    def __init__(self, on_piece: Callable[[str], None] | None, skip: int = 0) -> None:
         self._on_piece = on_piece
         self.text = bytearray()
         self.held = b""
         self.tokens: list[int] = []
         self.callback_error: BaseException | None = None
+        self._skip = skip
 
     def push(self, token: int, final: bytes, held: bytes) -> None:
         """A sampled token (committed, or the one that completed a stop string), with its text."""
@@ -104,6 +107,12 @@ class _Output:
         if not chunk:
             return
         self.text += chunk
+        if self._skip:  # given before: a replay's chunks end where the first attempt's did
+            cut = min(self._skip, len(chunk))
+            self._skip -= cut
+            chunk = chunk[cut:]
+            if not chunk:
+                return
         if self._on_piece is not None and self.callback_error is None:
             try:
                 self._on_piece(chunk.decode("utf-8", "replace"))
@@ -129,15 +138,25 @@ class _Request(Job):
     wake: threading.Event | None = None  # the loop of the batcher that holds it
     logprobs: list[TokenLogprob] | None = None  # params.logprobs: one per token handed out
     lora: list[tuple[LoraAdapter, float]] | None = None  # params.lora resolved; None: no adapter
+    again: _Request | None = None  # the request that goes on with it on another batcher (its worker died)
+    attempts: int = 1
 
     def cancel(self) -> None:
         self.cancelled = True
         if self.wake is not None:
             self.wake.set()
+        if self.again is not None:
+            self.again.cancel()
 
     def handle(self) -> BatchRequest:
         # The list only grows, on the loop's thread; a copy read on another thread is a prefix of it.
-        return BatchRequest(self.future, self.cancel, lambda: list(self.logprobs or ()))
+        return BatchRequest(self.future, self.cancel, lambda: list(self._latest().logprobs or ()))
+
+    def _latest(self) -> _Request:
+        req = self
+        while req.again is not None:
+            req = req.again
+        return req
 
 
 class BatchRequest:
@@ -265,7 +284,8 @@ class Batcher:
         self._enqueue(reqs)
         return [r.handle() for r in reqs]
 
-    def _request(self, tokens: list[int], gen: GenerateParams, on_piece: Callable[[str], None] | None) -> _Request:
+    def _request(self, tokens: list[int], gen: GenerateParams, on_piece: Callable[[str], None] | None, *,
+                 skip: int = 0) -> _Request:
         if len(tokens) >= self.n_ctx_slot:
             raise ContextOverflowError(f"the prompt has {len(tokens)} tokens; a batched request has room for "
                                        f"{self.n_ctx_slot} (n_ctx_slot), generated tokens included")
@@ -275,7 +295,7 @@ class Batcher:
         # Requests under one configuration share decodes and cells: their group is that configuration.
         group = () if lora is None else tuple(sorted((a._handle, s) for a, s in lora))
         return _Request(tokens, gen.n_predict, priority=gen.priority, group=group, params=gen,
-                        output=_Output(on_piece), future=running(), lora=lora)
+                        output=_Output(on_piece, skip), future=running(), lora=lora)
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
@@ -494,24 +514,37 @@ class Batcher:
             self._plan.release(req, cells_kept=kept)
 
     def _hand_over(self) -> None:
-        """The worker died: requests that had not produced a token yet go to the model's next batcher,
-        which crash recovery's replacement worker serves (Pool(recover=True)); without a replacement
-        they fail with the death, as the others do."""
+        """The worker died: every request goes on in the model's next batcher (a live worker's with the
+        same model, or crash recovery's replacement): one that had not produced a token from the start;
+        one that had, and samples deterministically (greedy, or a fixed seed), from the start too, its
+        caller given only the text beyond what it had (within batch invariance: the tokens a batch of
+        other requests gives). The others fail with the death, as they do without a successor."""
         with self._lock:
-            unstarted = [_req(j) for j in self._plan.take_unstarted()]
-        unstarted = [r for r in unstarted if not r.future.done()]
-        if not unstarted:
+            gone = [_req(j) for j in self._plan.take_all()]
+        gone = [r for r in gone if not r.future.done()]
+        if not gone:
             return
         try:
-            successor = self.model.batcher()
+            successor = self.model._successor_batcher(self)
         except LloyalError:
             successor = None
-        for req in unstarted:
-            req.branch, req.prompt_ms = None, 0.0
-            if successor is None or successor is self:
+        for req in gone:
+            replayable = req.n_decoded == 0 or (deterministic(req.params.to_wire()) and req.attempts < MAX_ATTEMPTS)
+            if successor is None or successor is self or not replayable or req.cancelled:
                 req.future.set_exception(self._closed_error())
-            else:
-                successor._enqueue([req])
+                continue
+            try:
+                again = successor._request(list(req.prompt), req.params, req.output._on_piece,
+                                           skip=len(req.output.text))
+            except LloyalError as exc:
+                req.future.set_exception(exc)
+                continue
+            again.future, again.attempts = req.future, req.attempts + 1
+            req.again, req.branch = again, None
+            try:
+                successor._enqueue([again])
+            except LloyalError as exc:
+                req.future.set_exception(exc)
 
     def _enqueue(self, reqs: Sequence[_Request]) -> None:
         # Under one lock: choices of one prompt reach the queue together, so the first one's prefill is
@@ -531,19 +564,6 @@ class Batcher:
             if not req.future.done():
                 req.future.set_exception(exc)
             req.branch = None
-
-
-def _wait_all(handles: Sequence[BatchRequest], timeout: float | None) -> list[Result]:
-    """Every handle's Result within one ``timeout``; when it passes, all are interrupted (CallTimeoutError
-    carrying the first unfinished one's partial Result)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        return [wait(h.future, None if deadline is None else max(0.0, deadline - time.monotonic()), h.interrupt,
-                     "generate") for h in handles]
-    except BaseException:
-        for h in handles:
-            h.interrupt()
-        raise
 
 
 def choice_params(gen: GenerateParams, i: int) -> GenerateParams:
@@ -580,101 +600,5 @@ def _req(job: Job) -> _Request:
     return job
 
 
-__all__ = ["AFFINITY_TOKENS", "BatchRequest", "BatchedCalls", "Batcher", "best_choices", "choice_params",
+__all__ = ["AFFINITY_TOKENS", "BatchRequest", "Batcher", "best_choices", "choice_params",
            "ranked_params"]
-
-
-class BatchedCalls:
-    """generate, stream and their asyncio twins for independent requests, batched by a Batcher: what
-    Instance and Pool share. A subclass says which batcher takes a request (``_route``)."""
-
-    def _route(self, model: Model | str | None, prompt: str | Sequence[int],
-               lora: Iterable[str] = ()) -> tuple[Batcher, list[int]]:
-        # The batcher a request goes to (of a model that has loaded the ``lora`` adapters it names), and
-        # its prompt's tokens.
-        raise NotImplementedError
-
-    def submit(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-               model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
-               **overrides: Any) -> BatchRequest:
-        """Queues an independent generation on a model's Batcher: its ``future`` is the Result's, its
-        ``interrupt()`` ends it. ``model``: a loaded Model, or a name (its path, file name or stem);
-        None: the only model loaded."""
-        gen = GenerateParams.of(params, overrides)  # refused before any round trip
-        batcher, tokens = self._route(model, prompt, gen.lora)
-        return batcher.submit(tokens, gen, on_piece=on_piece)
-
-    def submit_many(self, prompt: str | Sequence[int], params: GenerateParams | None = None, n: int = 1, *,
-                    model: Model | str | None = None, on_piece: Callable[[int, str], None] | None = None,
-                    **overrides: Any) -> list[BatchRequest]:
-        """``n`` choices of one prompt on one batcher (Batcher.submit_many): its prompt decoded once."""
-        gen = GenerateParams.of(params, overrides)
-        batcher, tokens = self._route(model, prompt, gen.lora)
-        return batcher.submit_many(tokens, gen, n, on_piece=on_piece)
-
-    @overload
-    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-                 model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
-                 timeout: float | None = None, n: None = None, best_of: None = None, **overrides: Any) -> Result: ...
-
-    @overload
-    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-                 model: Model | str | None = None, on_piece: Callable[[int, str], None] | None = None,
-                 timeout: float | None = None, n: int, best_of: int | None = None,
-                 **overrides: Any) -> list[Result]: ...
-
-    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-                 model: Model | str | None = None, on_piece: Callable[..., None] | None = None,
-                 timeout: float | None = None, n: int | None = None, best_of: int | None = None,
-                 **overrides: Any) -> Result | list[Result]:
-        """An independent generation, batched with the others running on the model (continuous
-        batching): the same Result as Context.generate on a fresh context. ``timeout`` interrupts it
-        (CallTimeoutError carrying the partial Result).
-
-        With ``n``: a list of n choices of the prompt (submit_many; ``on_piece(i, piece)``). ``best_of``
-        (>= n): that many are generated and the n with the highest mean token log-probability returned,
-        best first (best_choices); their logprobs are kept only if params asked for them."""
-        check_timeout(timeout)
-        if n is None:
-            if best_of is not None:
-                raise InvalidArgumentError("best_of ranks several choices: give n too")
-            handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
-            return wait(handle.future, timeout, handle.interrupt, "generate")
-        gen = GenerateParams.of(params, overrides)
-        if best_of is None or best_of == n:
-            handles = self.submit_many(prompt, gen, n, model=model, on_piece=on_piece)
-            return _wait_all(handles, timeout)
-        if whole(best_of, "best_of") < n:
-            raise InvalidArgumentError(f"best_of ({best_of}) must be at least n ({n})")
-        if on_piece is not None:
-            raise InvalidArgumentError("best_of picks choices once they have ended: nothing to stream")
-        generated = _wait_all(self.submit_many(prompt, ranked_params(gen), best_of, model=model), timeout)
-        return best_choices(generated, n, keep_logprobs=gen.logprobs is not None)
-
-    def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-               model: Model | str | None = None, timeout: float | None = None, **overrides: Any) -> Stream:
-        """generate() piece by piece: a Stream (closing it, or leaving its ``with`` block, interrupts)."""
-        box: list[BatchRequest] = []
-        stream = Stream(lambda _id: box[0].interrupt() if box else None, timeout)
-        handle = self.submit(prompt, params, model=model, on_piece=stream._q.put, **overrides)
-        box.append(handle)
-        stream._attach(handle.future)
-        return stream
-
-    async def agenerate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-                        model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
-                        **overrides: Any) -> Result:
-        """generate() for asyncio; cancelling the awaiting task interrupts the request."""
-        handle = self.submit(prompt, params, model=model, on_piece=on_piece, **overrides)
-        return await settle(handle.future, handle.interrupt)
-
-    def astream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
-                model: Model | str | None = None, **overrides: Any) -> AsyncStream:
-        """stream() for asyncio (inside a running loop): ``async for piece in ...``."""
-        box: list[BatchRequest] = []
-        stream = AsyncStream(lambda _id: box[0].interrupt() if box else None)
-        handle = self.submit(prompt, params, model=model, on_piece=stream._q.put, **overrides)
-        box.append(handle)
-        stream._attach(handle.future)
-        return stream
-

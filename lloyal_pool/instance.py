@@ -12,11 +12,12 @@ from typing import Any
 
 from . import protocol as p
 from ._aio import settle
+from ._batched import BatchedCalls
 from ._core import WorkerCore
 from ._files import beneath, irregular_path
 from ._futures import check_timeout, events, mapped, wait
 from ._process import WorkerProcess
-from .batching import BatchedCalls, Batcher
+from .batching import Batcher
 from .context import Context
 from .errors import (
     BadRequestError,
@@ -48,6 +49,8 @@ class Instance(BatchedCalls):
         # recovery loads again, and what a batched request may name.
         self._models: set[Model] = set()
         self._on_model_loaded: Callable[[], None] | None = None  # the pool's: its spares load the model too
+        # The pool's: a live worker's batcher of a model, for the batched requests of one that died.
+        self._reroute: Callable[[Model], Batcher | None] | None = None
 
     @property
     def _proc(self) -> WorkerProcess:

@@ -254,6 +254,17 @@ class Model:
                 raise InvalidArgumentError(f"this model's batcher already runs with other options: {self._batcher!r}")
             return self._batcher
 
+    def _successor_batcher(self, dead: Batcher) -> Batcher | None:
+        """Where the requests of ``dead`` (its worker died) go on: a live worker's batcher of the same model
+        (the pool's choice), else this model's next batcher (crash recovery's replacement serves it; a
+        batcher made meanwhile waits for it)."""
+        reroute = self.instance._reroute
+        if reroute is not None:
+            found = reroute(self)
+            if found is not None:
+                return found
+        return self.batcher(**dead.options)
+
     def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context:
         """Creates a context (its own KV cache) of this model in the same worker; keyword overrides are
         ContextParams fields (``model.new_context(n_ctx=2048)``; BadRequestError for a name that is not

@@ -14,12 +14,13 @@ from typing import Any
 
 from . import variants
 from ._aio import closed_in_thread
+from ._batched import BatchedCalls
 from ._core import WorkerCore
 from ._futures import check_timeout
 from ._launch import LOG_LEVELS, TempRoot, WorkerOptions
 from ._process import WorkerProcess
 from ._watch import HangWatch
-from .batching import BatchedCalls, Batcher
+from .batching import Batcher
 from .context import Context
 from .errors import InvalidArgumentError, LloyalError, PoolClosedError, WorkerCrashedError
 from .instance import Instance
@@ -262,6 +263,7 @@ class Pool(BatchedCalls, Subscribers):
         with self._lock:
             self._cores.append(core)
         instance = Instance(proc, core)
+        instance._reroute = self._host.reroute
         if self._spares.wanted:  # weakly: the instance's core outlives the pool in its finalizer's hands
             sync = weakref.WeakMethod(self._spares.sync)
 
@@ -508,6 +510,26 @@ class _Host:
             pool._release(proc)
             raise
         return proc, None
+
+    def reroute(self, model: Model) -> Batcher | None:
+        """A live worker's batcher of the same model file, the least loaded (the batched requests of a
+        worker that died go on there); None when there is none."""
+        pool = self._pool()
+        if pool is None or pool._closed:
+            return None
+        best: Batcher | None = None
+        for inst in pool.instances:
+            if inst is model.instance or not inst.alive:
+                continue
+            for other in inst.models:
+                if other.path == model.path and not other._load.vocab_only:
+                    try:
+                        batcher = other.batcher()
+                    except LloyalError:
+                        continue
+                    if best is None or batcher.load < best.load:
+                        best = batcher
+        return best
 
     def adopted(self, dead: WorkerProcess, proc: WorkerProcess) -> None:
         pool = self._pool()

@@ -42,9 +42,10 @@ except ImportError as exc:  # pragma: no cover - the extra is part of the test e
 
 from . import protocol as p
 from ._aio import closed_in_thread
+from ._batched import BatchedCalls
 from ._embedder import Embedder
 from ._futures import running
-from .batching import BatchedCalls, BatchRequest, choice_params
+from .batching import BatchRequest, choice_params
 from .chat import ChatMessage
 from .errors import (
     InvalidArgumentError,

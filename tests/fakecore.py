@@ -18,6 +18,7 @@ import msgspec
 
 from lloyal_pool import protocol as p
 from lloyal_pool._generation import Generation
+from lloyal_pool._journal import PendingState
 from lloyal_pool._machine import (
     CallRec,
     ClosePage,
@@ -32,7 +33,6 @@ from lloyal_pool._machine import (
     Status,
 )
 from lloyal_pool.errors import ContextError, WorkerCrashedError
-from lloyal_pool.journal import PendingState
 from lloyal_pool.params import MAX_SEED, EvalResult, Result, StopReason
 
 _ids = itertools.count(1)

@@ -12,16 +12,17 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("transport", {"_launch", "_process", "_watch", "_aio"}),
     # A context's lifecycle, in one owner per worker: pure bookkeeping (journal, the generation and context
     # machines, the residency policy), a state outside its worker, and the core that drives them.
-    ("core", {"journal", "_generation", "residency", "_machine", "_image", "_core"}),
+    ("core", {"_journal", "_generation", "_residency", "_states", "_calls", "_machine", "_image", "_jobs", "_core"}),
     # What runs on one context. A context makes its conversations (Context.chat) and names its adapters.
     ("handles", {"stream", "branches", "sampler", "lora", "session", "context"}),
-    ("serving", {"scheduler", "batching", "routing"}),
+    ("serving", {"scheduler", "batching", "_batched", "routing"}),
     # A model makes its contexts and its batcher; an instance holds the models and routes batched calls.
     ("models", {"model", "migration", "instance"}),
     ("features", {"_embedder"}),
     ("pool", {"lifecycle", "spares", "snapshot", "pool"}),
     # "" is lloyal_pool/__init__.py: the public names, loaded lazily (so importing it for __version__ is free).
-    ("fronts", {"client", "serve", "serve.app", "serve.backend", "serve.schemas", "ray", "cli", "__main__", ""}),
+    ("fronts", {"client", "serve", "serve.app", "serve.backend", "serve.schemas", "serve.telemetry", "ray", "cli",
+                "__main__", ""}),
 ]
 
 # The worker imports only the wire layer and its own package, whatever their rank says.

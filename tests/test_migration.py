@@ -27,8 +27,8 @@ from lloyal_pool import (
     PoolClosedError,
     StaleHandleError,
     WorkerCrashedError,
+    _jobs,
 )
-from lloyal_pool._core import WorkerCore
 from lloyal_pool._machine import Kind
 from lloyal_pool.context import Context
 from lloyal_pool.errors import BadRequestError
@@ -286,14 +286,14 @@ def _kill_before(monkeypatch: pytest.MonkeyPatch, step: str, pool: Pool, index: 
 
         monkeypatch.setattr(migration, "_build", killed_first)
         return
-    transfer = WorkerCore._transfer
+    transfer = _jobs.transfer
 
-    def killed_before_the_save(self: WorkerCore, call: Any) -> None:
+    def killed_before_the_save(core: Any, call: Any) -> None:
         if call.kind is Kind.MOVE_SAVE:
             kill()
-        transfer(self, call)
+        transfer(core, call)
 
-    monkeypatch.setattr(WorkerCore, "_transfer", killed_before_the_save)
+    monkeypatch.setattr(_jobs, "transfer", killed_before_the_save)
 
 
 def test_a_target_killed_during_the_move_leaves_the_stream_serving_in_its_source(

@@ -160,6 +160,41 @@ def test_calls_answered_while_a_checkpoint_is_read_replay_on_top_of_it(tiny_mode
         assert ctx.tokens() == expected
 
 
+def test_a_reply_that_wins_the_race_with_its_sender_is_journaled_in_reply_order(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's SaveState is written, and its sender is descheduled before it goes on (a loaded
+    machine, the GIL): meanwhile the worker answers it and an eval another thread sends. What the journal
+    keeps is the worker's order: the checkpoint, then the eval on top, so that a crash then restores both.
+    (The journal's hooks used to be attached after the write: a reply that won the race ran them on the
+    sending thread, late, and the checkpoint's restart wiped the eval.)"""
+    from lloyal_pool import protocol as p
+    from lloyal_pool._process import WorkerProcess
+
+    with Pool(1, recover=True) as pool:
+        ctx = pool[0].load_model(tiny_model).new_context(n_ctx=512)
+        ctx.eval("Once upon a time")
+        call = WorkerProcess.call
+        written = threading.Event()
+
+        def descheduled_after_a_save_state(self: WorkerProcess, req: Any, *args: Any, **kwargs: Any) -> Any:
+            fut = call(self, req, *args, **kwargs)
+            if isinstance(req, p.SaveState):
+                written.set()
+                time.sleep(1.0)
+            return fut
+
+        monkeypatch.setattr(WorkerProcess, "call", descheduled_after_a_save_state)
+        saving = threading.Thread(target=ctx.checkpoint, daemon=True)
+        saving.start()
+        assert written.wait(30)
+        ctx.eval(" and then")  # answered after the SaveState, while its sender sleeps
+        expected = ctx.tokens()
+        saving.join(30)
+        monkeypatch.undo()
+        _kill_and_wait(pool)
+        assert ctx.tokens() == expected
+
+
 def test_what_cannot_be_replayed_fails_as_a_crash_and_an_interrupted_history_survives(tiny_model: Path) -> None:
     with Pool(1, recover=True) as pool:
         ctx = pool[0].load_model(tiny_model).new_context(n_ctx=4096)

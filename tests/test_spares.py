@@ -18,7 +18,7 @@ import pytest
 
 from lloyal_pool import CallTimeoutError, InvalidArgumentError, Model, Pool, Result
 from lloyal_pool._generation import Phase, Why
-from lloyal_pool.journal import GENERATED_TOKEN_COST, Journal
+from lloyal_pool._journal import GENERATED_TOKEN_COST, Journal
 from lloyal_pool.params import MAX_SEED
 from lloyal_pool.spares import model_key
 

@@ -17,9 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from lloyal_pool import protocol as p
 from lloyal_pool._generation import Generation, Phase, Why
+from lloyal_pool._journal import GENERATED_TOKEN_COST
 from lloyal_pool._machine import ContextState, CoreMachine, Kind, Status
 from lloyal_pool.errors import ContextLostError, LloyalError
-from lloyal_pool.journal import GENERATED_TOKEN_COST
 from lloyal_pool.params import MAX_SEED
 
 GREEDY = {"temperature": 0.0}
@@ -330,7 +330,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for _ in range(50):
-            for ctx, source, _target, began in list(self.moves):
+            for _ctx, _source, _target, began in list(self.moves):
                 if began.done():
                     self.finish_move(commit=False)
             for ctx in self.contexts:
