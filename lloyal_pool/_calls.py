@@ -98,6 +98,9 @@ class CallMachine:
         if ctx.status is Status.DEAD:
             self._fail(call, self._dead_context_error(ctx))
             return
+        if self.phase in ("closing", "closed") and call.kind is not Kind.FREE:
+            self._fail(call, PoolClosedError("the pool is closed"))
+            return
         if ctx.notice is not None and call.kind in (Kind.USER, Kind.SEGMENT, Kind.LOAD):
             why, ctx.notice = ctx.notice, None
             if not (starts_afresh(call.req) or isinstance(call.req, (p.Reset, p.LoadState, p.SetLora))
@@ -152,7 +155,7 @@ class CallMachine:
     def unsent(self, call: CallRec, error: BaseException) -> list[Action]:
         """The driver could not write the call (its request did not encode, the thread was interrupted; not
         the worker's death, which died() is told of and decides for every call in flight)."""
-        if call.state == "sending" and call.epoch == self.epoch and not isinstance(error, WorkerCrashedError):
+        if call.state in ("sending", "sent") and call.epoch == self.epoch and not isinstance(error, WorkerCrashedError):
             self._forget(call)
             self._end(call, None, error)
         return self._take()

@@ -50,7 +50,7 @@ from ._states import (
     Settle,
     Status,
 )
-from .errors import DeadWorkerError, StaleHandleError, WorkerCrashedError, copy_error
+from .errors import DeadWorkerError, PoolClosedError, StaleHandleError, WorkerCrashedError, copy_error
 
 
 class CoreMachine(CallMachine):
@@ -388,8 +388,12 @@ class CoreMachine(CallMachine):
         self._run_deferred(ctx)
 
     def closing(self) -> list[Action]:
-        """The pool closes: what runs is interrupted (so that the worker ends at once); a death from here on
-        is a close, not a crash."""
+        """The pool closes: what runs is interrupted (so that the worker reads its SHUTDOWN at once), and
+        every call in flight ends with PoolClosedError, whatever its reply says; a death from here on is a
+        close, not a crash."""
+        for call in self.inflight:
+            if call.callback_error is None:
+                call.callback_error = PoolClosedError("the pool was closed while the call was in flight")
         for ctx in self.contexts:
             head = self._head(ctx)
             if head is not None and head.state == "sent":

@@ -9,15 +9,12 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import protocol as p
 from ._generation import Generation
 from ._journal import Journal, Ledger, PendingState
 from .errors import ContextError
-
-if TYPE_CHECKING:
-    from ._calls import CallMachine
 
 
 class Status(enum.Enum):
@@ -106,7 +103,8 @@ class ContextState:
     lora: list[Any] = field(default_factory=list)  # its LoRA configuration: applied first when it is made again
     checkpointing: bool = False  # a checkpoint of the machine's own is queued or in flight
     incarnation: int = 0  # bumped whenever it is made anew in a worker (views, branches, samplers go stale)
-    deferred: list[Callable[[CallMachine], None]] = field(default_factory=list)  # what waits for it to settle
+    # What waits for it to settle, each run with the machine that holds it then (a move hands it over).
+    deferred: list[Callable[[Any], None]] = field(default_factory=list)
     move_token: object = None  # the move under way (begin_move)
     desc: Any = None  # its ContextCreated in the worker now (the logits row's offset)
 

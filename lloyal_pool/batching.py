@@ -51,6 +51,7 @@ from .errors import (
     LoraError,
     PoolClosedError,
     StaleHandleError,
+    WorkerCrashedError,
     WorkerError,
 )
 from .params import (
@@ -86,16 +87,18 @@ _GONE = (WorkerError, StaleHandleError, PoolClosedError)
 class _Output:
     """One request's text as its branch makes it in the worker, as generate makes it (native
     text_assembly: stop strings, UTF-8 hold-back, control tokens): what became final goes to on_piece at
-    once; what is held back is final only when the request ends there. ``skip``: bytes of it the caller
-    was given already (by an attempt on a worker that died): counted, not given again."""
+    once; what is held back is final only when the request ends there. ``given``: what the caller was
+    given already (by an attempt on a worker that died): made again, not given again; ``diverged`` once
+    the text made again differs from it (a near-tie that another batch broke the other way)."""
 
-    def __init__(self, on_piece: Callable[[str], None] | None, skip: int = 0) -> None:
+    def __init__(self, on_piece: Callable[[str], None] | None, given: bytes = b"") -> None:
         self._on_piece = on_piece
         self.text = bytearray()
         self.held = b""
         self.tokens: list[int] = []
         self.callback_error: BaseException | None = None
-        self._skip = skip
+        self._given = given
+        self.diverged = False
 
     def push(self, token: int, final: bytes, held: bytes) -> None:
         """A sampled token (committed, or the one that completed a stop string), with its text."""
@@ -106,10 +109,12 @@ class _Output:
     def _emit(self, chunk: bytes) -> None:
         if not chunk:
             return
+        at = len(self.text)
         self.text += chunk
-        if self._skip:  # given before: a replay's chunks end where the first attempt's did
-            cut = min(self._skip, len(chunk))
-            self._skip -= cut
+        if at < len(self._given):  # given before: not again, but it must be what was given
+            cut = min(len(self._given) - at, len(chunk))
+            if chunk[:cut] != self._given[at:at + cut]:
+                self.diverged = True
             chunk = chunk[cut:]
             if not chunk:
                 return
@@ -285,7 +290,7 @@ class Batcher:
         return [r.handle() for r in reqs]
 
     def _request(self, tokens: list[int], gen: GenerateParams, on_piece: Callable[[str], None] | None, *,
-                 skip: int = 0) -> _Request:
+                 given: bytes = b"") -> _Request:
         if len(tokens) >= self.n_ctx_slot:
             raise ContextOverflowError(f"the prompt has {len(tokens)} tokens; a batched request has room for "
                                        f"{self.n_ctx_slot} (n_ctx_slot), generated tokens included")
@@ -295,7 +300,7 @@ class Batcher:
         # Requests under one configuration share decodes and cells: their group is that configuration.
         group = () if lora is None else tuple(sorted((a._handle, s) for a, s in lora))
         return _Request(tokens, gen.n_predict, priority=gen.priority, group=group, params=gen,
-                        output=_Output(on_piece, skip), future=running(), lora=lora)
+                        output=_Output(on_piece, given), future=running(), lora=lora)
 
     def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
                  on_piece: Callable[[str], None] | None = None, **overrides: Any) -> Result:
@@ -476,8 +481,14 @@ class Batcher:
                     req.logprobs.append(msgspec.convert(logprobs, TokenLogprob))
                 req.output.push(token, final, held)
             reason = self._plan.sampled(req, token, eog=is_stop,
-                                        stop=stop_string or req.output.callback_error is not None)
-            if reason is None:
+                                        stop=stop_string or req.output.callback_error is not None
+                                        or req.output.diverged)
+            if req.output.diverged:
+                self._fail(req, WorkerCrashedError(
+                    f"the request's worker died, and sent again here it wrote other text than its caller had "
+                    f"been given (a near-tie this batch broke the other way, after {len(req.output.tokens)} "
+                    "tokens): ended here rather than streamed on inconsistently"))
+            elif reason is None:
                 going.append((req, token))
             else:
                 self._finish(req, reason)
@@ -535,7 +546,7 @@ class Batcher:
                 continue
             try:
                 again = successor._request(list(req.prompt), req.params, req.output._on_piece,
-                                           skip=len(req.output.text))
+                                           given=bytes(req.output.text))
             except LloyalError as exc:
                 req.future.set_exception(exc)
                 continue

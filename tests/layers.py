@@ -5,8 +5,8 @@ from __future__ import annotations
 
 # Bottom to top. The wire layer is what a worker may import; `worker` sits on it alone.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("wire", {"errors", "params", "chat", "protocol", "shm", "variants", "_files", "metrics", "models",
-              "_futures", "_pieces"}),
+    ("wire", {"errors", "params", "chat", "_frames", "_opbase", "protocol", "shm", "variants", "_files", "metrics",
+              "models", "_futures", "_pieces"}),
     ("worker", {"worker", "worker.sandbox", "worker.landlock", "worker.grammar_trie", "worker.engine",
                 "worker.zygote", "worker.loop", "worker.__main__"}),
     ("transport", {"_launch", "_process", "_watch", "_aio"}),
@@ -15,9 +15,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"_journal", "_generation", "_residency", "_states", "_calls", "_machine", "_image", "_jobs", "_core"}),
     # What runs on one context. A context makes its conversations (Context.chat) and names its adapters.
     ("handles", {"stream", "branches", "sampler", "lora", "session", "context"}),
-    ("serving", {"scheduler", "batching", "_batched", "routing"}),
+    ("serving", {"scheduler", "batching", "routing"}),
     # A model makes its contexts and its batcher; an instance holds the models and routes batched calls.
-    ("models", {"model", "migration", "instance"}),
+    ("models", {"model", "migration", "_batched", "instance"}),
     ("features", {"_embedder"}),
     ("pool", {"lifecycle", "spares", "snapshot", "pool"}),
     # "" is lloyal_pool/__init__.py: the public names, loaded lazily (so importing it for __version__ is free).

@@ -185,7 +185,7 @@ def test_waiting_on_a_running_fork_expires_at_its_timeout_asking_the_zygote_twic
     # A fork's parent is the zygote, so the pool waits for it by Reap requests, each of which blocks in
     # the zygote for up to half a second: a wait with a timeout must neither return early nor poll hot.
     from lloyal_pool import protocol as p
-    from lloyal_pool._launch import ForkedChild
+    from lloyal_pool._process import ForkedChild
 
     with snap_pool.snapshot(lambda instance: {"m": instance.load_model(tiny_model)}) as snapshot:
         fork = snapshot.fork()
@@ -401,17 +401,17 @@ def test_a_pool_on_amx_kernels_snapshots_by_replay() -> None:
     # on an OpenMP team a fork would not survive); a pool without them may fork.
     from types import SimpleNamespace
 
-    from lloyal_pool.snapshot import _why_no_fork
+    from lloyal_pool.pool import Pool as RealPool
 
     class FakePool:
         def __init__(self, features: dict[str, str], variant: str = "cpu") -> None:
             self._options = SimpleNamespace(variant=variant)
             self._instances = [SimpleNamespace(alive=True, build_info={"cpu": {"kernels": "k", "features": features}})]
 
-        def __iter__(self) -> Iterator[Any]:
-            return iter(self._instances)
+    def why_no_fork(pool: FakePool) -> str | None:
+        return RealPool._why_no_fork(pool)  # type: ignore[arg-type]
 
-    assert _why_no_fork(FakePool({"AVX512": "1"})) is None  # type: ignore[arg-type]
-    why = _why_no_fork(FakePool({"AVX512": "1", "AMX_INT8": "1"}))  # type: ignore[arg-type]
+    assert why_no_fork(FakePool({"AVX512": "1"})) is None
+    why = why_no_fork(FakePool({"AVX512": "1", "AMX_INT8": "1"}))
     assert why is not None and "AMX" in why
-    assert "variant is 'cuda'" in str(_why_no_fork(FakePool({}, variant="cuda")))  # type: ignore[arg-type]
+    assert "variant is 'cuda'" in str(why_no_fork(FakePool({}, variant="cuda")))

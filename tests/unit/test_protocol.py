@@ -49,9 +49,9 @@ def test_oversized_and_malformed_frames_are_protocol_errors() -> None:
 
 
 def test_oversized_frames_are_refused_by_the_sender(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lloyal_pool import protocol
+    from lloyal_pool import _frames
 
-    monkeypatch.setattr(protocol, "MAX_FRAME", 1000)
+    monkeypatch.setattr(_frames, "MAX_FRAME", 1000)
     pack(Kind.RESPONSE, 1, b"x" * 900)
     with pytest.raises(errors.ProtocolError, match="RESPONSE frame of"):
         pack(Kind.RESPONSE, 1, b"x" * 1000)
