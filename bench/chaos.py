@@ -72,6 +72,7 @@ class ChaosConfig:
 class Counts:
     calls: collections.Counter[str] = field(default_factory=collections.Counter)
     typed: collections.Counter[str] = field(default_factory=collections.Counter)
+    samples: dict[str, list[str]] = field(default_factory=dict)  # a few messages of each (op, class)
     untyped: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
     hung: list[str] = field(default_factory=list)
@@ -163,6 +164,7 @@ class Storm:
         self.locks: list[threading.Lock] = []
         self.contexts: list[Context] = []
         self.models: list[Model] = []
+        self.where: list[dict[str, Any]] = []  # where each context was after the storm
         self.pool: Pool | None = None
         self._counts_lock = threading.Lock()
 
@@ -198,7 +200,7 @@ class Storm:
             stacks = "".join(f"\n--- {th.name}\n" + "".join(traceback.format_stack(frame))
                              for th in threading.enumerate() if (frame := sys._current_frames().get(th.ident)))
             with self._counts_lock:
-                self.counts.hung.append(f"{op} did not end within {CALL_BOUND:g}s{stacks}")
+                self.counts.hung.append(f"{op} did not end within {CALL_BOUND:g}s\n{self._states()}{stacks}")
             self.stop.set()
             return None
         kind, value = box[0]
@@ -207,6 +209,9 @@ class Storm:
         with self._counts_lock:
             if isinstance(value, LloyalError):
                 self.counts.typed[type(value).__name__] += 1
+                seen = self.counts.samples.setdefault(f"{op}: {type(value).__name__}", [])
+                if len(seen) < 3:
+                    seen.append(str(value).split("\n")[0][:300])
             else:
                 self.counts.untyped.append(f"{op}: {''.join(traceback.format_exception(value))}")
         return None
@@ -301,7 +306,9 @@ class Storm:
             self.check("chat turn 2", turns[1], want[1])
 
     def op_branches(self, rng: random.Random) -> None:
-        model = rng.choice(self.models)
+        pool = self.pool
+        assert pool is not None
+        model = rng.choice([m for inst in pool.instances for m in inst.models])  # not a drained worker's
 
         prompt = self.refs.cases[rng.randrange(len(self.refs.cases))][0]
 
@@ -351,6 +358,31 @@ class Storm:
                 else:
                     self.op_chat(rng, ctx)
 
+    def _states(self) -> str:
+        """Every context's lifecycle state, one line each (for a report on a call that hung)."""
+        lines = []
+        for ctx in self.contexts:
+            state, core = ctx._link.state, ctx._link.core
+            with core._lock:
+                gens = [(g.phase.value, getattr(g.why, "value", None)) for g in state.gens]
+                lines.append(f"ctx {state.handle}: {state.status.value} hold={state.hold} queued="
+                             f"{[type(c.req).__name__ for c in state.queued]} inflight="
+                             f"{[(type(c.req).__name__, c.state) for c in state.inflight]} deferred="
+                             f"{len(state.deferred)} gens={gens} move={state.move_token is not None} "
+                             f"core={core.proc.worker_id}:{core.machine.phase} pool_has_core="
+                             f"{self.pool is not None and any(i._core is core for i in self.pool.instances)} "
+                             f"machine_inflight={len(core.machine.inflight)} queued={len(core.machine.queued)}")
+        return "\n".join(lines)
+
+    def _where(self, ctx: Context) -> dict[str, Any]:
+        """Where a context is, as its handle and its core see it (for a report on one that fails)."""
+        state, core = ctx._link.state, ctx._link.core
+        pool = self.pool
+        return {"status": state.status.value, "handle": state.handle, "core_phase": core.machine.phase,
+                "core_in_pool": pool is not None and any(i._core is core for i in pool.instances),
+                "model_in_pool": pool is not None and ctx.instance in pool.instances,
+                "in_machine": state in core.machine.contexts}
+
     def disruptor(self) -> None:
         pool = self.pool
         assert pool is not None
@@ -398,6 +430,7 @@ class Storm:
                     t.join(CALL_BOUND + 30)
                 stuck = [t.name for t in threads if t.is_alive()]
                 # After the storm: every context answers, correctly.
+                self.where = [self._where(ctx) for ctx in self.contexts]
                 after_ok = 0
                 for k, ctx in enumerate(self.contexts):
                     i = k % len(self.refs.cases)
@@ -418,8 +451,9 @@ class Storm:
             "config": {**self.cfg.__dict__, "kill_every": list(self.cfg.kill_every)}, "model": self.path,
             "duration_s": round(time.monotonic() - self.t0, 1), "calls": dict(c.calls),
             "calls_total": sum(c.calls.values()),
-            "typed_errors": dict(c.typed), "untyped": c.untyped, "mismatches": c.mismatches, "hung": c.hung,
-            "stuck_threads": stuck, "disruptions": dict(c.disruptions), "contexts_answering_after": after_ok,
+            "typed_errors": dict(c.typed), "typed_samples": c.samples, "untyped": c.untyped,
+            "mismatches": c.mismatches, "hung": c.hung, "stuck_threads": stuck, "where": self.where,
+            "disruptions": dict(c.disruptions), "contexts_answering_after": after_ok,
             "contexts": len(self.contexts), "close_s": round(close_s, 3), "leaks": found, "elsewhere": elsewhere,
         }
         report["passed"] = (not c.untyped and not c.mismatches and not c.hung and not stuck

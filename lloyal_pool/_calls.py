@@ -51,7 +51,7 @@ class CallMachine:
         self.recover = recover
         self.checkpoint_tokens = checkpoint_tokens
         self.budget = budget
-        self.epoch = 0  # bumped by each replacement worker
+        self.epoch = 0  # the worker incarnation: bumped at each death (what a replacement serves)
         self.phase = "alive"  # "recovering", "dead", "closed"
         self.death: BaseException | None = None
         self.contexts: OrderedDict[ContextState, None] = OrderedDict()  # least recently used first
@@ -60,6 +60,8 @@ class CallMachine:
         self.queued: deque[CallRec] = deque()  # worker-level calls waiting for a recovery
         self.salvaged: list[CallRec] = []  # calls in flight at a crash, to send again after it
         self.paging_out: ContextState | None = None
+        self.accepting = True  # contexts may move in (not while the worker is drained)
+        self.deaths = 0  # of the workers that served the slot: a job that began before the latest is stale
         self.page_outs = 0
         self.page_ins = 0
         self._out: list[Action] = []
@@ -99,7 +101,7 @@ class CallMachine:
             self._fail(call, self._dead_context_error(ctx))
             return
         if self.phase in ("closing", "closed") and call.kind is not Kind.FREE:
-            self._fail(call, PoolClosedError("the pool is closed"))
+            self._fail(call, self._stale_error())
             return
         if ctx.notice is not None and call.kind in (Kind.USER, Kind.SEGMENT, Kind.LOAD):
             why, ctx.notice = ctx.notice, None
@@ -361,8 +363,15 @@ class CallMachine:
         for something else, ended). ContextError for one that would have to move and cannot."""
         if gen.phase is not Phase.PAUSED or gen.why is not Why.CALLER:
             return False, self._take()
-        self._go_on(ctx, gen)
+        if ctx.move_token is not None:  # the move takes it paused (its target adopts it): it goes on there
+            ctx.deferred.append(lambda m: m._resume_deferred(ctx, gen))
+        else:
+            self._go_on(ctx, gen)
         return True, self._take()
+
+    def _resume_deferred(self, ctx: ContextState, gen: Generation) -> None:
+        if gen.phase is Phase.PAUSED and gen.why is Why.CALLER and ctx.status is Status.RESIDENT:
+            self._go_on(ctx, gen)
 
     def _go_on(self, ctx: ContextState, gen: Generation) -> None:
         try:
@@ -625,8 +634,10 @@ class CallMachine:
     # -- errors -----------------------------------------------------------------------------------------
     def _stale_error(self) -> BaseException:
         dead = self.death
-        if isinstance(dead, PoolClosedError) or dead is None:
-            return PoolClosedError("the pool is closed")
+        if dead is None:
+            return PoolClosedError("its worker is being closed")
+        if isinstance(dead, PoolClosedError):
+            return copy_error(dead)  # which worker, or the whole pool
         first = str(dead).split("\n--- worker stderr")[0]
         err = DeadWorkerError(f"{first}; its models and contexts are gone. Start a replacement with Pool.replace().",
                               returncode=getattr(dead, "returncode", None), worker_id=getattr(dead, "worker_id", None),
@@ -637,7 +648,7 @@ class CallMachine:
     def _dead_context_error(self, ctx: ContextState) -> BaseException:
         dead = ctx.death if ctx.death is not None else self.death
         if isinstance(dead, PoolClosedError):
-            return PoolClosedError("the pool is closed")
+            return copy_error(dead)
         if isinstance(dead, DeadWorkerError):
             return copy_error(dead)
         first = str(dead).split("\n--- worker stderr")[0] if dead is not None else "its worker died"

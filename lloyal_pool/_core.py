@@ -81,6 +81,7 @@ class WorkerCore:
         self._background: deque[RunJob] = deque()
         self._job_ready = threading.Condition(threading.Lock())
         self._stopping = False
+        self._exited = False  # the loop returned: a job posted now is never run
         self.page_in_s = 0.0
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"lloyal-core{proc.worker_id}")
         self._thread.start()
@@ -204,6 +205,10 @@ class WorkerCore:
     # -- the loop and its jobs ------------------------------------------------------------------------
     def _post(self, job: RunJob) -> None:
         with self._job_ready:
+            if self._exited:
+                if job.kind == "call":  # its caller waits: the worker is closed
+                    job.data[1].set_exception(PoolClosedError(f"worker {self.proc.worker_id} was closed"))
+                return
             (self._background if job.kind in ("page_out", "flush") else self._urgent).append(job)
             self._job_ready.notify()
 
@@ -213,6 +218,11 @@ class WorkerCore:
                 while not (self._urgent or self._background or self._stopping):
                     self._job_ready.wait()
                 if self._stopping and not self._urgent:
+                    for left in self._background:  # the loop is gone: nobody runs them
+                        if left.kind == "call":
+                            left.data[1].set_exception(PoolClosedError("the worker was closed"))
+                    self._background.clear()
+                    self._exited = True
                     return
                 job = self._urgent.popleft() if self._urgent else self._background.popleft()
             try:

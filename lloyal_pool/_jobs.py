@@ -202,20 +202,23 @@ def page_in(core: JobHost, ctx: ContextState) -> None:
     if not core.step(machine.paged_in, ctx, created):
         _free(proc, created.context)
 
-def rebuild(core: JobHost, ctx: ContextState, *, alone: bool = False) -> None:
+
+def rebuild(core: JobHost, ctx: ContextState, *, alone: bool = False, deaths: int | None = None) -> None:
     """Makes ctx again in the worker from its checkpoint and journal; empty, and saying so once, where
-    its history cannot be rebuilt; dead where not even that works."""
+    its history cannot be rebuilt; dead where not even that works. A worker that dies meanwhile leaves it
+    to the next recovery. ``deaths``: as the recovery found them (a rebuild by itself reads them now)."""
     machine = core.machine
     with core._lock:
         if ctx.status is not Status.RECOVERING:
             return
+        deaths = machine.deaths if deaths is None else deaths
         proc, model, params, lora = core.proc, ctx.model, ctx.params, _lora_wire(ctx)
         journal: Journal | None = ctx.journal
         lost = "it keeps no journal" if journal is None else journal.lost
         state = None if journal is None else journal.checkpoint
         entries = [] if journal is None else list(journal.entries)
     if model._closed:
-        core.step(machine.unrestorable, ctx, "its model was closed")
+        core.step(machine.unrestorable, ctx, "its model was closed", deaths)
         return
     if isinstance(state, PendingState):  # read before this job ran (jobs run one at a time)
         state = state.data
@@ -225,14 +228,17 @@ def rebuild(core: JobHost, ctx: ContextState, *, alone: bool = False) -> None:
         try:
             created = _image.make(proc, model._handle, params, lora, state, entries)
         except BaseException as exc:
+            if not proc.alive:
+                return  # the worker died under it: the recovery after that death makes it
             why = f"replaying its history failed ({type(exc).__name__}: {exc})"
     if created is None:
         try:
             created = _image.make(proc, model._handle, params, lora, None)
         except BaseException as exc:
-            core.step(machine.unrestorable, ctx, f"it could not be made again ({exc})")
+            if proc.alive:
+                core.step(machine.unrestorable, ctx, f"it could not be made again ({exc})", deaths)
             return
-    if not core.step(machine.restored, ctx, created, why, alone=alone):
+    if not core.step(machine.restored, ctx, created, why, alone=alone, deaths=deaths):
         _free(proc, created.context)
 
 def recover(core: JobHost) -> None:
@@ -254,6 +260,9 @@ def recover(core: JobHost) -> None:
     with core._lock:
         core.proc = proc
         proc.owner = core
+        deaths = machine.deaths  # a death of the replacement from here on makes this recovery stale
+    if not proc.alive:  # it died before it was ours: nobody told the machine
+        core.step(machine.died, proc._dead or WorkerCrashedError("the replacement died at once"))
     host.adopted(dead, proc)
     if spare is not None:
         with spare.lock:  # its models, loaded ahead, stand in for the dead worker's
@@ -264,9 +273,11 @@ def recover(core: JobHost) -> None:
     with core._lock:
         contexts = machine.to_rebuild()
     for ctx in contexts:
-        rebuild(core, ctx)
+        rebuild(core, ctx, deaths=deaths)
     replayed = len(machine.salvaged)
-    core.step(machine.recovered)
+    core.step(machine.recovered, deaths)
+    if machine.deaths != deaths:
+        return  # the replacement died meanwhile: the recovery queued after that death takes over
     log.warning("[recover] worker %d (pid %d) replaced by worker %d (pid %d): %d call(s) replayed",
                 dead.worker_id, dead.pid, proc.worker_id, proc.pid, replayed)
     host.recovered(core, dead, error, replayed)

@@ -28,6 +28,7 @@ a death is a message like any other.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -58,6 +59,11 @@ class CoreMachine(CallMachine):
     death and the recovery after it."""
 
     # -- moves (migration.py orchestrates: begin here, build in the target, commit or abort) -----------
+    def refuse_moves(self) -> list[Action]:
+        """The worker is being drained (Pool.drain): no context moves in from here on."""
+        self.accepting = False
+        return self._take()
+
     def begin_move(self, ctx: ContextState, token: object, future: Future[Any]) -> list[Action]:
         """Holds ctx for a move: pauses its running generations and, after every call sent before, saves its
         state (a MOVE_SAVE, whose job reads it out: the future gets ("state", file)); a paged-out one moves
@@ -223,6 +229,8 @@ class CoreMachine(CallMachine):
             return []
         recovering = self.recover and isinstance(error, WorkerCrashedError) and self.phase != "closing"
         self.death = error
+        self.deaths += 1
+        self.epoch += 1  # the next worker's: a generation resumed from here on is taken over there first
         if not isinstance(error, WorkerCrashedError) or self.phase == "closing":
             self.phase = "closed"
         else:
@@ -306,6 +314,15 @@ class CoreMachine(CallMachine):
         ctx.checkpointing = False
         ctx.incarnation += 1
         for gen in ctx.gens:
+            seg = gen.segment
+            if seg is not None and seg.state == "queued" and isinstance(seg.req, p.Resume) and recovering:
+                # Resumed, not sent yet: its Resume was for the dead worker, which held it paused. Paused
+                # again, it goes on after the recovery, taken over there first (_serve).
+                ctx.queued = deque(c for c in ctx.queued if c.gen is not gen)
+                gen.segment, gen.adopting = None, None
+                caller = gen.phase is Phase.PAUSING and gen.why is Why.CALLER
+                gen.phase, gen.why = Phase.PAUSED, Why.CALLER if caller else Why.CRASH
+                continue
             if gen.why in (Why.CHECKPOINT, Why.MOVE):
                 if gen.phase is Phase.PAUSED:
                     gen.why = Why.CRASH  # it goes on in the replacement
@@ -321,13 +338,13 @@ class CoreMachine(CallMachine):
         """What the recovery job makes again in the replacement: every context the dead worker held."""
         return [c for c in self.contexts if c.status is Status.RECOVERING]
 
-    def restored(self, ctx: ContextState, desc: Any, lost: str | None = None, *,
-                 alone: bool = False) -> tuple[bool, list[Action]]:
+    def restored(self, ctx: ContextState, desc: Any, lost: str | None = None, *, alone: bool = False,
+                 deaths: int | None = None) -> tuple[bool, list[Action]]:
         """A job made ctx again in the replacement (``lost``: empty, its history not rebuilt, why); False
         when it no longer wants it (closed meanwhile: the job frees it). ``alone``: a context rebuilt by
         itself (a move that aborted after its worker died), which serves at once."""
-        if ctx.status is not Status.RECOVERING:
-            return False, self._take()
+        if ctx.status is not Status.RECOVERING or (deaths is not None and deaths != self.deaths):
+            return False, self._take()  # closed meanwhile, or made in a worker that died since
         self._made(ctx, desc)
         ctx.status = Status.RESIDENT
         if lost is not None:
@@ -343,18 +360,18 @@ class CoreMachine(CallMachine):
             self._police()
         return True, self._take()
 
-    def unrestorable(self, ctx: ContextState, why: str) -> list[Action]:
+    def unrestorable(self, ctx: ContextState, why: str, deaths: int | None = None) -> list[Action]:
         """Not even an empty context could be made again for ctx: it is dead."""
-        if ctx.status is Status.RECOVERING:
+        if ctx.status is Status.RECOVERING and (deaths is None or deaths == self.deaths):
             self._kill(ctx, DeadWorkerError(f"context handle {ctx.handle}: its worker died and {why}"))
         return self._take()
 
-    def recovered(self) -> list[Action]:
+    def recovered(self, deaths: int | None = None) -> list[Action]:
         """The replacement serves: the calls kept at the crash are sent again in their order, then what
-        waited meanwhile; generations a crash or a checkpoint left paused go on."""
-        if self.phase != "recovering":
+        waited meanwhile; generations a crash or a checkpoint left paused go on. Not when the replacement
+        died meanwhile (``deaths``, as the job found them, is stale): the next recovery does it."""
+        if self.phase != "recovering" or (deaths is not None and deaths != self.deaths):
             return self._take()
-        self.epoch += 1
         self.phase, self.death = "alive", None
         for ctx in self.to_rebuild():  # the job did not get to it
             self._kill(ctx, DeadWorkerError(f"context handle {ctx.handle}: its recovery did not complete"))
@@ -416,6 +433,11 @@ class CoreMachine(CallMachine):
             if ctx.page is not None:
                 self._out.append(ClosePage(ctx.page))
                 ctx.page = None
+            checkpoint = None if ctx.journal is None else ctx.journal.checkpoint
+            if isinstance(checkpoint, PendingState):
+                checkpoint = checkpoint.data
+            if hasattr(checkpoint, "close"):  # a state file a move left as the checkpoint
+                self._out.append(ClosePage(checkpoint))
             if ctx.status is not Status.CLOSED:
                 ctx.status, ctx.death = Status.DEAD, error
         while self.queued:

@@ -150,7 +150,7 @@ class Instance(BatchedCalls):
         """Ends this worker (shutdown, then kill after ``timeout``); its handles go stale. For a forked
         instance this is how it ends before its pool does; a pool's own instance can be started again
         with Pool.replace(). Idempotent."""
-        error = PoolClosedError(f"worker {self.worker_id} was closed while the request ran")
+        error = PoolClosedError(f"worker {self.worker_id} was closed")
         self._stop_batchers(error)
         self._core.shutdown()
         self._proc.close(timeout)
@@ -273,8 +273,9 @@ class Instance(BatchedCalls):
             raise StaleHandleError(f"context handle {ctx.handle} was closed")
         if ctx.instance is self:
             raise InvalidArgumentError(f"the context already lives in worker {self.worker_id}")
-        if not self.alive:
-            raise PoolClosedError(f"worker {self.worker_id} is closed or dead: it cannot take a context")
+        if not self.alive or not self._core.machine.accepting:
+            raise PoolClosedError(f"worker {self.worker_id} is closed, dead or being drained: it cannot take a "
+                                  "context")
         for model in self.models:
             if model.path == ctx.model.path and not model._load.vocab_only:
                 move(ctx, model)

@@ -53,44 +53,67 @@ def move(ctx: Context, model: Model) -> None:
     if len(ctx.branches):
         raise ContextError("a context with branches does not move (its state holds one sequence): prune them first")
     link, state = ctx._link, ctx._link.state
-    source: WorkerCore = link.core
     dest: WorkerCore = model.instance._core
     token = object()
     began: Future[tuple[str, Any]] = running()
-    source.step(source.machine.begin_move, state, token, began)
+    link._step("begin_move", state, token, began)  # on the core that holds it then, which another move
+    # may change until the hold is ours
     kind, image = began.result()  # the source's crash error, if it died before the state was read
+    source: WorkerCore = link.core  # held for this move now: no other move commits until it ends
+    if source is dest:  # another thread's move took it there meanwhile
+        _abort(source, state, image)
+        return
     try:
         if any(g.phase is Phase.PAUSED and not g.in_prompt and g.suspension is None for g in state.gens):
             raise ContextError("a stream sampling with mirostat does not move (its sampler's state does not "
                                "travel): let it end first")
+        built_in = None
         if kind == "paged" and dest.machine.budget is not None:
             desc = None  # its page file goes to the target's pager as it is, loaded at its next call
         else:
             adoptions = [g.adoption_at(0) for g in state.gens
                          if g.phase is Phase.PAUSED and not g.in_prompt and g.suspension is not None]
-            desc = _build(dest, model, state.params, [(a._handle, s) for a, s in loras], image, adoptions)
+            desc, built_in = _build(dest, model, state.params, [(a._handle, s) for a, s in loras], image, adoptions)
     except BaseException as exc:
-        source.step(source.machine.abort_move, state)
+        _abort(source, state, image)
         if isinstance(exc, LloyalError) and not isinstance(exc, (BadRequestError, ContextError)):
             raise MigrationError(f"moving context {ctx.handle} to worker {model.instance.worker_id} failed; it "
                                  f"stays in worker {ctx.instance.worker_id}: {exc}") from exc
         raise
-    _commit(ctx, model, loras, source, dest, desc, image)
+    if not _commit(ctx, model, loras, source, dest, desc, image, built_in):
+        _abort(source, state, image)
+        raise MigrationError(f"moving context {ctx.handle} to worker {model.instance.worker_id} failed; it stays "
+                             f"in worker {ctx.instance.worker_id}: the target was closed or drained meanwhile")
+
+
+def _abort(source: WorkerCore, state: Any, image: Any) -> None:
+    """The move failed: the context goes on in its source; its image goes unless its journal keeps it."""
+    source.step(source.machine.abort_move, state)
+    if isinstance(image, _image.StateFile) and not source.machine.recover and image is not state.page:
+        image.close()
 
 
 def _build(dest: WorkerCore, model: Model, params: dict[str, Any], lora: list[tuple[int, float]], image: Any,
-           adoptions: list[Any]) -> p.ContextCreated:
-    """The context made in the target, whole (on the target's loop, which owns its transfer file)."""
-    return dest.on_loop(lambda proc: _image.make(proc, model._handle, params, lora, image, adoptions)).result()
+           adoptions: list[Any]) -> tuple[p.ContextCreated, Any]:
+    """The context made in the target, whole (on the target's loop, which owns its transfer file), and the
+    worker it was made in."""
+    return dest.on_loop(lambda proc: (_image.make(proc, model._handle, params, lora, image, adoptions), proc)).result()
 
 
 def _commit(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]], source: WorkerCore,
-            dest: WorkerCore, desc: Any, image: Any) -> None:
+            dest: WorkerCore, desc: Any, image: Any, built_in: Any) -> bool:
     """The handle now names the context in the target (module docstring): both cores' locks held, in
-    worker order, so that no call slips between them."""
+    worker order, so that no call slips between them. False, committing nothing, where the target no
+    longer takes contexts (it was closed or is being drained) or its worker is not the one the context was
+    made in (it died since)."""
     link, state = ctx._link, ctx._link.state
+    taken = [False]
 
     def commit() -> tuple[list[Action], list[Action]]:
+        if (dest.machine.phase != "alive" or not dest.machine.accepting
+                or (built_in is not None and dest.proc is not built_in)):
+            return [], []
+        taken[0] = True
         queued, out_source = source.machine.release_moved(state)
         ctx.model._contexts.discard(ctx)
         ctx.model = model
@@ -105,6 +128,7 @@ def _commit(ctx: Context, model: Model, loras: list[tuple[LoraAdapter, float]], 
         return out_source, out_dest
 
     source.step_with(dest, commit)
+    return taken[0]
 
 
 __all__ = ["move"]

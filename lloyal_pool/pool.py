@@ -225,6 +225,7 @@ class Pool(BatchedCalls, Subscribers):
                                       writable_dirs=_dirs("writable_dirs", writable_dirs),
                                       network=network, sandbox=sandbox)
         self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()
         self._all_procs: list[WorkerProcess] = []  # everything started, for the finalizer
         self._instances: list[Instance] = []
         self._closed = False
@@ -389,10 +390,23 @@ class Pool(BatchedCalls, Subscribers):
         mirostat stream) raises its error before the old worker is closed: the pool is left with the
         fresh worker in place and the old one still serving what did not move, outside the pool's list
         (move or close what is left on it, then close it: Instance.close)."""
-        if self._closed:
-            raise PoolClosedError("the pool is closed")
         check_timeout(timeout)
-        index = instance if isinstance(instance, int) else self._instances.index(instance)
+        with self._drain_lock:  # two drains of one slot would each put their own fresh worker there
+            if self._closed:
+                raise PoolClosedError("the pool is closed")
+            if isinstance(instance, int):
+                if not -len(self._instances) <= instance < len(self._instances):
+                    raise InvalidArgumentError(f"the pool has no worker {instance}: it has "
+                                               f"{len(self._instances)}")
+                index = instance
+            elif instance in self._instances:
+                index = self._instances.index(instance)
+            else:
+                raise InvalidArgumentError(f"worker {instance.worker_id} is not in the pool (drained or "
+                                           "replaced already)")
+            return self._drain(index, timeout)
+
+    def _drain(self, index: int, timeout: float | None) -> Instance:
         old = self._instances[index]
         proc = self._spawn()
         try:
@@ -408,9 +422,20 @@ class Pool(BatchedCalls, Subscribers):
         with self._lock:
             self._instances[index] = fresh
         self._emit(WorkerEvent("replaced", proc.worker_id, proc.pid, instance=fresh, index=index))
-        while contexts := old.drain_contexts():  # and any made on the old worker meanwhile
-            for ctx in contexts:
-                ctx.move_to(fresh)
+        old._core.step(old._core.machine.refuse_moves)  # no context moves in from here on
+        # Everything that can move does, before the first refusal is raised (and made on the old worker
+        # meanwhile, too).
+        refused: dict[Context, LloyalError] = {}
+        while left := [c for c in old.drain_contexts() if c not in refused]:
+            for ctx in left:
+                try:
+                    ctx.move_to(fresh)
+                except LloyalError as exc:
+                    if ctx.instance is old:  # not closed or moved by another thread meanwhile
+                        refused[ctx] = exc
+        for ctx, refusal in refused.items():
+            if not ctx.closed and ctx.instance is old:
+                raise refusal
         deadline = None if timeout is None else time.monotonic() + timeout
         while any(m._batcher is not None and m._batcher.load for m in old.models) and old.alive and (
                 deadline is None or time.monotonic() < deadline):

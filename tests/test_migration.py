@@ -455,3 +455,50 @@ def test_a_stream_paused_inside_its_prompt_goes_on_from_there(pair: tuple[Pool, 
     assert stream.result.n_cached == 0 and stream.result.n_prompt == len(tokens)
     assert seen == sorted(seen) and seen[-1] == len(tokens)
     ctx.close()
+
+
+def test_moves_and_drains_from_many_threads_keep_every_context_whole(tiny_model: Path) -> None:
+    """Threads move the same contexts about and drain the workers they live on, all at once: each move
+    starts from where the context is when its hold is taken, two drains of one slot take turns, and at
+    the end every context holds what it held, in a worker of the pool."""
+    with Pool(3) as pool:
+        models = [inst.load_model(tiny_model) for inst in pool]
+        contexts = [models[k % 3].new_context(n_ctx=256) for k in range(6)]
+        for k, ctx in enumerate(contexts):
+            ctx.eval([1 + k, 2 + k, 3 + k])
+        held = [ctx.tokens() for ctx in contexts]
+        errors: list[BaseException] = []
+
+        def churn(seed: int) -> None:
+            import random
+
+            rng = random.Random(seed)
+            try:
+                for _ in range(25):
+                    if rng.random() < 0.2:
+                        pool.drain(rng.randrange(len(pool)))
+                        continue
+                    ctx = rng.choice(contexts)
+                    others = [i for i in pool.instances if i is not ctx.instance]
+                    try:
+                        ctx.move_to(rng.choice(others))
+                    except (MigrationError, PoolClosedError, InvalidArgumentError):
+                        pass  # its target was drained, or it got there first by another thread's move
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert not errors, errors
+        assert all(ctx.instance in pool.instances for ctx in contexts)
+        assert [ctx.tokens() for ctx in contexts] == held
+        assert len(pool.instances) == 3 and all(inst.alive for inst in pool.instances)
+        with pytest.raises(InvalidArgumentError):
+            pool.drain(3)
+        gone = pool.instances[0]
+        pool.drain(gone)
+        with pytest.raises(InvalidArgumentError, match="not in the pool"):
+            pool.drain(gone)

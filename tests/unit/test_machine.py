@@ -19,7 +19,7 @@ from lloyal_pool import protocol as p
 from lloyal_pool._generation import Generation, Phase, Why
 from lloyal_pool._journal import GENERATED_TOKEN_COST
 from lloyal_pool._machine import ContextState, CoreMachine, Kind, Status
-from lloyal_pool.errors import ContextLostError, LloyalError
+from lloyal_pool.errors import ContextError, ContextLostError, LloyalError
 from lloyal_pool.params import MAX_SEED
 
 GREEDY = {"temperature": 0.0}
@@ -88,6 +88,50 @@ def test_a_stop_then_a_crash_loses_nothing() -> None:
     fut = core.call(ctx, p.Tokens(context=ctx.handle))
     _settle(core)
     assert fut.result() == held
+
+
+def test_a_stream_resumed_while_its_worker_is_recovering_is_taken_over_by_the_replacement() -> None:
+    """The caller resumes a paused stream after its worker died, before the replacement serves: the
+    Resume waits, and goes out behind the hand-over of the generation (the dead worker held it)."""
+    core = FakeCore(CoreMachine(recover=True), random.Random(6))
+    ctx = core.new_context()
+    gen = core.generation(ctx, _generate(ctx, [3, 4], 8, stream=True), None)
+    core.step_worker()
+    core.on(core.machine.pause, ctx, gen)
+    _settle(core)
+    assert gen.phase is Phase.PAUSED
+    core.kill()
+    core.on(core.machine.resume, ctx, gen)  # the recovery has not run yet
+    _settle(core)
+    assert gen.future.result().n_decoded == 8
+
+
+def test_a_stream_resumed_while_it_moves_goes_on_in_the_target() -> None:
+    """Resumed while a move holds its context, after the target took it over paused: the Resume waits
+    for the commit and goes to the target, which holds the generation now."""
+    source = FakeCore(CoreMachine(recover=True), random.Random(7))
+    target = FakeCore(CoreMachine(recover=True), random.Random(8))
+    ctx = source.new_context()
+    gen = source.generation(ctx, _generate(ctx, [3, 4], 8, stream=True), None)
+    source.step_worker()
+    source.on(source.machine.pause, ctx, gen)
+    _settle(source)
+    began: Future[Any] = Future()
+    began.set_running_or_notify_cancel()
+    source.on(source.machine.begin_move, ctx, object(), began)
+    _settle(source)
+    _kind, image = began.result()
+    source.on(source.machine.resume, ctx, gen)  # the move holds it: nothing goes to the source
+    desc = target.worker.new_context(tuple(image.state if hasattr(image, "state") else image))
+    if gen.phase is Phase.PAUSED and gen.suspension is not None:  # what the target adopts (migration.py)
+        target.worker.contexts[desc.context].suspended = {**gen.suspension, "origin": gen.origin}
+    queued, out_source = source.machine.release_moved(ctx)
+    out_target = target.machine.take_moved(ctx, desc, queued, image)
+    source.do(out_source)
+    target.do(out_target)
+    _settle(source)
+    _settle(target)
+    assert gen.future.result().n_decoded == 8
 
 
 class _Branches:
@@ -347,6 +391,9 @@ class Lifecycle(RuleBasedStateMachine):
         for fut in self.futures:
             exc = fut.exception()
             assert exc is None or isinstance(exc, LloyalError), repr(exc)  # typed, always
+        for gen in self.gens:  # a resume reaches the generation wherever it lives now (taken over there)
+            exc = gen.future.exception()
+            assert not (isinstance(exc, ContextError) and "nothing is paused" in str(exc)), repr(exc)
         for ctx in self.contexts:
             assert ctx.hold is None
 
