@@ -338,10 +338,17 @@ class CallMachine:
         if (gen.phase is not Phase.RUNNING or ctx.hold is not None or ctx.queued or ctx.status is not Status.RESIDENT
                 or ctx.journal is None or ctx.checkpointing):
             return
-        if any(c is not gen.segment and (c.decodes or type(c.req) not in p.READS_ONLY) for c in ctx.inflight):
+        if self._crowded(ctx, gen):
             return
         ctx.hold, ctx.hold_gen = Hold.CHECKPOINT, gen
         self._pause(ctx, gen, Why.CHECKPOINT)
+
+    @staticmethod
+    def _crowded(ctx: ContextState, gen: Generation) -> bool:
+        """Whether a call that changes the context is under way besides gen's segment: a pause of gen for
+        the machine's own ends (a checkpoint, a move) would let that call drop the paused generation."""
+        return any(c is not gen.segment and (c.decodes or type(c.req) not in p.READS_ONLY)
+                   for c in (*ctx.inflight, *ctx.queued))
 
     def _pause(self, ctx: ContextState, gen: Generation, why: Why) -> None:
         gen.phase, gen.why = Phase.PAUSING, why

@@ -87,10 +87,10 @@ class CoreMachine(CallMachine):
             ctx.status = Status.MOVING
             self._out.append(Settle(future, ("paged", ctx.page)))
             return
-        ctx.hold = Hold.MOVE
-        for gen in ctx.gens:
-            if gen.phase is Phase.RUNNING:
+        for gen in ctx.gens:  # paused, it moves as it is; with calls behind it, it ends here first
+            if gen.phase is Phase.RUNNING and not self._crowded(ctx, gen):
                 self._pause(ctx, gen, Why.MOVE)
+        ctx.hold = Hold.MOVE
         self._submit(ctx, CallRec(p.SaveState(context=ctx.handle, path="", in_place=True), ctx, future=future,
                                   kind=Kind.MOVE_SAVE, internal=True,
                                   pending=PendingState() if ctx.journal is not None else None))

@@ -134,6 +134,22 @@ def test_a_stream_resumed_while_it_moves_goes_on_in_the_target() -> None:
     assert gen.future.result().n_decoded == 8
 
 
+def test_a_move_does_not_pause_a_stream_that_a_call_behind_it_would_drop() -> None:
+    """A generate waits behind a stream when a move begins: paused for the move, the stream would be
+    dropped by that generate (a call after a pause drops the paused generation), so it ends first."""
+    core = FakeCore(CoreMachine(recover=True), random.Random(9))
+    ctx = core.new_context()
+    gen = core.generation(ctx, _generate(ctx, [1], 2, stream=True), None)
+    after = core.call(ctx, _generate(ctx, [1], 0))
+    began: Future[Any] = Future()
+    began.set_running_or_notify_cancel()
+    core.on(core.machine.begin_move, ctx, object(), began)
+    _settle(core)
+    core.on(core.machine.abort_move, ctx)
+    _settle(core)
+    assert gen.future.result().n_decoded == 2 and after.result() is not None
+
+
 class _Branches:
     """State of the context that lives only in the worker (a BranchStore holding branches)."""
 
