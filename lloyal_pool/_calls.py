@@ -100,7 +100,7 @@ class CallMachine:
         if ctx.status is Status.DEAD:
             self._fail(call, self._dead_context_error(ctx))
             return
-        if self.phase in ("closing", "closed") and call.kind is not Kind.FREE:
+        if self.phase in ("closing", "closed", "dead") and call.kind is not Kind.FREE:
             self._fail(call, self._stale_error())
             return
         if ctx.notice is not None and call.kind in (Kind.USER, Kind.SEGMENT, Kind.LOAD):

@@ -214,7 +214,7 @@ class CoreMachine(CallMachine):
         if ctx.status is not Status.LOADING:
             return self._take()
         ctx.status = Status.PAGED
-        if not isinstance(error, WorkerCrashedError):
+        if not isinstance(error, WorkerCrashedError):  # its death, once seen, says what becomes of them
             while ctx.queued:
                 self._fail(ctx.queued.popleft(), copy_error(error))
         self._run_deferred(ctx)
@@ -301,10 +301,14 @@ class CoreMachine(CallMachine):
     def _context_died(self, ctx: ContextState, error: BaseException, recovering: bool) -> None:
         if ctx.status in (Status.CLOSED, Status.DEAD):
             return
-        if ctx.status is Status.LOADING:
-            ctx.status = Status.PAGED  # its page file is whole: the replacement pages it in
-            return
-        if ctx.status is Status.PAGED:
+        if ctx.status in (Status.LOADING, Status.PAGED):
+            if recovering:
+                ctx.status = Status.PAGED  # its page file is whole: the replacement pages it in
+                return
+            if ctx.page is not None:  # no replacement will page it in
+                self._out.append(ClosePage(ctx.page))
+                ctx.page = None
+            self._kill(ctx, error)
             return
         if ctx.status is Status.MOVING:
             ctx.death = error  # its state was read out: the move commits or aborts (then it is rebuilt)

@@ -37,13 +37,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
 from ._futures import running
 from ._journal import MAX_ATTEMPTS, deterministic
 from .branches import Branch
+from .context import ContextOwner
 from .errors import (
     ContextOverflowError,
     InvalidArgumentError,
@@ -71,7 +72,6 @@ from .scheduler import Decode, Job, Placement, Scheduler
 if TYPE_CHECKING:
     from .context import Context
     from .lora import LoraAdapter
-    from .model import Model
 
 _log = logging.getLogger("lloyal_pool.batching")
 T = TypeVar("T")
@@ -186,6 +186,17 @@ class BatchRequest:
         self._interrupt()
 
 
+class BatcherOwner(ContextOwner, Protocol):
+    """The model a batcher runs on (a Model, which makes it: Model.batcher): the context it batches on, the
+    batcher that takes its requests when its worker dies, and what a user reaches through ``batcher.model``."""
+
+    def _new_context(self, params: ContextParams, *, pageable: bool) -> Context: ...
+    def _successor_batcher(self, dead: Batcher) -> Batcher | None: ...
+    def batcher(self, *, slots: int | None = None, n_ctx_slot: int | None = None, chunk: int | None = None,
+                n_threads: int | None = None, deterministic: bool | None = None,
+                preempt_slots: int | None = None) -> Batcher: ...
+
+
 class Batcher:
     """Continuous batching of independent generations on one context of ``slots`` sequences of a model
     (see the module's docstring). ``n_ctx_slot`` tokens are each request's room (prompt and generated
@@ -207,7 +218,7 @@ class Batcher:
 
     Made by Model.batcher(); Instance.generate/stream and Pool.generate/stream use the default one."""
 
-    def __init__(self, model: Model, *, slots: int = 8, n_ctx_slot: int = 2048, chunk: int = 128,
+    def __init__(self, model: BatcherOwner, *, slots: int = 8, n_ctx_slot: int = 2048, chunk: int = 128,
                  n_threads: int | None = None, deterministic: bool = False, preempt_slots: int = 0) -> None:
         slots = whole(slots, "slots")
         n_ctx_slot = whole(n_ctx_slot, "n_ctx_slot")

@@ -19,6 +19,7 @@ from ._core import ContextCore, WorkerCore
 from ._files import beneath
 from ._futures import PromptProgress, check_timeout, events, spread_progress
 from ._machine import ContextState, Status
+from ._owners import InstanceLike
 from ._pieces import PieceStream
 from .branches import KV, Branch, BranchStore, GrammarLike
 from .errors import (
@@ -27,7 +28,7 @@ from .errors import (
     StaleHandleError,
     StateError,
 )
-from .lora import LoraAdapter, lora_pairs, lora_wire
+from .lora import LoraAdapter, LoraOwner, lora_pairs, lora_wire
 from .params import (
     RERANK_PROMPT,
     BufferMemory,
@@ -43,14 +44,14 @@ from .params import (
     wire_prompt,
 )
 from .sampler import Sampler
-from .session import Session
+from .session import ChatModel, Session
 from .stream import Stream
 
 if TYPE_CHECKING:
+    import weakref
+
     from ._generation import Generation
     from ._process import WorkerProcess
-    from .instance import Instance
-    from .model import Model
 
 S = TypeVar("S", bound=PieceStream)
 
@@ -62,6 +63,28 @@ class MoveTarget(Protocol):
     def _take_context(self, ctx: Context) -> None: ...
 
 
+class ContextInstance(InstanceLike, MoveTarget, Protocol):
+    """The worker a context lives in (an Instance): what a user reaches through ``ctx.instance``: a target
+    to move another context to, and more models in the same worker (a draft model's, say)."""
+
+    def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                   vocab_only: bool = False, repack: bool = True, progress: Callable[[float], None] | None = None,
+                   timeout: float | None = None) -> ContextOwner: ...
+    def drain_contexts(self) -> list[Context]: ...
+
+
+class ContextOwner(LoraOwner, ChatModel, Protocol):
+    """The model a context runs on (a Model, which makes it): what a context and the adapters and sessions
+    on it use of it, and what a user reaches through ``ctx.model``: the tokenizer, templates, adapters,
+    and more contexts of the same model."""
+
+    @property
+    def instance(self) -> ContextInstance: ...
+    @property
+    def _contexts(self) -> weakref.WeakSet[Context]: ...
+    def new_context(self, params: ContextParams | None = None, **overrides: Any) -> Context: ...
+
+
 class Context:
     """A context (KV cache) in one worker: generate, stream, evaluate, read logits, interrupt; embed and
     rerank in an embedding context; branches (``branches``, a BranchStore) and raw KV sequences (``kv``,
@@ -70,7 +93,7 @@ class Context:
     its request has been served. Once it is closed (or its model is), or its worker died, its methods
     raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
-    def __init__(self, model: Model, desc: p.ContextCreated, params: ContextParams | None = None, *,
+    def __init__(self, model: ContextOwner, desc: p.ContextCreated, params: ContextParams | None = None, *,
                  pageable: bool = True) -> None:
         self.model = model
         self._params = params or ContextParams()  # what it was created with: it is made so again
@@ -95,7 +118,7 @@ class Context:
         core.step(core.machine.admit, state)
 
     @property
-    def instance(self) -> Instance:
+    def instance(self) -> ContextInstance:
         """The worker the context lives in now (a move changes it)."""
         return self.model.instance
 
@@ -511,7 +534,7 @@ class Context:
         return self._link.call(p.LoadState(context=self.handle, path=os.path.abspath(os.fspath(path)))).result()
 
     # -- live migration --------------------------------------------------------------------------------
-    def move_to(self, instance: Instance) -> None:
+    def move_to(self, instance: MoveTarget) -> None:
         """Moves the context to another worker: its tokens, KV cache, last logits and LoRA configuration
         (the target must have loaded the same model file, and the adapters), and a stream running or
         paused on it, which goes on in the target token for token as if it had not moved (its iterator

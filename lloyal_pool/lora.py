@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import protocol as p
+from ._owners import ModelLike
 from .errors import BadRequestError, LoraError, StaleHandleError
 
-if TYPE_CHECKING:
-    from .model import Model
+
+class LoraOwner(ModelLike, Protocol):
+    """The model an adapter was loaded for (a Model, which makes it: Model.load_lora): what the adapter uses
+    of it (it is freed with it), and what a user reaches through ``adapter.model``, its adapters included."""
+
+    @property
+    def _closed(self) -> bool: ...
+    @property
+    def _loras(self) -> set[LoraAdapter]: ...
+    @property
+    def loras(self) -> list[LoraAdapter]: ...
+    def load_lora(self, path: str | os.PathLike[str]) -> LoraAdapter: ...
+    def lora(self, name: str) -> LoraAdapter: ...
 
 
 class LoraAdapter:
     """A LoRA adapter loaded in one worker for one model (Model.load_lora). Apply it to contexts of that
     model with Context.set_lora; each context has its own configuration."""
 
-    def __init__(self, model: Model, handle: int, path: str, alpha: float, meta: Mapping[str, str]) -> None:
+    def __init__(self, model: LoraOwner, handle: int, path: str, alpha: float, meta: Mapping[str, str]) -> None:
         self.model = model
         self._handle = handle
         self._closed = False

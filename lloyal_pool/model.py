@@ -8,17 +8,17 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import msgspec
 
 from . import protocol as p
 from ._files import irregular_path
-from .batching import Batcher
+from .batching import Batcher, BatchRequest
 from .chat import ChatMessage
-from .context import Context
+from .context import Context, ContextInstance
 from .errors import (
     BadRequestError,
     DeadWorkerError,
@@ -29,13 +29,13 @@ from .errors import (
     StaleHandleError,
 )
 from .lora import LoraAdapter
-from .params import ContextParams, ModelInfo, token_id, token_ids
+from .params import ContextParams, GenerateParams, ModelInfo, Result, token_id, token_ids
 from .protocol import Request
+from .stream import Stream
 
 if TYPE_CHECKING:
     from ._core import WorkerCore
     from ._process import WorkerProcess
-    from .instance import Instance
 
 _model_serials = itertools.count()
 R = TypeVar("R")
@@ -100,13 +100,49 @@ class MemorySource:
         return fut
 
 
+class ModelOwner(ContextInstance, Protocol):
+    """The worker a model is loaded in (an Instance, which makes it: Instance.load_model): the models it
+    holds and where their batched requests go, and what a user reaches through ``model.instance``: more
+    models in the same worker, and batched requests on them."""
+
+    @property
+    def _models(self) -> set[Model]: ...
+    @property
+    def _reroute(self) -> Callable[[Model], Batcher | None] | None: ...
+    def _route(self, model: Model | str | None, prompt: str | Sequence[int],
+               lora: Iterable[str] = ()) -> tuple[Batcher, list[int]]: ...
+    @property
+    def models(self) -> list[Model]: ...
+    def load_model(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                   vocab_only: bool = False, repack: bool = True, progress: Callable[[float], None] | None = None,
+                   timeout: float | None = None) -> Model: ...
+    def load_model_from_memory(self, data: ModelBytes, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                               vocab_only: bool = False, repack: bool = True,
+                               progress: Callable[[float], None] | None = None,
+                               timeout: float | None = None) -> Model: ...
+    def submit(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+               model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
+               **overrides: Any) -> BatchRequest: ...
+    @overload
+    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                 model: Model | str | None = None, on_piece: Callable[[str], None] | None = None,
+                 timeout: float | None = None, n: None = None, best_of: None = None, **overrides: Any) -> Result: ...
+    @overload
+    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                 model: Model | str | None = None, on_piece: Callable[[int, str], None] | None = None,
+                 timeout: float | None = None, n: int, best_of: int | None = None,
+                 **overrides: Any) -> list[Result]: ...
+    def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+               model: Model | str | None = None, timeout: float | None = None, **overrides: Any) -> Stream: ...
+
+
 class Model:
     """A model loaded in one worker (Instance.load_model). Contexts created from it share its weights.
     ``info`` is its ModelInfo, ``path`` the absolute path it was loaded from, ``instance`` its worker.
     Its methods that ask the worker block until it replies; once the model is closed, or its worker died,
     they raise StaleHandleError (PoolClosedError once the pool is closed)."""
 
-    def __init__(self, instance: Instance, handle: int, info: ModelInfo, path: str,
+    def __init__(self, instance: ModelOwner, handle: int, info: ModelInfo, path: str,
                  load: p.LoadModel | None = None, source: MemorySource | None = None) -> None:
         self.instance = instance
         self._handle = handle  # its number in the worker: a recovery renumbers it (WorkerCore._load_models)

@@ -18,9 +18,10 @@ exits (worker/loop.py).
 Every operation is declared once, below, as a request struct: its fields, its ``op``, whether it
 ``decodes`` (then the client tracks it so that Context.interrupt() can stop it), and its reply type, the
 parameter of ``Request[...]``. The client builds these structs and gets the reply type back from the
-future (client._link); the worker's engine registers one handler per struct (worker/engine.py) and its
-loop dispatches by the struct's type. mypy checks both ends against the same declaration, and msgspec
-checks every field's type when a request arrives: a request with an unknown op, an unknown field or a
+future (the context's core, _core.py); the worker's engine registers one handler per struct
+(worker/*_handlers.py, through worker/registry.py's ``handles``) and its loop dispatches by the struct's
+type. mypy checks both ends against the same declaration, and msgspec checks every field's type when a
+request arrives: a request with an unknown op, an unknown field or a
 field of the wrong type fails with BadRequestError, and the worker goes on serving.
 """
 

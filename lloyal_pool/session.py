@@ -22,19 +22,63 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import protocol as p
 from ._futures import PromptProgress
+from ._owners import InstanceLike, ModelLike
 from .chat import TOOL_CHOICES, ChatMessage, ToolCall
 from .errors import BadRequestError, InvalidArgumentError, LloyalError
 from .params import GenerateParams, Grammar, Result, StopReason
 from .stream import Stream
 
 if TYPE_CHECKING:
-    from .context import Context
+    from ._core import ContextCore
 
 _log = logging.getLogger("lloyal_pool")
+
+
+class ChatModel(ModelLike, Protocol):
+    """The model a session's context runs on (a Model): the chat formatting and parsing a turn asks it for,
+    besides what every handle's user reaches through ``.model``."""
+
+    def _format_chat(self, messages: Sequence[Mapping[str, Any]], *, template: str | None,
+                     tools: Sequence[Mapping[str, Any]] | None, tool_choice: str = "auto") -> p.ChatPrompt: ...
+    def _parse_chat(self, text: str, *, template: str | None, tools: Sequence[Mapping[str, Any]] | None,
+                    messages: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
+                    partial: bool = False) -> ChatMessage: ...
+
+
+class SessionOwner(Protocol):
+    """The context a session runs on (a Context, which makes it: Context.chat): what a turn uses of it, and
+    what a user reaches through ``session.context`` to look at the conversation's cache or work on it."""
+
+    @property
+    def model(self) -> ChatModel: ...
+    @property
+    def instance(self) -> InstanceLike: ...
+    @property
+    def _link(self) -> ContextCore: ...
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def handle(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def generate(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+                 append: bool = False, on_piece: Callable[[str], None] | None = None,
+                 progress: PromptProgress | None = None, timeout: float | None = None, **overrides: Any) -> Result: ...
+    def stream(self, prompt: str | Sequence[int], params: GenerateParams | None = None, *,
+               append: bool = False, progress: PromptProgress | None = None, timeout: float | None = None,
+               **overrides: Any) -> Stream: ...
+    def _start_stream(self, s: ChatStream, prompt: str | Sequence[int], params: GenerateParams, *, append: bool,
+                      progress: PromptProgress | None) -> ChatStream: ...
+    def tokens(self) -> list[int]: ...
+    def n_past(self) -> int: ...
+    def reset(self) -> None: ...
+    def save_state(self) -> bytes: ...
+    def load_state(self, data: bytes | bytearray | memoryview) -> int: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -206,7 +250,7 @@ class Session:
     last streamed reply to end. A turn whose generation or parse fails is not recorded (the error is
     raised to whoever waits for it); the session stays as it was before that turn."""
 
-    def __init__(self, context: Context, system: str | None = None, *, template: str | None = None,
+    def __init__(self, context: SessionOwner, system: str | None = None, *, template: str | None = None,
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
                  params: GenerateParams | None = None, **defaults: Any) -> None:
         if tool_choice not in TOOL_CHOICES:

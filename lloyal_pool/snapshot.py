@@ -14,14 +14,14 @@ created with).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from . import protocol as p
 from ._process import WorkerProcess
 from .context import Context
 from .errors import SnapshotError
 from .instance import Instance
-from .lora import LoraAdapter
+from .lora import LoraAdapter, LoraOwner
 from .model import Model
 
 Handle = Model | Context | LoraAdapter
@@ -182,9 +182,11 @@ def _carry(handles: Mapping[str, Handle], make_model: Callable[[Model], Model],
     models: dict[int, Model] = {}
     adapters: dict[int, LoraAdapter] = {}
 
-    def model(old: Model) -> Model:
+    def model(old: Model | LoraOwner) -> Model:
         if id(old) not in models:
-            models[id(old)] = make_model(old)
+            # A context's or an adapter's model is the Model that made it, named by a Protocol only
+            # because their modules are below model.py.
+            models[id(old)] = make_model(cast(Model, old))
         return models[id(old)]
 
     def adapter(old: LoraAdapter) -> LoraAdapter:

@@ -36,6 +36,9 @@ from lloyal_pool.errors import ContextError, WorkerCrashedError
 from lloyal_pool.params import MAX_SEED, EvalResult, Result, StopReason
 
 _ids = itertools.count(1)
+DROPPED: set[int] = set()
+"""The origins of paused generations that another call on their context dropped (in any fake worker): a
+Resume of one is refused, rightly."""
 
 
 def next_token(tokens: list[int]) -> int:
@@ -132,7 +135,8 @@ class FakeWorker:
         if isinstance(req, p.ContextRequest) and type(req) not in p.READS_ONLY and not isinstance(
                 req, (p.Resume, p.AdoptGeneration)):
             ctx = self.contexts.get(req.context)
-            if ctx is not None:
+            if ctx is not None and ctx.suspended is not None:
+                DROPPED.add(int(ctx.suspended["origin"]))
                 ctx.suspended = None  # another call drops a paused generation
         if isinstance(req, p.Generate):
             ctx = self._ctx(req)

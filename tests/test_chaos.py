@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from chaos import ChaosConfig, Storm, summary  # noqa: E402
+from chaos import ChaosConfig, Storm, summary
 
 
 @pytest.mark.timeout(400)

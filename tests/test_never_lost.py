@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lloyal_pool import Pool, Result, StopReason
+from lloyal_pool import ContextLostError, DeadWorkerError, Pool, PoolClosedError, Result, StopReason
 
 GREEDY: dict[str, Any] = dict(temperature=0.0, n_predict=24, ignore_eos=True)
 POOLS = {
@@ -117,3 +117,47 @@ def test_close_during_a_generation_returns_at_once(gemma_path: Path) -> None:
     assert took < 1.0, f"close() took {took:.2f} s"
     for fut in running:
         assert fut.done()
+
+
+def _dead(pool: Pool, index: int) -> None:
+    """SIGKILLs pool[index] and waits until the pool has seen it die."""
+    inst = pool[index]
+    os.kill(inst.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while inst.alive:
+        assert time.monotonic() < deadline, "the death was never seen"
+        time.sleep(0.01)
+
+
+def test_calls_around_a_dead_worker_are_typed_errors_naming_the_cause(tiny_model: Path) -> None:
+    """A move to a worker that died, a page-in in one, a checkpoint of a context that came back empty:
+    each a LloyalError that says why, never an OSError; with recovery the page-in just works."""
+    with Pool(2, max_resident_contexts=1) as pool:
+        here, there = (inst.load_model(tiny_model) for inst in pool)
+        ctx, paged = here.new_context(n_ctx=256), here.new_context(n_ctx=256)
+        ctx.eval([1, 2, 3])
+        paged.eval([4, 5])
+        ctx.eval([6])  # the other one pages out to make room
+        pool[0]._core.settle(10)
+        assert paged.paged
+        _dead(pool, 1)
+        with pytest.raises(PoolClosedError, match="dead"):
+            ctx.move_to(pool[1])
+        assert ctx.tokens() == [1, 2, 3, 6]
+        _dead(pool, 0)
+        with pytest.raises(DeadWorkerError, match="SIGKILL"):
+            paged.tokens()  # its page-in has no worker
+        del there
+    with Pool(1, recover=True, max_resident_contexts=1) as pool:
+        model = pool[0].load_model(tiny_model)
+        ctx, paged = model.new_context(n_ctx=256, n_seq_max=2), model.new_context(n_ctx=256)
+        paged.eval([4, 5])
+        ctx.branch([1, 2, 3])  # branches: nothing rebuilds it, it comes back empty
+        pool[0]._core.settle(10)
+        assert paged.paged
+        _recovered(pool, lambda: os.kill(pool[0].pid, signal.SIGKILL))
+        assert paged.tokens() == [4, 5]  # paged in in the replacement
+        with pytest.raises(ContextLostError, match="branches"):
+            ctx.tokens()
+        ctx.checkpoint()  # once said, it serves: empty
+        assert ctx.tokens() == []

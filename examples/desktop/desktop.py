@@ -215,6 +215,8 @@ class DesktopApp:
                 self.root.title(f"lloyal_pool desktop — worker pid {self.pool[0].pid}")
                 if self._job is not None:
                     self._set_status("worker replaced; the reply goes on")
+                else:  # a death between replies: "recovering…" must not stay on once it is over
+                    self._set_status(f"worker replaced (pid {self.pool[0].pid}); ready")
             return
         if run is None or item.job is not self._job:
             return

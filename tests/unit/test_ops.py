@@ -1,4 +1,4 @@
-"""Every operation is declared once (protocol.py) and has a handler (worker/engine.py) whose types match
+"""Every operation is declared once (protocol.py) and has a handler (worker/*_handlers.py) whose types match
 the declaration, and a golden frame: the exact bytes a request of it puts on the wire."""
 
 from __future__ import annotations
