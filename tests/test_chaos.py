@@ -19,9 +19,9 @@ from chaos import ChaosConfig, Storm, summary
 
 @pytest.mark.timeout(400)
 def test_the_storm_leaves_nothing_hung_untyped_wrong_or_behind(tiny_model: Path) -> None:
-    cfg = ChaosConfig(duration=45.0, seed=5, kill_every=(3.0, 6.0), model="tiny", verbose=False)
+    cfg = ChaosConfig(duration=30.0, seed=5, kill_every=(3.0, 6.0), model="tiny", verbose=False)
     report = Storm(cfg, str(tiny_model)).run()
     print(summary(report))
     assert sum(report["disruptions"].values()) >= 5, report["disruptions"]  # the storm did storm
-    assert report["calls_total"] >= 300, report["calls"]
+    assert report["calls_total"] >= 200, report["calls"]
     assert report["passed"], summary(report)

@@ -416,7 +416,7 @@ class Lifecycle(RuleBasedStateMachine):
 
 
 TestLifecycle = Lifecycle.TestCase
-TestLifecycle.settings = settings(max_examples=2000, stateful_step_count=60, deadline=None,
+TestLifecycle.settings = settings(max_examples=800, stateful_step_count=60, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
 
 
