@@ -177,9 +177,7 @@ def create_sessions(pool: Pool, model: Model, n: int) -> tuple[list[Context], li
 
 def settle(ctx: Context) -> None:
     """Lets the page-outs the worker's pager runs in the background end."""
-    pager = ctx.instance._pager
-    if pager is not None:
-        pager.settle(30)
+    ctx.instance._core.settle(30)
 
 
 def pick_paged(rng: random.Random, contexts: list[Context], exclude: set[int]) -> int:

@@ -62,10 +62,8 @@ def one_round(pool: Pool, spares: int, threads: int) -> dict[str, Any]:
             if "".join(stream) != reference:
                 raise RuntimeError("a stream's text differs from generate's")
         stream_ms = (time.perf_counter() - t0) * 1000.0
-        journal = ctx._link.journal  # a background checkpoint (checkpoint_tokens) lands before the kill
-        deadline = time.monotonic() + 30
-        while journal is not None and journal._checkpointing and time.monotonic() < deadline:  # type: ignore[attr-defined]
-            time.sleep(0.01)
+        link = ctx._link  # a background checkpoint (checkpoint_tokens) lands before the kill
+        link.core.wait_for(lambda: not link.state.checkpointing, 30)
         deadline = time.monotonic() + 120
         while pool.spares < spares and time.monotonic() < deadline:  # a fresh spare, its model loaded
             time.sleep(0.05)
