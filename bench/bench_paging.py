@@ -176,7 +176,7 @@ def create_sessions(pool: Pool, model: Model, n: int) -> tuple[list[Context], li
 
 
 def settle(ctx: Context) -> None:
-    """Lets the page-outs the worker's pager runs in the background end."""
+    """Lets the page-outs the worker's core runs in the background end."""
     ctx.instance._core.settle(30)
 
 

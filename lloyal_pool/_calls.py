@@ -492,6 +492,7 @@ class CallMachine:
         if call.internal and call.kind is Kind.SAVE:
             if call.future is None:  # the machine's own (Context.checkpoint() is the caller's)
                 ctx.checkpointing = False
+                self._out.append(Notify())  # a waiter on ``state.checkpointing`` (a benchmark's count)
             gen = call.data
             if isinstance(gen, Generation):
                 self._resume_held(ctx, gen)
