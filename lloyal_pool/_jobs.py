@@ -150,9 +150,7 @@ def transfer(core: JobHost, call: CallRec) -> None:
                     data = b""
                 return
             if call.kind is Kind.MOVE_SAVE:
-                image = _image.StateFile(None)
-                image.fill(f.fd)
-                data = image
+                data = _image.kept(proc, f, None)
             elif call.kind is Kind.SAVE:
                 data = f.read()
     except (OSError, LloyalError) as exc:
@@ -174,8 +172,7 @@ def page_out(core: JobHost, ctx: ContextState) -> None:
         if proc.call(p.NPast(context=handle)).result():
             with proc.transfer() as f:
                 proc.call(p.SaveState(context=handle, path=f.path, in_place=True)).result()
-                page = _image.StateFile(core.page_dir)
-                page.fill(f.fd)
+                page = _image.kept(proc, f, core.page_dir)
         proc.call(p.FreeContext(context=handle)).result()
     except (LloyalError, WorkerCrashedError, OSError) as exc:
         log.debug("page-out of context %d failed: %s", handle, exc)

@@ -40,6 +40,7 @@ class Op(str, enum.Enum):
     RERANK = "rerank"
     SAVE_STATE = "save_state"
     LOAD_STATE = "load_state"
+    RENEW_TRANSFER = "renew_transfer"
     SCORE = "score"
     SCORE_CHOICES = "score_choices"
     # Branches (branches.Branch / BranchStore), all on one context.

@@ -60,6 +60,7 @@ from .protocol import (
     Kind,
     PeerClosed,
     Reap,
+    RenewTransfer,
     Request,
     pack,
     parse_reply,
@@ -332,6 +333,17 @@ class WorkerProcess:
             return self._transfer
         box = self.hello.get("sandbox", {})
         return TransferFile(self._cwd if box.get("landlock") and not box.get("disabled") else None)
+
+    def take_transfer(self, f: TransferFile | WorkerTransfer) -> int | None:
+        """What the worker wrote into f (its reply received), as a descriptor now the caller's, the
+        worker's next transfer given a new file: a state kept without copying it out. None where the
+        worker could not renew its file (it died): f still holds the state, for the caller to copy."""
+        if isinstance(f, WorkerTransfer):
+            try:
+                self.call(RenewTransfer(fd=f.worker_fd)).result()
+            except (LloyalError, WorkerCrashedError):
+                return None
+        return f.take()
 
     # -- calls ----------------------------------------------------------------------------------------
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import threading
 import time
 import weakref
@@ -193,7 +194,8 @@ class Pool(BatchedCalls, Subscribers):
         if page_dir is not None and not (isinstance(page_dir, (str, os.PathLike)) and os.path.isdir(page_dir)
                                          and os.access(page_dir, os.W_OK)):
             raise InvalidArgumentError(f"page_dir is a writable directory or None, got {page_dir!r}")
-        self._paging = (max_resident_contexts, None if page_dir is None else os.path.realpath(os.fspath(page_dir)))
+        self._paging = (max_resident_contexts,
+                        os.path.realpath(tempfile.gettempdir() if page_dir is None else os.fspath(page_dir)))
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise InvalidArgumentError(f"spares is an int of ready workers >= 0, got spares={spares!r}")
         if fork_spares is not None and not isinstance(fork_spares, bool):

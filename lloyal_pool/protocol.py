@@ -57,7 +57,7 @@ from .chat import ChatMessage
 from .errors import BadRequestError, ProtocolError
 from .params import BranchInfo, BufferMemory, Device, EvalResult, KVPressure, Result, Score
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 R = TypeVar("R")
 
 
@@ -268,6 +268,15 @@ class LoadState(ContextRequest[int]):
 
     op = Op.LOAD_STATE
     path: str
+
+
+class RenewTransfer(Request[None]):
+    """The worker's transfer memfd (``fd``, the number its HELLO named) names a new, empty file from now
+    on: the one it named, holding the state a SaveState just wrote, is left to the parent, which keeps it
+    (a move's image, a page) instead of copying it out."""
+
+    op = Op.RENEW_TRANSFER
+    fd: int
 
 
 class ScoreText(ContextRequest[Score]):

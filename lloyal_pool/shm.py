@@ -377,6 +377,13 @@ class TransferFile:
         with mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ) as mm:
             return mm[:]
 
+    def take(self) -> int:
+        """The file, with what the worker wrote, as a descriptor now the caller's (unnamed from now on);
+        this object is closed."""
+        taken, self._fd = self._fd, -1
+        self.close()
+        return taken
+
     def close(self) -> None:
         """Idempotent."""
         if self._fd >= 0:
@@ -390,6 +397,9 @@ class TransferFile:
             self._tmp_path = None
 
 
+TRANSFER_MEMFD = "lloyal_pool_transfer"  # the name of a confined worker's transfer memfd
+
+
 class WorkerTransfer:
     """TransferFile's stand-in for a Landlock-confined worker, which may not open the parent's
     /proc/<pid>/fd: a memfd the worker created before it confined itself (it opens it as /proc/self/fd/<n>),
@@ -400,7 +410,9 @@ class WorkerTransfer:
     def __init__(self, worker_pid: int, worker_fd: int) -> None:
         import threading
 
-        self._fd = os.open(f"/proc/{worker_pid}/fd/{worker_fd}", os.O_RDWR | os.O_CLOEXEC)
+        self._proc_path = f"/proc/{worker_pid}/fd/{worker_fd}"
+        self._fd = os.open(self._proc_path, os.O_RDWR | os.O_CLOEXEC)
+        self.worker_fd = worker_fd
         self.path = f"/proc/self/fd/{worker_fd}"  # the worker's path to it
         self.lock = threading.Lock()
 
@@ -428,6 +440,17 @@ class WorkerTransfer:
     def read(self) -> bytes:
         """What the worker wrote, once it replied."""
         return _pread_all(self._fd)
+
+    def take(self) -> int:
+        """This file, with what the worker wrote, as a descriptor now the caller's, once the worker's
+        number names a new file (protocol.RenewTransfer): this object goes on with that one (closed, where
+        the worker died meanwhile). Called inside the transfer."""
+        taken = self._fd
+        try:
+            self._fd = os.open(self._proc_path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            self._fd = -1
+        return taken
 
     def close(self) -> None:
         """Idempotent."""

@@ -27,8 +27,10 @@ from lloyal_pool import (
     PoolClosedError,
     StaleHandleError,
     WorkerCrashedError,
+    _image,
     _jobs,
 )
+from lloyal_pool import protocol as p
 from lloyal_pool._machine import Kind
 from lloyal_pool.context import Context
 from lloyal_pool.errors import BadRequestError
@@ -523,3 +525,63 @@ def test_a_drain_moves_what_can_move_before_it_raises_what_cannot(tiny_model: Pa
         stuck.move_to(pool[0])  # once pruned it moves; the old worker is then empty
         old.close()
         assert stuck.instance is pool[0] and free.tokens() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("sandbox", [True, False], ids=["confined", "unconfined"])
+def test_a_move_hands_over_the_saved_file_and_leaves_no_descriptor(tiny_model: Path, sandbox: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source's transfer file becomes the move's image, not a copy of it (a confined worker is given a
+    new one: RenewTransfer); twenty moves leave every byte of the state as it was, and no descriptor."""
+
+    def copied(*args: Any) -> None:
+        raise AssertionError("a move copied its state out of the source's transfer file")
+
+    monkeypatch.setattr(_image.StateFile, "fill", copied)
+    with Pool(2, sandbox=sandbox) as pool:
+        models = [inst.load_model(tiny_model) for inst in pool]
+        ctx = models[0].new_context(n_ctx=256)
+        ctx.eval(list(range(3, 120)))
+        state = ctx.save_state()
+        ctx.move_to(pool[1])
+        ctx.move_to(pool[0])
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(10):
+            ctx.move_to(pool[1])
+            ctx.move_to(pool[0])
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert ctx.save_state() == state
+        transfer = pool[1]._proc._transfer
+        assert (transfer is not None) is sandbox  # a confined worker's own memfd, emptied after each use
+        if transfer is not None:
+            assert os.fstat(transfer.fd).st_size == 0
+            with pytest.raises(BadRequestError, match="not this worker's transfer file"):
+                pool[1]._proc.call(p.RenewTransfer(fd=0)).result()  # its stdin: refused, nothing swapped
+            ctx.move_to(pool[1])  # which still serves, its transfer file and all
+            ctx.generate("", append=True, n_predict=4, ignore_eos=True)
+            assert ctx.n_past() == 117 + 4
+
+
+def test_a_source_killed_once_its_state_was_saved_still_moves(tiny_model: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between its SaveState's reply and renewing its transfer file: the state is read out of the
+    file all the same (the parent holds it), so the move commits in the target with all of it."""
+    with Pool(2) as pool:
+        models = [inst.load_model(tiny_model) for inst in pool]
+        ctx = models[0].new_context(n_ctx=256)
+        ctx.eval(list(range(3, 120)))
+        tokens = ctx.tokens()
+        proc = pool[0]._proc
+        take = type(proc).take_transfer
+
+        def killed_first(self: Any, f: Any) -> Any:
+            if self is proc:
+                os.kill(proc.pid, signal.SIGKILL)
+                while proc.alive:
+                    time.sleep(0.005)
+            return take(self, f)
+
+        monkeypatch.setattr(type(proc), "take_transfer", killed_first)
+        ctx.move_to(pool[1])
+        assert ctx.instance is pool[1] and ctx.tokens() == tokens
+        ctx.generate("", append=True, n_predict=4, ignore_eos=True)
+        assert ctx.n_past() == len(tokens) + 4

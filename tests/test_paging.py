@@ -8,6 +8,7 @@ Every comparison is with a reference run on this machine, in a context that was 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -279,6 +280,20 @@ def test_page_files_live_in_page_dir_and_leave_nothing_behind(gemma_path: Path, 
         stats = pool[0].stats()["paging"]
         assert stats["page_dir"] == os.path.realpath(tmp_path) and stats["page_disk_bytes"] > 0
         assert os.listdir(tmp_path) == []  # unnamed files: nothing to clean up whoever crashes
+
+
+def test_page_files_go_to_the_temporary_directory_by_default(gemma_path: Path) -> None:
+    """On disk where the system keeps temporary files, not in memory: paging is there to free memory."""
+    with Pool(1, max_resident_contexts=1) as pool:
+        model = pool[0].load_model(gemma_path)
+        a, b = model.new_context(n_ctx=N_CTX), model.new_context(n_ctx=N_CTX)
+        a.eval(PROMPTS[0])
+        b.eval(PROMPTS[1])
+        assert _settled(a) == [True]
+        page = a._link.state.page
+        assert page is not None
+        assert os.readlink(f"/proc/self/fd/{page.fd}").startswith(os.path.realpath(tempfile.gettempdir()) + "/")
+        assert pool[0].stats()["paging"]["page_dir"] == os.path.realpath(tempfile.gettempdir())
 
 
 def _within(seconds: float, fn: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import variants
 from ..protocol import PROTOCOL_VERSION, Kind, error_payload, pack, write_frame
-from ..shm import Region, RegionSpec
+from ..shm import TRANSFER_MEMFD, Region, RegionSpec
 from . import landlock, sandbox
 
 
@@ -89,7 +89,7 @@ def confine(args: argparse.Namespace) -> dict[str, Any]:
     # The parent cannot hand a confined worker its memfds (/proc/<parent>/fd is closed to it), so the
     # worker makes the one its state transfers use (memfd_create is no path access Landlock checks), and
     # the parent opens it through /proc/<worker>/fd.
-    info["transfer_fd"] = os.memfd_create("lloyal_pool_transfer", os.MFD_CLOEXEC) if (
+    info["transfer_fd"] = os.memfd_create(TRANSFER_MEMFD, os.MFD_CLOEXEC) if (
         info["landlock"] and hasattr(os, "memfd_create")) else None
     return info
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 
 from .. import protocol as p
-from ..errors import ContextError
+from ..errors import BadRequestError, ContextError
 from ..protocol import MAX_FRAME
+from ..shm import TRANSFER_MEMFD
 from .branch_handlers import branch_state
 from .file_checks import check_state_path
 from .registry import Call, ContextEntry, Registry, handles
@@ -46,6 +47,22 @@ class StateHandlers(Registry):
         entry = self._context(req.context)
         check_state_path(req.path, reading=True)
         return int(entry.native.load_state(req.path))
+
+    @handles(p.RenewTransfer)
+    def renew_transfer(self, req: p.RenewTransfer, call: Call) -> None:
+        # The number stays, so the path the parent names in a SaveState or LoadState stays; the file
+        # behind it is new. The parent holds the old one by its own descriptor: nothing is copied.
+        try:
+            name = os.readlink(f"/proc/self/fd/{req.fd}")
+        except OSError:
+            name = ""
+        if not name.startswith(f"/memfd:{TRANSFER_MEMFD} "):
+            raise BadRequestError(f"descriptor {req.fd} is not this worker's transfer file")
+        fresh = os.memfd_create(TRANSFER_MEMFD, os.MFD_CLOEXEC)
+        try:
+            os.dup2(fresh, req.fd, inheritable=False)
+        finally:
+            os.close(fresh)
 
     # -- one sequence ---------------------------------------------------------------------------------
     @handles(p.StateSeqSize)

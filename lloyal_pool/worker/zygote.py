@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from .. import protocol as p
 from ..errors import SnapshotError
 from ..protocol import Kind
+from ..shm import TRANSFER_MEMFD
 from . import sandbox
 from .engine import Call, Engine, handles
 
@@ -127,7 +128,7 @@ class Zygote:
         box = dict(hello.get("sandbox", {}))
         if box.get("transfer_fd") is not None:
             os.close(int(box["transfer_fd"]))  # the zygote's, shared with every other child
-            box["transfer_fd"] = os.memfd_create("lloyal_pool_transfer", os.MFD_CLOEXEC)
+            box["transfer_fd"] = os.memfd_create(TRANSFER_MEMFD, os.MFD_CLOEXEC)
         hello["sandbox"] = box
         loop.rfd, loop.wfd = fds["requests"], fds["replies"]
         loop.zygote = None

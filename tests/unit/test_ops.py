@@ -55,6 +55,7 @@ EXAMPLES: dict[Op, p.Request[Any]] = {r.op: r for r in [
     p.Rerank(context=2, query="q", documents=["a", "b"], prompt="{document} {query}"),
     p.SaveState(context=2, path="/c.state", in_place=True),
     p.LoadState(context=2, path="/c.state"),
+    p.RenewTransfer(fd=5),
     p.ScoreText(context=2, text="The capital", logprobs=2),
     p.ScoreChoices(context=2, choices=[" Paris", [3, 4]]),
     p.BranchCreate(context=2, params={"temperature": 0.5}, grammar={"gbnf": 'root ::= "a"'}, prompt=[1, 2]),
