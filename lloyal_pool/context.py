@@ -233,7 +233,7 @@ class Context:
 
     def chat(self, system: str | None = None, *, template: str | None = None,
              tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
-             params: GenerateParams | None = None, **defaults: Any) -> Session:
+             params: GenerateParams | None = None, **defaults: Any) -> Session[Context]:
         """A multi-turn conversation on this context (a Session): ``send(text)`` adds a user turn and
         generates the assistant's reply, ``stream(text)`` does it piece by piece. Every turn formats the
         whole conversation with the template (the model's, or a format name or Jinja source as for

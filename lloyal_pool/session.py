@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from . import protocol as p
 from ._futures import PromptProgress
@@ -79,6 +79,9 @@ class SessionOwner(Protocol):
     def save_state(self) -> bytes: ...
     def load_state(self, data: bytes | bytearray | memoryview) -> int: ...
     def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=SessionOwner)
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ class ChatStream(Stream):
     the iteration, on reading ``reply`` or ``result``, or at the session's next turn). ``close()`` or
     ``interrupt()`` stops the reply where it is; what was generated so far is the turn."""
 
-    def __init__(self, session: Session, turn: list[dict[str, Any]], opener: str = "") -> None:
+    def __init__(self, session: Session[Any], turn: list[dict[str, Any]], opener: str = "") -> None:
         super().__init__(session.context._link.interrupt_future)
         self._session = session
         self._turn = turn
@@ -243,19 +246,20 @@ def chat_fallback(tokenize: Callable[[str], list[int]], end_bias: float = BASE_M
     return ChatFallback("chatml", "<|im_end|>", None, end_bias)
 
 
-class Session:
+class Session(Generic[C]):
     """A multi-turn conversation on one context: ``send`` and ``stream`` add a user turn and generate the
     assistant's reply, ``add`` appends any message (a tool's result, say), ``messages`` is the
     conversation so far. Create it with Context.chat. One turn at a time: a new turn first waits for the
     last streamed reply to end. A turn whose generation or parse fails is not recorded (the error is
-    raised to whoever waits for it); the session stays as it was before that turn."""
+    raised to whoever waits for it); the session stays as it was before that turn. ``context`` is the
+    Context it runs on (to a type checker too: Context.chat makes a ``Session[Context]``)."""
 
-    def __init__(self, context: SessionOwner, system: str | None = None, *, template: str | None = None,
+    def __init__(self, context: C, system: str | None = None, *, template: str | None = None,
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str = "auto",
                  params: GenerateParams | None = None, **defaults: Any) -> None:
         if tool_choice not in TOOL_CHOICES:
             raise InvalidArgumentError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {tool_choice!r}")
-        self.context = context
+        self.context: C = context
         self.tools: list[dict[str, Any]] | None = [dict(t) for t in tools] if tools else None
         self.tool_choice = tool_choice
         self.defaults = GenerateParams.of(params, defaults)
