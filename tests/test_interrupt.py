@@ -43,10 +43,11 @@ def test_interrupt_stops_a_long_prompt_within_one_ubatch(gemma: Model) -> None:
     ctx = gemma.new_context(n_ctx=8192, n_batch=8192, n_ubatch=64)
     try:
         prompt = [gemma.info.bos] + gemma.tokenize(" the quick brown fox" * 1500, add_special=False)[:7000]
-        # What one ubatch costs here, deep into the cache where steps are slowest.
-        ctx.eval(prompt[:4096])
+        # What one ubatch costs here, deeper into the cache (where steps are slower) than the prompt gets
+        # in the second before the interrupt.
+        ctx.eval(prompt[:2048])
         t0 = time.perf_counter()
-        ctx.eval(prompt[4096:4160])
+        ctx.eval(prompt[2048:2112])
         per_ubatch = time.perf_counter() - t0
         ctx.reset()
         fut = ctx.generate_async(prompt, n_predict=8)

@@ -430,7 +430,7 @@ LONG_PROMPT = ("The keeper climbed the hundred steps at dusk, trimmed the wick, 
 @pytest.mark.parametrize("move", [False, True], ids=["in place", "moved"])
 def test_a_stream_paused_inside_its_prompt_goes_on_from_there(pair: tuple[Pool, Model, Model], move: bool) -> None:
     pool, model, _ = pair
-    tokens = model.tokenize(LONG_PROMPT)[:1500]
+    tokens = model.tokenize(LONG_PROMPT)[:800]
     reference = model.new_context(n_ctx=N_CTX, n_ubatch=128)
     expected = reference.generate(tokens, **GREEDY)
     reference.close()

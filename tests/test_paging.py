@@ -239,7 +239,7 @@ def test_paged_and_resident_contexts_survive_a_kill_of_their_worker(gemma_path: 
         firsts = [a.generate(PROMPTS[0], **GREEDY).text, b.generate(PROMPTS[1], **GREEDY).text]
         assert _settled(a) == [True]
         a.n_past()  # in again (from its file, which is now its checkpoint too); b goes out
-        a.generate("", append=True, n_predict=0)
+        a.generate("", append=True, n_predict=16, ignore_eos=True)  # a replayed entry on top of its file
         assert _settled(a, b) == [False, True]
         pid = pool[0].pid
         pool[0].kill()

@@ -1,5 +1,5 @@
-"""A short soak (bench/soak.py, about 60 s): client threads on two workers with interrupts, bad input and a
-worker killed or stopped every 10 s; every call is accounted for and nothing is left behind."""
+"""A short soak (bench/soak.py, about 40 s): client threads on two workers with interrupts, bad input and a
+worker killed or stopped every 7 s; every call is accounted for and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gemma
 
 
 def test_a_short_soak_loses_no_call_and_leaks_nothing(gemma_path: Path, tiny_model: Path) -> None:
-    cfg = SoakConfig(duration=60.0, threads=6, workers=2, kill_every=10.0, hang_timeout=3.0, seed=10,
+    cfg = SoakConfig(duration=40.0, threads=6, workers=2, kill_every=7.0, hang_timeout=3.0, seed=10,
                      model_paths={"gemma": str(gemma_path), "tiny": str(tiny_model)}, verbose=False)
     report = Soak(cfg).run()
     print(summary(report))
