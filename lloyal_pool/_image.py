@@ -88,8 +88,9 @@ class StateFile:
 
 def kept(proc: WorkerProcess, f: TransferFile | WorkerTransfer, directory: str | None) -> StateFile:
     """The state proc just wrote into its transfer file f, as a StateFile in ``directory``: in memory
-    (None) the file itself, taken from the worker (a move's image, a page: 38 MB for a 2,000-token Gemma
-    context, each copy ~15 ms); on disk, or where the worker cannot let go of it, a copy."""
+    (None: a move's image) the file itself, taken from the worker, since a copy costs ~15 ms for the
+    38 MB of a 2,000-token Gemma context; on disk (a page file), or where the worker could not let go of
+    it, a copy."""
     if directory is None:
         fd = proc.take_transfer(f)
         if fd is not None:

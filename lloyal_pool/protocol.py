@@ -273,7 +273,7 @@ class LoadState(ContextRequest[int]):
 class RenewTransfer(Request[None]):
     """The worker's transfer memfd (``fd``, the number its HELLO named) names a new, empty file from now
     on: the one it named, holding the state a SaveState just wrote, is left to the parent, which keeps it
-    (a move's image, a page) instead of copying it out."""
+    (a move's image) instead of copying it out."""
 
     op = Op.RENEW_TRANSFER
     fd: int
