@@ -341,7 +341,7 @@ class WorkerProcess:
         if isinstance(f, WorkerTransfer):
             try:
                 self.call(RenewTransfer(fd=f.worker_fd)).result()
-            except (LloyalError, WorkerCrashedError):
+            except LloyalError:  # WorkerCrashedError among them
                 return None
         return f.take()
 

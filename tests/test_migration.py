@@ -268,22 +268,23 @@ def test_bad_moves_are_typed_errors_and_lose_nothing(pair: tuple[Pool, Model, Mo
         gone.move_to(pool[1])
 
 
+def _kill_and_see(proc: Any) -> None:
+    """SIGKILLs a worker and waits until its death is seen."""
+    os.kill(proc.pid, signal.SIGKILL)
+    while proc.alive:
+        time.sleep(0.005)
+
+
 def _kill_before(monkeypatch: pytest.MonkeyPatch, step: str, pool: Pool, index: int) -> None:
     """A move's ``step`` starts by SIGKILLing pool[index] and waiting until its death is seen: a kill at a
     known point of the move. "save": the source's SaveState (its streams paused, the context held);
     "build": the target making the context (migration._build)."""
     proc = pool[index]._proc
-
-    def kill() -> None:
-        os.kill(proc.pid, signal.SIGKILL)
-        while proc.alive:
-            time.sleep(0.005)
-
     if step == "build":
         original = migration._build
 
         def killed_first(*args: Any) -> Any:
-            kill()
+            _kill_and_see(proc)
             return original(*args)
 
         monkeypatch.setattr(migration, "_build", killed_first)
@@ -292,7 +293,7 @@ def _kill_before(monkeypatch: pytest.MonkeyPatch, step: str, pool: Pool, index: 
 
     def killed_before_the_save(core: Any, call: Any) -> None:
         if call.kind is Kind.MOVE_SAVE:
-            kill()
+            _kill_and_see(proc)
         transfer(core, call)
 
     monkeypatch.setattr(_jobs, "transfer", killed_before_the_save)
@@ -575,9 +576,7 @@ def test_a_source_killed_once_its_state_was_saved_still_moves(tiny_model: Path,
 
         def killed_first(self: Any, f: Any) -> Any:
             if self is proc:
-                os.kill(proc.pid, signal.SIGKILL)
-                while proc.alive:
-                    time.sleep(0.005)
+                _kill_and_see(proc)
             return take(self, f)
 
         monkeypatch.setattr(type(proc), "take_transfer", killed_first)
